@@ -1,0 +1,246 @@
+//! A device: a window of a backing file, with a logical block size, a cache mode and
+//! a read-only bit, plus the range lock and counters its requests share.
+//!
+//! Ownership: a `Device` is created complete by [`Device::open`] (file opened,
+//! alignment probed, sizes checked) and only then shared (`Arc<Device>`) with the
+//! reactors, so nothing ever sees a half-configured device. Its fields are
+//! immutable after open except the atomics (`file_size`, stats) and the range lock.
+
+pub mod range_lock;
+pub mod stats;
+pub mod status;
+
+use crate::engine::align::{self, DioAlign};
+use range_lock::RangeLock;
+use stats::Stats;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use thiserror::Error;
+
+/// The cache mode a user asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CacheMode {
+    /// Direct I/O where the filesystem allows it, else buffered (and say so).
+    #[default]
+    Auto,
+    /// `O_DIRECT`; fail if the filesystem refuses it.
+    Direct,
+    /// Through the page cache.
+    Buffered,
+}
+
+/// Everything needed to open a device.
+#[derive(Debug, Clone, Default)]
+pub struct DeviceParams {
+    pub path: PathBuf,
+    pub name: String,
+    pub offset: u64,
+    pub size_limit: Option<u64>,
+    pub block_size: Option<u32>,
+    pub cache: CacheMode,
+    pub read_only: bool,
+    /// Create a sparse file of this size if `path` does not exist.
+    pub create: Option<u64>,
+    /// Benchmark switch: one lock for the whole device instead of ranges.
+    pub whole_device_lock: bool,
+}
+
+#[derive(Debug, Error)]
+pub enum DeviceError {
+    #[error("block size {0} is not a power of two between 512 and 4096")]
+    BadBlockSize(u32),
+    #[error("cannot create {path}")]
+    Create {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot open {path}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: the filesystem refuses direct I/O (O_DIRECT); use --cache buffered or auto")]
+    DirectRefused {
+        path: PathBuf,
+        #[source]
+        source: Option<std::io::Error>,
+    },
+    #[error("{path} is not a regular file or block device")]
+    NotAFile { path: PathBuf },
+    #[error("offset {offset} is beyond the end of {path} ({size} bytes); give --size-limit to serve past the end")]
+    OffsetPastEnd { path: PathBuf, offset: u64, size: u64 },
+    #[error("offset {offset} is not a multiple of the block size {block_size}")]
+    UnalignedOffset { offset: u64, block_size: u32 },
+    #[error("size limit {0} is not a positive multiple of the block size {1}")]
+    BadSizeLimit(u64, u32),
+    #[error("the export would be empty")]
+    Empty,
+    #[error("cannot stat {path}")]
+    Stat {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A live device. See the module documentation.
+pub struct Device {
+    pub name: String,
+    pub path: PathBuf,
+    /// Start of the window in the backing file.
+    pub offset: u64,
+    /// Size of the export (the window).
+    pub size: u64,
+    pub block_size: u32,
+    /// Whether the data fd is `O_DIRECT`.
+    pub direct: bool,
+    /// Alignment a request needs to go straight to the `O_DIRECT` fd (1 if buffered).
+    pub dio_align: u32,
+    pub align: DioAlign,
+    pub read_only: bool,
+    /// The data fd: `O_DIRECT` when `direct`.
+    pub file: File,
+    /// A buffered fd on the same file, for slow paths that need no alignment
+    /// (zero-fill fallback) and metadata queries. The same file as `file` when
+    /// buffered.
+    pub plain: File,
+    /// Length of the backing file as last seen; writes that pass it take an
+    /// exclusive range because they change the file's size.
+    pub file_size: AtomicU64,
+    pub lock: RangeLock,
+    pub stats: Stats,
+    /// Why the cache mode is what it is (for the start-up line).
+    pub cache_note: String,
+}
+
+fn valid_block_size(bs: u32) -> bool {
+    bs.is_power_of_two() && (512..=4096).contains(&bs)
+}
+
+fn open_file(path: &Path, read_only: bool, direct: bool) -> std::io::Result<File> {
+    let mut o = OpenOptions::new();
+    o.read(true).write(!read_only);
+    if direct {
+        o.custom_flags(libc::O_DIRECT);
+    }
+    o.open(path)
+}
+
+fn dup(f: &File, path: &Path) -> Result<File, DeviceError> {
+    f.try_clone().map_err(|source| DeviceError::Open { path: path.to_path_buf(), source })
+}
+
+impl Device {
+    /// Validate `p`, open and probe the file, and return a complete device.
+    pub fn open(p: &DeviceParams) -> Result<Device, DeviceError> {
+        if let Some(bs) = p.block_size {
+            if !valid_block_size(bs) {
+                return Err(DeviceError::BadBlockSize(bs));
+            }
+        }
+        if let Some(size) = p.create {
+            if !p.path.exists() {
+                let f = OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .open(&p.path)
+                    .map_err(|source| DeviceError::Create { path: p.path.clone(), source })?;
+                f.set_len(size).map_err(|source| DeviceError::Create { path: p.path.clone(), source })?;
+            }
+        }
+        let plain = open_file(&p.path, p.read_only, false)
+            .map_err(|source| DeviceError::Open { path: p.path.clone(), source })?;
+        let meta = plain.metadata().map_err(|source| DeviceError::Stat { path: p.path.clone(), source })?;
+        let ft = meta.file_type();
+        use std::os::unix::fs::FileTypeExt;
+        let file_size = if ft.is_file() {
+            meta.len()
+        } else if ft.is_block_device() {
+            rustix::fs::seek(&plain, rustix::fs::SeekFrom::End(0))
+                .map_err(|e| DeviceError::Stat { path: p.path.clone(), source: e.into() })?
+        } else {
+            return Err(DeviceError::NotAFile { path: p.path.clone() });
+        };
+        let align = align::probe(&plain);
+        let default_bs = align.offset.clamp(512, 4096);
+        let block_size = p.block_size.unwrap_or(if valid_block_size(default_bs) { default_bs } else { 512 });
+
+        let (file, direct, cache_note) = match p.cache {
+            CacheMode::Buffered => (dup(&plain, &p.path)?, false, "buffered (page cache), as asked".to_string()),
+            CacheMode::Direct => {
+                if !align.supported {
+                    return Err(DeviceError::DirectRefused { path: p.path.clone(), source: None });
+                }
+                let f = open_file(&p.path, p.read_only, true)
+                    .map_err(|e| DeviceError::DirectRefused { path: p.path.clone(), source: Some(e) })?;
+                (f, true, format!("direct I/O, alignment {} ({})", align.offset, align.source))
+            }
+            CacheMode::Auto => match (align.supported, open_file(&p.path, p.read_only, true)) {
+                (true, Ok(f)) => (f, true, format!("direct I/O (auto), alignment {} ({})", align.offset, align.source)),
+                (_, Err(e)) => (dup(&plain, &p.path)?, false, format!("buffered (auto): the filesystem refused O_DIRECT: {e}")),
+                (false, Ok(_)) => (dup(&plain, &p.path)?, false, "buffered (auto): statx says direct I/O is unsupported here".into()),
+            },
+        };
+
+        if p.offset % u64::from(block_size) != 0 {
+            return Err(DeviceError::UnalignedOffset { offset: p.offset, block_size });
+        }
+        let size = match p.size_limit {
+            Some(limit) => {
+                if limit == 0 || limit % u64::from(block_size) != 0 {
+                    return Err(DeviceError::BadSizeLimit(limit, block_size));
+                }
+                limit
+            }
+            None => {
+                if p.offset > file_size {
+                    return Err(DeviceError::OffsetPastEnd { path: p.path.clone(), offset: p.offset, size: file_size });
+                }
+                // Round a ragged tail up to a whole block: the bytes past the end of
+                // the file read as zeros (and a write there extends the file).
+                (file_size - p.offset).div_ceil(u64::from(block_size)) * u64::from(block_size)
+            }
+        };
+        if size == 0 {
+            return Err(DeviceError::Empty);
+        }
+        let dio_align = if direct { align.offset.max(1) } else { 1 };
+        Ok(Device {
+            name: p.name.clone(),
+            path: p.path.clone(),
+            offset: p.offset,
+            size,
+            block_size,
+            direct,
+            dio_align,
+            align,
+            read_only: p.read_only,
+            file,
+            plain,
+            file_size: AtomicU64::new(file_size),
+            lock: if p.whole_device_lock { RangeLock::whole_device() } else { RangeLock::default() },
+            stats: Stats::default(),
+            cache_note,
+        })
+    }
+
+    /// Offset in the backing file of export offset `off` (checked by the caller
+    /// against `size`, so this cannot overflow for a window that fits in u64).
+    pub fn file_offset(&self, off: u64) -> u64 {
+        self.offset.saturating_add(off)
+    }
+
+    /// Note that the file now extends at least to `end`.
+    pub fn grew_to(&self, end: u64) {
+        self.file_size.fetch_max(end, Ordering::Relaxed);
+    }
+
+    /// Whether a write ending at file offset `end` would change the file's size.
+    pub fn extends_file(&self, end: u64) -> bool {
+        end > self.file_size.load(Ordering::Relaxed)
+    }
+}

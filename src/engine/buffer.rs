@@ -1,0 +1,117 @@
+//! Aligned buffers and the per-reactor pool they come from.
+//!
+//! Every buffer is 4096-byte aligned (enough for `O_DIRECT` on every filesystem
+//! loopd meets; the probed memory alignment is checked against it at start) and
+//! zero-initialised when first allocated. A buffer is owned by exactly one request
+//! slot at a time; while an SQE refers to it, the slot keeps it (see the reactor's
+//! contract). The pool is per reactor, so it needs no lock.
+
+use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::ptr::NonNull;
+
+/// Alignment of every buffer.
+pub const BUF_ALIGN: usize = 4096;
+const MIN_CLASS_SHIFT: u32 = 12; // 4 KiB
+const CLASSES: usize = 15; // 4 KiB ..= 64 MiB
+/// Bytes of idle buffers a pool keeps for reuse; past this they are freed.
+const POOL_KEEP_BYTES: usize = 96 << 20;
+
+/// A heap buffer aligned to [`BUF_ALIGN`].
+pub struct AlignedBuf {
+    ptr: NonNull<u8>,
+    cap: usize,
+}
+
+// SAFETY: AlignedBuf uniquely owns its allocation (like Box<[u8]>); nothing else
+// holds the pointer except SQEs whose lifetime the owning slot outlives.
+unsafe impl Send for AlignedBuf {}
+
+impl AlignedBuf {
+    /// Allocate `cap` bytes (rounded up to the alignment), zeroed.
+    pub fn new(cap: usize) -> AlignedBuf {
+        let cap = cap.max(BUF_ALIGN).next_multiple_of(BUF_ALIGN);
+        let layout = Self::layout(cap);
+        // SAFETY: layout has non-zero size (cap >= BUF_ALIGN) and a valid alignment.
+        let raw = unsafe { alloc_zeroed(layout) };
+        let Some(ptr) = NonNull::new(raw) else { std::alloc::handle_alloc_error(layout) };
+        AlignedBuf { ptr, cap }
+    }
+
+    fn layout(cap: usize) -> Layout {
+        match Layout::from_size_align(cap, BUF_ALIGN) {
+            Ok(l) => l,
+            // cap is a multiple of BUF_ALIGN below isize::MAX for every size we use.
+            Err(_) => std::alloc::handle_alloc_error(Layout::new::<[u8; BUF_ALIGN]>()),
+        }
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr is valid for cap initialised bytes (zeroed at allocation) and
+        // uniquely owned; the shared borrow of self prevents mutation meanwhile.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.cap) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in as_slice, and the exclusive borrow of self makes this the
+        // only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.cap) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: ptr was allocated by alloc_zeroed with exactly this layout.
+        unsafe { dealloc(self.ptr.as_ptr(), Self::layout(self.cap)) }
+    }
+}
+
+fn class_of(len: usize) -> Option<usize> {
+    let size = len.max(1).next_power_of_two().max(1 << MIN_CLASS_SHIFT);
+    let idx = (size.trailing_zeros() - MIN_CLASS_SHIFT) as usize;
+    (idx < CLASSES).then_some(idx)
+}
+
+/// A pool of aligned buffers in power-of-two size classes.
+#[derive(Default)]
+pub struct Pool {
+    free: [Vec<AlignedBuf>; CLASSES],
+    kept: usize,
+}
+
+impl Pool {
+    /// A buffer of at least `len` bytes. Contents are whatever the last user left.
+    pub fn get(&mut self, len: usize) -> AlignedBuf {
+        match class_of(len) {
+            Some(c) => match self.free[c].pop() {
+                Some(b) => {
+                    self.kept -= b.cap;
+                    b
+                }
+                None => AlignedBuf::new(1 << (c as u32 + MIN_CLASS_SHIFT)),
+            },
+            None => AlignedBuf::new(len),
+        }
+    }
+
+    /// Return a buffer for reuse (or free it if the pool is full).
+    pub fn put(&mut self, buf: AlignedBuf) {
+        if let Some(c) = class_of(buf.cap) {
+            if buf.cap == 1 << (c as u32 + MIN_CLASS_SHIFT) && self.kept + buf.cap <= POOL_KEEP_BYTES {
+                self.kept += buf.cap;
+                self.free[c].push(buf);
+            }
+        }
+    }
+}

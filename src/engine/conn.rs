@@ -1,0 +1,599 @@
+//! Per-connection state of the transmission phase, owned by one reactor.
+//!
+//! A connection has a fixed table of request slots (never reallocated, so reply
+//! headers inside it have stable addresses while a `sendmsg` refers to them), a
+//! receive buffer for request headers, and a queue of slots whose replies wait to
+//! be sent. At most one receive and one send are in flight per connection, which
+//! keeps the byte streams in order; file operations of different slots run
+//! concurrently and complete in any order.
+
+use super::buffer::AlignedBuf;
+use super::reactor::{Io, TAG_CANCEL, TAG_FILE, TAG_RECV, TAG_SEND, ud};
+use super::ops;
+use super::task::{Next, Task};
+use crate::device::range_lock::{Place, Ticket};
+use crate::device::stats::Path;
+use crate::device::{Device, status};
+use crate::nbd::proto::*;
+use crate::nbd::wire::{self, Command, ExportView, MAX_REPLY_HEADER, NbdErrno};
+use io_uring::{opcode, types};
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+/// Requests a connection may have between header and reply.
+pub const SLOTS: usize = 128;
+/// Bytes of request buffers a connection may hold before it stops reading.
+pub const BYTES_BUDGET: usize = 128 << 20;
+/// Size of the header receive buffer.
+pub const RBUF: usize = 64 << 10;
+/// iovecs in one `sendmsg`.
+pub const MAX_IOV: usize = 64;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotState {
+    Free,
+    /// A write's payload is arriving into the task's buffer.
+    Receiving,
+    /// Planned, waiting for its range.
+    WaitLock,
+    /// A file operation is in flight.
+    Io,
+    /// The reply is queued or being sent.
+    Queued,
+}
+
+pub struct Slot {
+    pub state: SlotState,
+    pub cookie: u64,
+    pub task: Option<Task>,
+    pub ticket: Option<Ticket>,
+    pub place: Place,
+    pub hdr: [u8; MAX_REPLY_HEADER],
+    pub hdr_len: usize,
+    /// Bytes of reply data after the header (read data or status descriptors).
+    pub data_len: usize,
+    /// Block-status descriptors, when this is a block-status reply.
+    pub extra: Option<AlignedBuf>,
+}
+
+impl Slot {
+    fn new() -> Slot {
+        Slot {
+            state: SlotState::Free,
+            cookie: 0,
+            task: None,
+            ticket: None,
+            place: Place::default(),
+            hdr: [0; MAX_REPLY_HEADER],
+            hdr_len: 0,
+            data_len: 0,
+            extra: None,
+        }
+    }
+
+    /// Pointer to the reply data (valid while the slot is `Queued`).
+    pub fn data_ptr(&self) -> *const u8 {
+        if let Some(e) = &self.extra {
+            return e.as_ptr();
+        }
+        match &self.task {
+            Some(t) if self.data_len > 0 => t.read_data().as_ptr(),
+            _ => std::ptr::null(),
+        }
+    }
+
+    pub fn reply_len(&self) -> usize {
+        self.hdr_len + self.data_len
+    }
+}
+
+/// What the next received bytes are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecvState {
+    /// Request headers, into `rbuf`.
+    Header,
+    /// The payload of the write in `slot`; `got` bytes so far.
+    Payload { slot: u16, got: usize },
+    /// The payload of a rejected write, to be thrown away.
+    Discard { remaining: u64 },
+}
+
+pub struct Conn {
+    pub sock: OwnedFd,
+    pub dev: Arc<Device>,
+    pub view: ExportView,
+    pub structured: bool,
+    pub rbuf: AlignedBuf,
+    pub rstart: usize,
+    pub rend: usize,
+    pub recv: RecvState,
+    pub recv_inflight: bool,
+    /// No more requests will be read (EOF, DISC, error or shutdown).
+    pub read_closed: bool,
+    /// The socket is broken: replies are dropped, not sent.
+    pub dead: bool,
+    pub slots: Box<[Slot]>,
+    pub free_slots: Vec<u16>,
+    pub bytes_held: usize,
+    pub sendq: VecDeque<u16>,
+    pub send_inflight: bool,
+    /// Bytes of the front reply already sent by earlier partial sends.
+    pub front_sent: usize,
+    /// Slots covered by the send in flight (a prefix of `sendq`).
+    pub sending: usize,
+    pub iov: Box<[libc::iovec; MAX_IOV]>,
+    pub msg: Box<libc::msghdr>,
+    pub file_ops: u32,
+    /// A cancel for the receive has been submitted.
+    pub cancel_sent: bool,
+}
+
+// SAFETY: the raw pointers in `iov`/`msg` point into this connection's own slots
+// and task buffers; the connection moves between threads only before it is
+// handed to its reactor, when no send is in flight.
+unsafe impl Send for Conn {}
+
+impl Conn {
+    pub fn new(sock: OwnedFd, dev: Arc<Device>, structured: bool, meta_context: bool) -> Conn {
+        let view = ExportView { size: dev.size, read_only: dev.read_only, structured, meta_context };
+        // SAFETY: msghdr and iovec are plain C structs for which all-zero is valid.
+        let msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        let iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_IOV];
+        Conn {
+            sock,
+            dev,
+            view,
+            structured,
+            rbuf: AlignedBuf::new(RBUF),
+            rstart: 0,
+            rend: 0,
+            recv: RecvState::Header,
+            recv_inflight: false,
+            read_closed: false,
+            dead: false,
+            slots: (0..SLOTS).map(|_| Slot::new()).collect(),
+            free_slots: (0..SLOTS as u16).rev().collect(),
+            bytes_held: 0,
+            sendq: VecDeque::with_capacity(SLOTS),
+            send_inflight: false,
+            front_sent: 0,
+            sending: 0,
+            iov: Box::new(iov),
+            msg: Box::new(msg),
+            file_ops: 0,
+            cancel_sent: false,
+        }
+    }
+
+    /// Bytes buffered but not yet parsed.
+    pub fn avail(&self) -> usize {
+        self.rend - self.rstart
+    }
+
+    /// Move unparsed bytes to the front of `rbuf`.
+    pub fn compact(&mut self) {
+        if self.rstart > 0 {
+            let (s, e) = (self.rstart, self.rend);
+            self.rbuf.as_mut_slice().copy_within(s..e, 0);
+            self.rend = e - s;
+            self.rstart = 0;
+        }
+    }
+
+    /// Whether every slot is back in the free list.
+    pub fn idle(&self) -> bool {
+        self.free_slots.len() == SLOTS
+    }
+
+    /// Whether the connection has nothing in flight and can be dropped.
+    pub fn finished(&self) -> bool {
+        self.read_closed && !self.recv_inflight && !self.send_inflight && self.file_ops == 0 && self.idle()
+    }
+}
+
+// ------------------------------------------------------------------ transmission
+//
+// Everything below runs on the reactor thread. `ci` is this connection's index in
+// the reactor (for user_data); `io` is the reactor's ring, pool and queues.
+
+impl Conn {
+    fn post_recv(&mut self, io: &mut Io, ci: u32, ptr: *mut u8, len: usize) {
+        self.recv_inflight = true;
+        let len = u32::try_from(len).unwrap_or(u32::MAX);
+        let e = opcode::Recv::new(types::Fd(self.sock.as_raw_fd()), ptr, len).build().user_data(ud(TAG_RECV, ci, 0));
+        io.push(e);
+    }
+
+    /// Stop reading requests; cancel the receive in flight.
+    pub(super) fn close_reading(&mut self, io: &mut Io, ci: u32) {
+        self.read_closed = true;
+        if self.recv_inflight && !self.cancel_sent {
+            self.cancel_sent = true;
+            let e = opcode::AsyncCancel::new(ud(TAG_RECV, ci, 0)).build().user_data(ud(TAG_CANCEL, ci, 0));
+            io.push(e);
+        }
+    }
+
+    /// Parse what is buffered and keep a receive posted, as far as budget allows.
+    pub(super) fn pump(&mut self, io: &mut Io, ci: u32) {
+        loop {
+            if self.read_closed || self.recv_inflight || self.dead {
+                return;
+            }
+            match self.recv {
+                RecvState::Discard { remaining } => {
+                    let take = (self.avail() as u64).min(remaining);
+                    self.rstart += take as usize;
+                    let left = remaining - take;
+                    if left == 0 {
+                        self.recv = RecvState::Header;
+                        continue;
+                    }
+                    self.recv = RecvState::Discard { remaining: left };
+                    self.rstart = 0;
+                    self.rend = 0;
+                    let ptr = self.rbuf.as_mut_ptr();
+                    let n = usize::try_from(left).unwrap_or(RBUF).min(RBUF);
+                    self.post_recv(io, ci, ptr, n);
+                    return;
+                }
+                RecvState::Payload { .. } => return,
+                RecvState::Header => {}
+            }
+            if self.avail() < REQUEST_LEN {
+                self.compact();
+                let at = self.rend;
+                // SAFETY: at <= RBUF, the buffer's capacity.
+                let ptr = unsafe { self.rbuf.as_mut_ptr().add(at) };
+                self.post_recv(io, ci, ptr, RBUF - at);
+                return;
+            }
+            if self.free_slots.is_empty() || self.bytes_held > BYTES_BUDGET {
+                return; // resumed when a reply has been sent
+            }
+            let hdr = &self.rbuf.as_slice()[self.rstart..self.rstart + REQUEST_LEN];
+            let req = match wire::parse_request(hdr) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!("closing a connection to {:?}: framing error: {e}", self.dev.name);
+                    self.kill(io, ci);
+                    return;
+                }
+            };
+            self.rstart += REQUEST_LEN;
+            let Some(si) = self.free_slots.pop() else { return };
+            self.slots[si as usize].cookie = req.cookie;
+            match wire::validate(&req, &self.view) {
+                Err(rej) => {
+                    self.slots[si as usize].state = SlotState::Io;
+                    if rej.payload > 0 {
+                        self.recv = RecvState::Discard { remaining: u64::from(rej.payload) };
+                    }
+                    self.finish(io, ci, si, req.kind == CMD_READ, Err(rej.errno));
+                }
+                Ok(Command::Disc) => {
+                    self.free_slots.push(si);
+                    self.read_closed = true;
+                    return;
+                }
+                Ok(cmd) => {
+                    let mut task = Task::plan(&self.dev, cmd, req.flags, req.offset, req.len, &mut io.pool);
+                    let len = req.len as usize;
+                    if matches!(cmd, Command::Read | Command::Write) {
+                        self.bytes_held += len;
+                    }
+                    if cmd == Command::Write {
+                        let have = self.avail().min(len);
+                        let (s, e) = (self.rstart, self.rstart + have);
+                        task.payload_mut()[..have].copy_from_slice(&self.rbuf.as_slice()[s..e]);
+                        self.rstart = e;
+                        if have < len {
+                            let ptr = task.payload_mut()[have..].as_mut_ptr();
+                            let slot = &mut self.slots[si as usize];
+                            slot.task = Some(task);
+                            slot.state = SlotState::Receiving;
+                            self.recv = RecvState::Payload { slot: si, got: have };
+                            self.post_recv(io, ci, ptr, len - have);
+                            return;
+                        }
+                    }
+                    self.slots[si as usize].task = Some(task);
+                    self.dispatch(io, ci, si);
+                }
+            }
+        }
+    }
+
+    pub(super) fn on_recv(&mut self, io: &mut Io, ci: u32, res: i32) {
+        self.recv_inflight = false;
+        if res <= 0 {
+            if res < 0 && res != -libc::ECANCELED && res != -libc::ECONNRESET {
+                tracing::debug!("receive failed on a connection to {:?}: errno {}", self.dev.name, -res);
+            }
+            self.read_closed = true;
+            if let RecvState::Payload { slot, .. } = self.recv {
+                // A write cut off mid-payload was never acknowledged: drop it.
+                self.recv = RecvState::Header;
+                self.release_slot(io, slot);
+            }
+            return;
+        }
+        let n = res as usize;
+        match self.recv {
+            RecvState::Header | RecvState::Discard { .. } => self.rend += n,
+            RecvState::Payload { slot, got } => {
+                let got = got + n;
+                let Some(t) = self.slots[slot as usize].task.as_mut() else { return };
+                let total = t.len as usize;
+                if got < total {
+                    if self.read_closed {
+                        // Stopping: this write will never be complete.
+                        self.recv = RecvState::Header;
+                        self.release_slot(io, slot);
+                        return;
+                    }
+                    let ptr = t.payload_mut()[got..].as_mut_ptr();
+                    self.recv = RecvState::Payload { slot, got };
+                    self.post_recv(io, ci, ptr, total - got);
+                    return;
+                }
+                self.recv = RecvState::Header;
+                self.dispatch(io, ci, slot);
+            }
+        }
+    }
+
+    /// Start a planned request: take its range, then run its first operation.
+    pub(super) fn dispatch(&mut self, io: &mut Io, ci: u32, si: u16) {
+        let dev = Arc::clone(&self.dev);
+        let slot = &mut self.slots[si as usize];
+        let Some(task) = slot.task.as_mut() else { return };
+        if task.cmd == Command::BlockStatus {
+            let (off, len, one) = (task.offset, task.len, task.flags & CMD_FLAG_REQ_ONE != 0);
+            dev.stats.command(Command::BlockStatus, 0);
+            self.block_status(io, ci, si, off, len, one);
+            return;
+        }
+        if task.needs_lock() && slot.ticket.is_none() {
+            match dev.lock.try_lock(task.lock_start, task.lock_end, task.lock_mode, &mut slot.place, &io.waker) {
+                Some(t) => slot.ticket = Some(t),
+                None => {
+                    slot.state = SlotState::WaitLock;
+                    io.lock_waiters.push((ci, si));
+                    return;
+                }
+            }
+        }
+        dev.stats.command(task.cmd, u64::from(task.len));
+        if matches!(task.cmd, Command::Read | Command::Write) {
+            if task.cmd == Command::Read && task.path == Path::Buffered {
+                // Seed 004: try the page cache inline before going async.
+                let len = task.len as usize;
+                let foff = dev.file_offset(task.offset);
+                let buf = &mut task.payload_mut()[..len];
+                let flags = rustix::io::ReadWriteFlags::NOWAIT;
+                match rustix::io::preadv2(&dev.plain, &mut [std::io::IoSliceMut::new(buf)], foff, flags) {
+                    Ok(n) if n == len => {
+                        dev.stats.path(Path::InlineCached);
+                        self.finish(io, ci, si, true, Ok(len as u32));
+                        return;
+                    }
+                    Ok(n) => task.set_progress(n),
+                    Err(_) => {}
+                }
+            }
+            dev.stats.path(task.path);
+        }
+        let next = task.start();
+        self.advance(io, ci, si, next);
+    }
+
+    fn advance(&mut self, io: &mut Io, ci: u32, si: u16, next: Next) {
+        match next {
+            Next::Submit(op) => {
+                self.slots[si as usize].state = SlotState::Io;
+                self.file_ops += 1;
+                io.push(ops::sqe(op, ud(TAG_FILE, ci, si)));
+            }
+            Next::Done(r) => {
+                let task = self.slots[si as usize].task.as_ref();
+                let is_read = task.is_some_and(|t| t.cmd == Command::Read);
+                if let (Ok(_), Some(end)) = (&r, task.and_then(Task::grows_to)) {
+                    self.dev.grew_to(end);
+                }
+                self.finish(io, ci, si, is_read, r);
+            }
+        }
+    }
+
+    pub(super) fn on_file(&mut self, io: &mut Io, ci: u32, si: u16, res: i32) {
+        self.file_ops = self.file_ops.saturating_sub(1);
+        let Some(task) = self.slots[si as usize].task.as_mut() else { return };
+        let next = task.complete(res, &mut io.pool);
+        if self.dead {
+            // Nobody to answer: stop here (the range is released with the slot).
+            self.release_slot(io, si);
+            return;
+        }
+        self.advance(io, ci, si, next);
+    }
+
+    /// Whether slot `si` is parked waiting for its range.
+    pub fn waiting(&self, si: u16) -> bool {
+        self.slots[si as usize].state == SlotState::WaitLock
+    }
+
+    /// Queue the reply of slot `si` (or drop it on a dead socket).
+    fn finish(&mut self, io: &mut Io, _ci: u32, si: u16, is_read: bool, r: Result<u32, NbdErrno>) {
+        let slot = &mut self.slots[si as usize];
+        if let Some(t) = slot.ticket.take() {
+            self.dev.lock.unlock(t);
+        }
+        if let Err(e) = r {
+            self.dev.stats.error(e);
+            if matches!(e, NbdErrno::Io | NbdErrno::NoSpc) {
+                log_backing_error(&self.dev, e);
+            }
+        }
+        let offset = slot.task.as_ref().map_or(0, |t| t.offset);
+        let r = if is_read { r } else { r.map(|_| 0) };
+        slot.data_len = r.map_or(0, |n| n as usize);
+        slot.hdr_len = wire::reply_header(&mut slot.hdr, is_read, self.structured, slot.cookie, offset, r);
+        self.queue(io, si);
+    }
+
+    fn queue(&mut self, io: &mut Io, si: u16) {
+        if self.dead {
+            self.release_slot(io, si);
+            return;
+        }
+        self.slots[si as usize].state = SlotState::Queued;
+        self.sendq.push_back(si);
+    }
+
+    fn block_status(&mut self, io: &mut Io, ci: u32, si: u16, off: u64, len: u32, one: bool) {
+        let mut extra = io.pool.get(8 * status::MAX_DESCRIPTORS);
+        match status::describe(&self.dev, off, len, one, extra.as_mut_slice()) {
+            Ok(n) => {
+                let slot = &mut self.slots[si as usize];
+                let count = u32::try_from(n).unwrap_or(0);
+                slot.hdr_len = wire::block_status_header(&mut slot.hdr, slot.cookie, BASE_ALLOCATION_ID, count);
+                slot.data_len = 8 * n;
+                slot.extra = Some(extra);
+                self.queue(io, si);
+            }
+            Err(e) => {
+                io.pool.put(extra);
+                self.finish(io, ci, si, false, Err(e));
+            }
+        }
+    }
+
+    /// Start sending queued replies, if no send is in flight.
+    pub(super) fn send(&mut self, io: &mut Io, ci: u32) {
+        if self.send_inflight || self.sendq.is_empty() || self.dead {
+            return;
+        }
+        let mut n_iov = 0;
+        let mut skip = self.front_sent;
+        for &si in self.sendq.iter() {
+            if n_iov + 2 > MAX_IOV {
+                break;
+            }
+            let s = &self.slots[si as usize];
+            for (ptr, len) in [(s.hdr.as_ptr(), s.hdr_len), (s.data_ptr(), s.data_len)] {
+                if skip >= len {
+                    skip -= len;
+                    continue;
+                }
+                // SAFETY: skip < len, so the pointer stays inside the part.
+                let p = unsafe { ptr.add(skip) };
+                self.iov[n_iov] = libc::iovec { iov_base: p as *mut libc::c_void, iov_len: len - skip };
+                skip = 0;
+                n_iov += 1;
+            }
+        }
+        self.msg.msg_iov = self.iov.as_mut_ptr();
+        self.msg.msg_iovlen = n_iov;
+        self.send_inflight = true;
+        let msg: *const libc::msghdr = &*self.msg;
+        let e = opcode::SendMsg::new(types::Fd(self.sock.as_raw_fd()), msg)
+            .flags(libc::MSG_NOSIGNAL as u32)
+            .build()
+            .user_data(ud(TAG_SEND, ci, 0));
+        io.push(e);
+    }
+
+    pub(super) fn on_send(&mut self, io: &mut Io, ci: u32, res: i32) {
+        self.send_inflight = false;
+        if res < 0 {
+            if res != -libc::EPIPE && res != -libc::ECONNRESET {
+                tracing::debug!("send failed on a connection to {:?}: errno {}", self.dev.name, -res);
+            }
+            self.kill(io, ci);
+            return;
+        }
+        let mut n = res as usize + self.front_sent;
+        self.front_sent = 0;
+        while let Some(&si) = self.sendq.front() {
+            let len = self.slots[si as usize].reply_len();
+            if n < len {
+                self.front_sent = n;
+                break;
+            }
+            n -= len;
+            self.sendq.pop_front();
+            self.release_slot(io, si);
+        }
+    }
+
+    /// Free a slot: release its range (or its place in line) and its buffers.
+    pub(super) fn release_slot(&mut self, io: &mut Io, si: u16) {
+        let slot = &mut self.slots[si as usize];
+        if slot.state == SlotState::Free {
+            return;
+        }
+        if let Some(t) = slot.ticket.take() {
+            self.dev.lock.unlock(t);
+        }
+        self.dev.lock.abandon(&mut slot.place);
+        if let Some(mut t) = slot.task.take() {
+            if matches!(t.cmd, Command::Read | Command::Write) {
+                self.bytes_held = self.bytes_held.saturating_sub(t.len as usize);
+            }
+            t.recycle(&mut io.pool);
+        }
+        if let Some(e) = slot.extra.take() {
+            io.pool.put(e);
+        }
+        slot.state = SlotState::Free;
+        slot.data_len = 0;
+        slot.hdr_len = 0;
+        self.free_slots.push(si);
+    }
+
+    /// The socket is unusable: drop queued replies and parked requests; requests
+    /// with a file operation or receive in flight are released when it completes.
+    pub(super) fn kill(&mut self, io: &mut Io, ci: u32) {
+        self.dead = true;
+        self.close_reading(io, ci);
+        self.drop_unsent(io);
+    }
+
+    fn drop_unsent(&mut self, io: &mut Io) {
+        if !self.send_inflight {
+            while let Some(si) = self.sendq.pop_front() {
+                self.release_slot(io, si);
+            }
+        }
+        for si in 0..SLOTS as u16 {
+            if self.slots[si as usize].state == SlotState::WaitLock {
+                self.release_slot(io, si);
+            }
+        }
+    }
+
+    /// After a batch: parse, send, and report whether the connection is done.
+    pub(super) fn service(&mut self, io: &mut Io, ci: u32) -> bool {
+        self.pump(io, ci);
+        self.send(io, ci);
+        if self.dead {
+            self.drop_unsent(io);
+        }
+        self.finished()
+    }
+}
+
+/// Log the first backing-file error of each kind per device, with context.
+fn log_backing_error(dev: &Device, e: NbdErrno) {
+    let bit = 1u64 << crate::device::stats::errno_index(e);
+    if dev.stats.logged_errors.fetch_or(bit, Ordering::Relaxed) & bit == 0 {
+        tracing::warn!(
+            "device {:?} ({}): backing file error {e:?}; further errors of this kind are counted, not logged",
+            dev.name,
+            dev.path.display()
+        );
+    }
+}

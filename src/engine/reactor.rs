@@ -1,0 +1,409 @@
+//! The reactor: one thread, one io_uring, many connections.
+//!
+//! Contract:
+//! - A connection is handed over once ([`ReactorHandle::add`]) and stays on this
+//!   reactor until it closes; its socket I/O and its requests' file I/O all go
+//!   through this reactor's ring. No other thread touches it.
+//! - `user_data` = `tag << 56 | conn << 16 | slot`: the tag says what completed
+//!   (wake-up, receive, send, file op, cancel), `conn` indexes `conns`, `slot` the
+//!   connection's slot table. A connection's index is reused only after every
+//!   operation it submitted has completed, so a completion always finds its owner.
+//! - Buffers referred to by an SQE belong to the slot (or connection) that
+//!   submitted it, which is not freed or reused until the CQE arrives. On exit the
+//!   reactor waits for every in-flight operation before dropping anything.
+//! - The only lock taken is the device's range lock, and only to decide; a request
+//!   that must wait is parked and retried when a release wakes this reactor.
+
+use super::buffer::Pool;
+use super::conn::Conn;
+use crate::device::Device;
+use crate::device::range_lock::Wake;
+use io_uring::{IoUring, opcode, squeue, types};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use thiserror::Error;
+
+const TAG_WAKE: u64 = 1;
+pub(super) const TAG_RECV: u64 = 2;
+pub(super) const TAG_SEND: u64 = 3;
+pub(super) const TAG_FILE: u64 = 4;
+pub(super) const TAG_CANCEL: u64 = 5;
+const TAG_TIMER: u64 = 6;
+
+const RING_ENTRIES: u32 = 1024;
+/// How long a stopping reactor waits for clients to take their replies.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub(super) fn ud(tag: u64, conn: u32, slot: u16) -> u64 {
+    tag << 56 | u64::from(conn) << 16 | u64::from(slot)
+}
+
+fn ud_parts(u: u64) -> (u64, u32, u16) {
+    (u >> 56, ((u >> 16) & 0xffff_ffff) as u32, (u & 0xffff) as u16)
+}
+
+#[derive(Debug, Error)]
+pub enum ReactorError {
+    #[error("cannot create io_uring (is io_uring disabled? see /proc/sys/kernel/io_uring_disabled)")]
+    Ring(#[source] std::io::Error),
+    #[error("cannot create eventfd")]
+    EventFd(#[source] std::io::Error),
+    #[error("cannot start reactor thread")]
+    Spawn(#[source] std::io::Error),
+    #[error("io_uring_enter failed")]
+    Enter(#[source] std::io::Error),
+}
+
+/// A negotiated connection, ready for the transmission phase.
+pub struct NewConn {
+    pub sock: OwnedFd,
+    pub dev: Arc<Device>,
+    pub structured: bool,
+    pub meta_context: bool,
+}
+
+enum Msg {
+    Conn(NewConn),
+    Shutdown,
+}
+
+/// Wakes a reactor through its eventfd.
+pub struct EventWaker {
+    fd: OwnedFd,
+}
+
+impl Wake for EventWaker {
+    fn wake(&self) {
+        // A full counter (EAGAIN) still means a wake-up is pending, so the result
+        // does not matter.
+        let _ = rustix::io::write(&self.fd, &1u64.to_ne_bytes());
+    }
+}
+
+/// How other threads reach a reactor.
+pub struct ReactorHandle {
+    tx: Mutex<Sender<Msg>>,
+    waker: Arc<EventWaker>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Connections living on this reactor (for picking the least loaded).
+    pub load: std::sync::atomic::AtomicUsize,
+}
+
+impl ReactorHandle {
+    /// Hand a negotiated connection to this reactor.
+    pub fn add(&self, c: NewConn) {
+        self.load.fetch_add(1, Ordering::Relaxed);
+        if let Ok(tx) = self.tx.lock() {
+            let _ = tx.send(Msg::Conn(c));
+        }
+        self.waker.wake();
+    }
+
+    /// Ask the reactor to stop: no new requests are read, in-flight requests
+    /// finish and are answered, then the thread exits. Returns after it has.
+    pub fn shutdown(&self) {
+        if let Ok(tx) = self.tx.lock() {
+            let _ = tx.send(Msg::Shutdown);
+        }
+        self.waker.wake();
+        let handle = self.thread.lock().ok().and_then(|mut t| t.take());
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Start a reactor thread.
+pub fn spawn(id: usize) -> Result<Arc<ReactorHandle>, ReactorError> {
+    let ring = IoUring::builder()
+        .setup_cqsize(RING_ENTRIES * 4)
+        .build(RING_ENTRIES)
+        .map_err(ReactorError::Ring)?;
+    let efd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)
+        .map_err(|e| ReactorError::EventFd(e.into()))?;
+    let waker = Arc::new(EventWaker { fd: efd });
+    let (tx, rx) = channel();
+    let handle = Arc::new(ReactorHandle {
+        tx: Mutex::new(tx),
+        waker: Arc::clone(&waker),
+        thread: Mutex::new(None),
+        load: Default::default(),
+    });
+    let h2 = Arc::clone(&handle);
+    let thread = std::thread::Builder::new()
+        .name(format!("loopd-reactor-{id}"))
+        .spawn(move || {
+            let mut r = Reactor::new(ring, rx, waker, h2);
+            if let Err(e) = r.run() {
+                tracing::error!("reactor {id} stopped: {e:#}");
+            }
+        })
+        .map_err(ReactorError::Spawn)?;
+    if let Ok(mut t) = handle.thread.lock() {
+        *t = Some(thread);
+    }
+    Ok(handle)
+}
+
+/// What connection code needs from its reactor: the ring, the buffer pool, the
+/// queue of requests parked on a range, and the waker given to the range lock.
+pub(super) struct Io {
+    ring: IoUring,
+    pub pool: Pool,
+    pub lock_waiters: Vec<(u32, u16)>,
+    pub waker: Arc<dyn Wake>,
+    cqes: Vec<(u64, i32)>,
+}
+
+impl Io {
+    /// Queue an SQE, flushing the submission queue to the kernel if it is full.
+    pub fn push(&mut self, e: squeue::Entry) {
+        loop {
+            // SAFETY: every entry pushed refers to memory owned by a slot, a
+            // connection or the reactor, each of which outlives the operation
+            // (see the module contract).
+            if unsafe { self.ring.submission().push(&e) }.is_ok() {
+                return;
+            }
+            if let Err(err) = self.ring.submit() {
+                let code = err.raw_os_error();
+                if code != Some(libc::EBUSY) && code != Some(libc::EINTR) {
+                    tracing::error!("io_uring submit failed: {err}");
+                }
+                self.reap();
+            }
+        }
+    }
+
+    fn reap(&mut self) {
+        for c in self.ring.completion() {
+            self.cqes.push((c.user_data(), c.result()));
+        }
+    }
+}
+
+struct Reactor {
+    io: Io,
+    rx: Receiver<Msg>,
+    waker: Arc<EventWaker>,
+    handle: Arc<ReactorHandle>,
+    wake_buf: Box<u64>,
+    conns: Vec<Option<Box<Conn>>>,
+    free_conns: Vec<u32>,
+    retry_locks: bool,
+    /// Connections to service after this batch of completions.
+    dirty: Vec<u32>,
+    stopping: Option<Instant>,
+    timer: Box<types::Timespec>,
+    timer_armed: bool,
+}
+
+impl Reactor {
+    fn new(ring: IoUring, rx: Receiver<Msg>, waker: Arc<EventWaker>, handle: Arc<ReactorHandle>) -> Reactor {
+        let waker_dyn: Arc<dyn Wake> = waker.clone();
+        Reactor {
+            io: Io { ring, pool: Pool::default(), lock_waiters: Vec::new(), waker: waker_dyn, cqes: Vec::new() },
+            rx,
+            waker,
+            handle,
+            wake_buf: Box::new(0),
+            conns: Vec::new(),
+            free_conns: Vec::new(),
+            retry_locks: false,
+            dirty: Vec::new(),
+            stopping: None,
+            timer: Box::new(types::Timespec::new().sec(1)),
+            timer_armed: false,
+        }
+    }
+
+    fn arm_wake(&mut self) {
+        let buf: *mut u64 = &mut *self.wake_buf;
+        let fd = types::Fd(self.waker.fd.as_raw_fd());
+        self.io.push(opcode::Read::new(fd, buf.cast(), 8).build().user_data(ud(TAG_WAKE, 0, 0)));
+    }
+
+    fn run(&mut self) -> Result<(), ReactorError> {
+        self.arm_wake();
+        loop {
+            match self.io.ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY)) => {}
+                Err(e) => return Err(ReactorError::Enter(e)),
+            }
+            self.io.reap();
+            let mut batch = std::mem::take(&mut self.io.cqes);
+            for &(u, res) in &batch {
+                self.on_cqe(u, res);
+            }
+            batch.clear();
+            // Completions reaped while handling this batch stay queued for the next.
+            batch.append(&mut self.io.cqes);
+            self.io.cqes = batch;
+            if self.retry_locks {
+                self.retry_locks = false;
+                self.retry_waiters();
+            }
+            self.service_dirty();
+            if let Some(since) = self.stopping {
+                if self.conns.iter().all(Option::is_none) {
+                    return Ok(());
+                }
+                if since.elapsed() > DRAIN_TIMEOUT {
+                    self.force_close_all();
+                }
+                if !self.timer_armed {
+                    self.timer_armed = true;
+                    let t: *const types::Timespec = &*self.timer;
+                    self.io.push(opcode::Timeout::new(t).build().user_data(ud(TAG_TIMER, 0, 0)));
+                }
+            }
+            if !self.io.cqes.is_empty() {
+                // Handle completions reaped during submission before sleeping.
+                continue;
+            }
+        }
+    }
+
+    fn on_cqe(&mut self, u: u64, res: i32) {
+        let (tag, ci, si) = ud_parts(u);
+        if tag == TAG_WAKE {
+            self.arm_wake();
+            self.retry_locks = true;
+            while let Ok(m) = self.rx.try_recv() {
+                match m {
+                    Msg::Conn(c) => self.adopt(c),
+                    Msg::Shutdown => self.begin_stop(),
+                }
+            }
+            return;
+        }
+        if tag == TAG_TIMER {
+            self.timer_armed = false;
+            return;
+        }
+        let io = &mut self.io;
+        let conn = self.conns.get_mut(ci as usize).and_then(|c| c.as_deref_mut());
+        match (tag, conn) {
+            (TAG_RECV, Some(c)) => c.on_recv(io, ci, res),
+            (TAG_SEND, Some(c)) => c.on_send(io, ci, res),
+            (TAG_FILE, Some(c)) => c.on_file(io, ci, si, res),
+            // TAG_CANCEL: the cancelled receive completes on its own.
+            _ => return,
+        }
+        self.dirty.push(ci);
+    }
+
+    fn adopt(&mut self, nc: NewConn) {
+        let mut c = Box::new(Conn::new(nc.sock, nc.dev, nc.structured, nc.meta_context));
+        if self.stopping.is_some() {
+            c.read_closed = true;
+        }
+        let ci = match self.free_conns.pop() {
+            Some(i) => {
+                self.conns[i as usize] = Some(c);
+                i
+            }
+            None => {
+                self.conns.push(Some(c));
+                u32::try_from(self.conns.len() - 1).unwrap_or(u32::MAX)
+            }
+        };
+        self.dirty.push(ci);
+    }
+
+    fn begin_stop(&mut self) {
+        if self.stopping.is_some() {
+            return;
+        }
+        self.stopping = Some(Instant::now());
+        for (ci, c) in self.conns.iter_mut().enumerate() {
+            if let Some(c) = c.as_deref_mut() {
+                let ci = ci as u32;
+                c.close_reading(&mut self.io, ci);
+                self.dirty.push(ci);
+            }
+        }
+    }
+
+    fn force_close_all(&mut self) {
+        for (ci, c) in self.conns.iter_mut().enumerate() {
+            if let Some(c) = c.as_deref_mut() {
+                // Shutting the socket down makes a stuck send fail at once.
+                let _ = rustix::net::shutdown(&c.sock, rustix::net::Shutdown::Both);
+                c.kill(&mut self.io, ci as u32);
+                self.dirty.push(ci as u32);
+            }
+        }
+    }
+
+    fn retry_waiters(&mut self) {
+        let waiters = std::mem::take(&mut self.io.lock_waiters);
+        for (ci, si) in waiters {
+            if let Some(c) = self.conns.get_mut(ci as usize).and_then(|c| c.as_deref_mut()) {
+                if c.waiting(si) {
+                    c.dispatch(&mut self.io, ci, si);
+                    self.dirty.push(ci);
+                }
+            }
+        }
+    }
+
+    fn service_dirty(&mut self) {
+        self.dirty.sort_unstable();
+        self.dirty.dedup();
+        while let Some(ci) = self.dirty.pop() {
+            let Some(c) = self.conns.get_mut(ci as usize).and_then(|c| c.as_deref_mut()) else { continue };
+            if c.service(&mut self.io, ci) {
+                self.conns[ci as usize] = None;
+                self.free_conns.push(ci);
+                self.handle.load.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+impl Drop for Reactor {
+    fn drop(&mut self) {
+        // Never free a buffer the kernel may still write: wait for everything in
+        // flight. If the ring is broken, leak the connections instead.
+        let busy = |conns: &[Option<Box<Conn>>]| {
+            conns.iter().flatten().any(|c| c.recv_inflight || c.send_inflight || c.file_ops > 0)
+        };
+        for (ci, c) in self.conns.iter_mut().enumerate() {
+            if let Some(c) = c.as_deref_mut() {
+                let _ = rustix::net::shutdown(&c.sock, rustix::net::Shutdown::Both);
+                c.kill(&mut self.io, ci as u32);
+            }
+        }
+        let mut rounds = 0;
+        while busy(&self.conns) && rounds < 10_000 {
+            rounds += 1;
+            if self.io.ring.submit_and_wait(1).is_err() {
+                break;
+            }
+            self.io.reap();
+            let batch = std::mem::take(&mut self.io.cqes);
+            for (u, res) in batch {
+                let (tag, ci, si) = ud_parts(u);
+                let io = &mut self.io;
+                if let Some(c) = self.conns.get_mut(ci as usize).and_then(|c| c.as_deref_mut()) {
+                    match tag {
+                        TAG_RECV => c.on_recv(io, ci, res),
+                        TAG_SEND => c.on_send(io, ci, res),
+                        TAG_FILE => c.on_file(io, ci, si, res),
+                        _ => {}
+                    }
+                }
+            }
+        }
+        if busy(&self.conns) {
+            for c in self.conns.drain(..).flatten() {
+                std::mem::forget(c);
+            }
+        }
+    }
+}

@@ -1,0 +1,73 @@
+//! The plain-syscall engine: runs a [`FileOp`] with `pread`/`pwrite`/`fallocate`
+//! on the calling thread and returns what io_uring would (bytes or `-errno`).
+//!
+//! It is the fallback and the test oracle for the io_uring engine: the same
+//! [`Task`] state machine driven by either must leave the same bytes.
+
+use super::buffer::Pool;
+use super::task::{FileOp, Next, Task};
+use crate::nbd::wire::NbdErrno;
+use std::os::fd::BorrowedFd;
+
+fn errno_of(e: rustix::io::Errno) -> i32 {
+    -e.raw_os_error()
+}
+
+/// Run one operation synchronously.
+pub fn run_op(op: FileOp) -> i32 {
+    match op {
+        FileOp::Read { fd, buf, len, off } => {
+            // SAFETY: the task that yielded `op` owns `len` bytes at `buf` and keeps
+            // them alive and untouched until the op completes, which is on return.
+            let slice = unsafe { std::slice::from_raw_parts_mut(buf, len as usize) };
+            // SAFETY: fd is the device's open file, alive for the task's lifetime.
+            let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+            match rustix::io::pread(fd, slice, off) {
+                Ok(n) => n as i32,
+                Err(e) => errno_of(e),
+            }
+        }
+        FileOp::Write { fd, buf, len, off, dsync } => {
+            // SAFETY: as for Read; the buffer is only read.
+            let slice = unsafe { std::slice::from_raw_parts(buf, len as usize) };
+            // SAFETY: fd is the device's open file, alive for the task's lifetime.
+            let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+            let flags = if dsync { rustix::io::ReadWriteFlags::DSYNC } else { rustix::io::ReadWriteFlags::empty() };
+            match rustix::io::pwritev2(fd, &[std::io::IoSlice::new(slice)], off, flags) {
+                Ok(n) => n as i32,
+                Err(e) => errno_of(e),
+            }
+        }
+        FileOp::Fdatasync { fd } => {
+            // SAFETY: fd is the device's open file, alive for the task's lifetime.
+            let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+            rustix::fs::fdatasync(fd).map_or_else(errno_of, |()| 0)
+        }
+        FileOp::Fallocate { fd, mode, off, len } => {
+            // SAFETY: fd is the device's open file, alive for the task's lifetime.
+            let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+            let mode = rustix::fs::FallocateFlags::from_bits_retain(mode as u32);
+            rustix::fs::fallocate(fd, mode, off, len).map_or_else(errno_of, |()| 0)
+        }
+        FileOp::WillNeed { fd, off, len } => {
+            // SAFETY: fd is the device's open file, alive for the task's lifetime.
+            let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+            let len = std::num::NonZeroU64::new(len);
+            rustix::fs::fadvise(fd, off, len, rustix::fs::Advice::WillNeed).map_or_else(errno_of, |()| 0)
+        }
+    }
+}
+
+/// Drive a started task to completion synchronously.
+pub fn drive(task: &mut Task, pool: &mut Pool) -> Result<u32, NbdErrno> {
+    let mut next = task.start();
+    loop {
+        match next {
+            Next::Done(r) => return r,
+            Next::Submit(op) => {
+                let res = run_op(op);
+                next = task.complete(res, pool);
+            }
+        }
+    }
+}

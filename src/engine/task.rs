@@ -1,0 +1,446 @@
+//! The file I/O of one NBD request, as a small state machine over owned operations.
+//!
+//! A [`Task`] is planned from a validated request ([`Task::plan`]): it decides the
+//! path (direct, bounced, buffered), the range to lock and in which mode, and owns
+//! the data buffer. Then the caller alternates [`Task::start`] / [`Task::complete`]
+//! with whatever engine runs the [`FileOp`]s it yields — the reactor's io_uring, or
+//! [`super::sync`] (the plain syscall engine used as a test oracle) — until it yields
+//! [`Next::Done`]. At most one operation of a task is in flight at a time.
+//!
+//! Ownership: the buffers stay inside the task; a yielded `FileOp` holds raw
+//! pointers into them, valid until the op's completion is handed to `complete`.
+//! The caller must keep the task alive (and not touch its buffers) until then.
+
+use super::buffer::{AlignedBuf, Pool};
+use crate::device::Device;
+use crate::device::range_lock::Mode;
+use crate::device::stats::Path;
+use crate::nbd::proto::*;
+use crate::nbd::wire::{Command, NbdErrno};
+use std::os::fd::{AsRawFd, RawFd};
+
+/// One operation on the backing file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileOp {
+    Read { fd: RawFd, buf: *mut u8, len: u32, off: u64 },
+    Write { fd: RawFd, buf: *const u8, len: u32, off: u64, dsync: bool },
+    Fdatasync { fd: RawFd },
+    Fallocate { fd: RawFd, mode: i32, off: u64, len: u64 },
+    WillNeed { fd: RawFd, off: u64, len: u64 },
+}
+
+/// What a task wants next.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Next {
+    Submit(FileOp),
+    /// Finished: the number of reply data bytes (reads), or the error to send.
+    Done(Result<u32, NbdErrno>),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Start,
+    /// Reading the span into `buf`; `done` bytes so far.
+    ReadSpan,
+    /// Read-modify-write: reading the first block of the span into `edge`.
+    RmwHead,
+    /// Read-modify-write: reading the last block of the span into `edge`.
+    RmwTail,
+    /// Writing the span from `buf`; `done` bytes so far.
+    WriteSpan,
+    /// `fallocate` in flight.
+    Allocate,
+    /// Writing zeros (fallback when the filesystem cannot `fallocate`).
+    ZeroFill,
+    /// `fdatasync` after a FUA trim / write-zeroes / zero fill.
+    SyncAfter,
+    /// `fdatasync` for FLUSH.
+    Flush,
+    WillNeed,
+    Finished,
+}
+
+/// Largest chunk the zero-fill fallback writes at once.
+const ZERO_CHUNK: usize = 1 << 20;
+
+/// The file I/O of one request. See the module documentation.
+pub struct Task {
+    pub cmd: Command,
+    pub flags: u16,
+    /// Export offset and length from the request.
+    pub offset: u64,
+    pub len: u32,
+    /// File offset of `buf[0]`, and bytes of the span `buf` covers.
+    span_start: u64,
+    span_len: usize,
+    /// Where the request's own bytes begin inside `buf`.
+    pub data_at: usize,
+    pub buf: Option<AlignedBuf>,
+    edge: Option<AlignedBuf>,
+    /// Range to lock (file offsets) and how.
+    pub lock_start: u64,
+    pub lock_end: u64,
+    pub lock_mode: Mode,
+    pub path: Path,
+    phase: Phase,
+    done: usize,
+    fd: RawFd,
+    plain_fd: RawFd,
+    align: u64,
+    /// File offset just past this write, if it may grow the file.
+    grows_to: Option<u64>,
+}
+
+fn align_down(x: u64, a: u64) -> u64 {
+    x - x % a
+}
+
+fn align_up(x: u64, a: u64) -> u64 {
+    x.div_ceil(a) * a
+}
+
+impl Task {
+    /// Plan a validated request (the caller has checked bounds against the export
+    /// size, so `offset + len` fits). Takes buffers from `pool`.
+    pub fn plan(dev: &Device, cmd: Command, flags: u16, offset: u64, len: u32, pool: &mut Pool) -> Task {
+        let foff = dev.file_offset(offset);
+        let fend = foff.saturating_add(u64::from(len));
+        let align = u64::from(dev.dio_align.max(1));
+        let mut t = Task {
+            cmd,
+            flags,
+            offset,
+            len,
+            span_start: foff,
+            span_len: len as usize,
+            data_at: 0,
+            buf: None,
+            edge: None,
+            lock_start: foff,
+            lock_end: fend,
+            lock_mode: Mode::Shared,
+            path: if dev.direct { Path::Direct } else { Path::Buffered },
+            phase: Phase::Start,
+            done: 0,
+            fd: dev.file.as_raw_fd(),
+            plain_fd: dev.plain.as_raw_fd(),
+            align,
+            grows_to: None,
+        };
+        match cmd {
+            Command::Read | Command::Write => {
+                if dev.direct && (foff % align != 0 || fend % align != 0) {
+                    let a0 = align_down(foff, align);
+                    let a1 = align_up(fend, align);
+                    t.span_start = a0;
+                    t.span_len = (a1 - a0) as usize;
+                    t.data_at = (foff - a0) as usize;
+                    t.lock_start = a0;
+                    t.lock_end = a1;
+                    t.path = Path::Bounced;
+                    if cmd == Command::Write {
+                        t.lock_mode = Mode::Exclusive;
+                    }
+                }
+                if cmd == Command::Write && dev.extends_file(t.lock_end) {
+                    t.lock_mode = Mode::Exclusive;
+                    t.grows_to = Some(fend);
+                }
+                t.buf = Some(pool.get(t.span_len));
+            }
+            Command::Trim | Command::WriteZeroes => t.lock_mode = Mode::Exclusive,
+            Command::Flush | Command::Cache | Command::BlockStatus | Command::Disc => {}
+        }
+        t
+    }
+
+    /// Whether this task touches the file under the range lock at all.
+    pub fn needs_lock(&self) -> bool {
+        matches!(self.cmd, Command::Read | Command::Write | Command::Trim | Command::WriteZeroes)
+    }
+
+    /// The bytes a write's payload must be received into.
+    pub fn payload_mut(&mut self) -> &mut [u8] {
+        let (at, len) = (self.data_at, self.len as usize);
+        match self.buf.as_mut() {
+            Some(b) => &mut b.as_mut_slice()[at..at + len],
+            None => &mut [],
+        }
+    }
+
+    /// The reply data of a finished read.
+    pub fn read_data(&self) -> &[u8] {
+        match self.buf.as_ref() {
+            Some(b) => &b.as_slice()[self.data_at..self.data_at + self.len as usize],
+            None => &[],
+        }
+    }
+
+    /// Give the buffers back to the pool.
+    pub fn recycle(&mut self, pool: &mut Pool) {
+        if let Some(b) = self.buf.take() {
+            pool.put(b);
+        }
+        if let Some(b) = self.edge.take() {
+            pool.put(b);
+        }
+    }
+
+    /// A read already satisfied (inline from the page cache) up to `n` bytes.
+    pub fn set_progress(&mut self, n: usize) {
+        self.done = n.min(self.span_len);
+    }
+
+    fn dsync(&self) -> bool {
+        self.flags & CMD_FLAG_FUA != 0
+    }
+
+    fn read_span(&mut self) -> Next {
+        if self.done >= self.span_len {
+            self.phase = Phase::Finished;
+            return Next::Done(Ok(self.len));
+        }
+        self.phase = Phase::ReadSpan;
+        let Some(buf) = self.buf.as_mut() else { return Next::Done(Err(NbdErrno::Io)) };
+        // SAFETY: done < span_len <= buf capacity, so the pointer stays in bounds.
+        let ptr = unsafe { buf.as_mut_ptr().add(self.done) };
+        Next::Submit(FileOp::Read {
+            fd: self.fd,
+            buf: ptr,
+            len: clamp_u32(self.span_len - self.done),
+            off: self.span_start + self.done as u64,
+        })
+    }
+
+    fn write_span(&mut self) -> Next {
+        if self.done >= self.span_len {
+            self.phase = Phase::Finished;
+            return Next::Done(Ok(0));
+        }
+        self.phase = Phase::WriteSpan;
+        let Some(buf) = self.buf.as_ref() else { return Next::Done(Err(NbdErrno::Io)) };
+        // SAFETY: done < span_len <= buf capacity, so the pointer stays in bounds.
+        let ptr = unsafe { buf.as_ptr().add(self.done) };
+        Next::Submit(FileOp::Write {
+            fd: self.fd,
+            buf: ptr,
+            len: clamp_u32(self.span_len - self.done),
+            off: self.span_start + self.done as u64,
+            dsync: self.dsync(),
+        })
+    }
+
+    fn tail_block(&self) -> u64 {
+        self.span_start + self.span_len as u64 - self.align
+    }
+
+    fn head_partial(&self) -> bool {
+        self.data_at != 0
+    }
+
+    fn tail_partial(&self) -> bool {
+        self.data_at + self.len as usize != self.span_len
+    }
+
+    fn read_edge(&mut self, phase: Phase, block: u64) -> Next {
+        self.phase = phase;
+        self.done = 0;
+        let align = self.align as usize;
+        let Some(edge) = self.edge.as_mut() else { return Next::Done(Err(NbdErrno::Io)) };
+        Next::Submit(FileOp::Read { fd: self.fd, buf: edge.as_mut_ptr(), len: clamp_u32(align), off: block })
+    }
+
+    /// Copy the parts of `edge` (holding the block at file offset `block`) that lie
+    /// outside the client's bytes into `buf`.
+    fn merge_edge(&mut self, block: u64) {
+        let (Some(buf), Some(edge)) = (self.buf.as_mut(), self.edge.as_ref()) else { return };
+        let rel = (block - self.span_start) as usize;
+        let align = self.align as usize;
+        let data = self.data_at..self.data_at + self.len as usize;
+        let b = buf.as_mut_slice();
+        let e = edge.as_slice();
+        for i in 0..align {
+            if !data.contains(&(rel + i)) {
+                b[rel + i] = e[i];
+            }
+        }
+    }
+
+    /// First operation (or immediate result).
+    pub fn start(&mut self) -> Next {
+        match self.cmd {
+            Command::Read => self.read_span(),
+            Command::Write if self.path == Path::Bounced => {
+                self.edge = Some(AlignedBuf::new(self.align as usize));
+                if self.head_partial() {
+                    self.read_edge(Phase::RmwHead, self.span_start)
+                } else {
+                    self.read_edge(Phase::RmwTail, self.tail_block())
+                }
+            }
+            Command::Write => self.write_span(),
+            Command::Flush => {
+                self.phase = Phase::Flush;
+                Next::Submit(FileOp::Fdatasync { fd: self.fd })
+            }
+            Command::Trim | Command::WriteZeroes => {
+                let punch = self.cmd == Command::Trim || self.flags & CMD_FLAG_NO_HOLE == 0;
+                let mode = if punch {
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
+                } else {
+                    libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
+                };
+                self.phase = Phase::Allocate;
+                Next::Submit(FileOp::Fallocate {
+                    fd: self.fd,
+                    mode,
+                    off: self.lock_start,
+                    len: u64::from(self.len),
+                })
+            }
+            Command::Cache if self.path == Path::Buffered => {
+                self.phase = Phase::WillNeed;
+                Next::Submit(FileOp::WillNeed { fd: self.fd, off: self.lock_start, len: u64::from(self.len) })
+            }
+            // Direct mode keeps the image out of the page cache on purpose, so a
+            // prefetch into it would only cost memory: CACHE succeeds as a no-op.
+            Command::Cache | Command::BlockStatus | Command::Disc => Next::Done(Ok(0)),
+        }
+    }
+
+    fn sync_after_or_done(&mut self) -> Next {
+        if self.dsync() {
+            self.phase = Phase::SyncAfter;
+            Next::Submit(FileOp::Fdatasync { fd: self.fd })
+        } else {
+            self.phase = Phase::Finished;
+            Next::Done(Ok(0))
+        }
+    }
+
+    fn zero_fill(&mut self, pool: &mut Pool) -> Next {
+        let total = self.len as usize;
+        if self.done >= total {
+            return self.sync_after_or_done();
+        }
+        self.phase = Phase::ZeroFill;
+        let n = (total - self.done).min(ZERO_CHUNK);
+        if self.buf.is_none() {
+            let mut b = pool.get(n.min(total));
+            b.as_mut_slice().fill(0);
+            self.buf = Some(b);
+        }
+        let Some(buf) = self.buf.as_ref() else { return Next::Done(Err(NbdErrno::Io)) };
+        // Through the plain (buffered) fd: the range may not be aligned for O_DIRECT,
+        // and it is held exclusively, so no direct I/O races with it.
+        Next::Submit(FileOp::Write {
+            fd: self.plain_fd,
+            buf: buf.as_ptr(),
+            len: clamp_u32(n.min(buf.capacity())),
+            off: self.lock_start + self.done as u64,
+            dsync: false,
+        })
+    }
+
+    /// Feed the result of the last operation (bytes, or a negative errno).
+    pub fn complete(&mut self, res: i32, pool: &mut Pool) -> Next {
+        match self.phase {
+            Phase::ReadSpan => {
+                if res < 0 {
+                    return self.fail(res);
+                }
+                let n = res as usize;
+                self.done += n;
+                // A short read means end of file (O_DIRECT stops at EOF on an
+                // unaligned boundary, or returns 0 past it): the rest reads as zeros.
+                if self.done < self.span_len && (n == 0 || n as u64 % self.align != 0) {
+                    if let Some(b) = self.buf.as_mut() {
+                        b.as_mut_slice()[self.done..self.span_len].fill(0);
+                    }
+                    self.done = self.span_len;
+                }
+                self.read_span()
+            }
+            Phase::RmwHead | Phase::RmwTail => {
+                if res < 0 {
+                    return self.fail(res);
+                }
+                let n = (res as usize).min(self.align as usize);
+                if let Some(e) = self.edge.as_mut() {
+                    e.as_mut_slice()[n..self.align as usize].fill(0);
+                }
+                let block = if self.phase == Phase::RmwHead { self.span_start } else { self.tail_block() };
+                self.merge_edge(block);
+                if self.phase == Phase::RmwHead && self.tail_partial() && self.tail_block() != self.span_start {
+                    return self.read_edge(Phase::RmwTail, self.tail_block());
+                }
+                self.done = 0;
+                self.write_span()
+            }
+            Phase::WriteSpan => {
+                if res < 0 {
+                    return self.fail(res);
+                }
+                if res == 0 {
+                    return self.fail(-libc::ENOSPC);
+                }
+                self.done += res as usize;
+                self.write_span()
+            }
+            Phase::Allocate => {
+                if res >= 0 {
+                    return self.sync_after_or_done();
+                }
+                if self.cmd == Command::Trim {
+                    // Trim is advisory: a filesystem that cannot punch holes still
+                    // gave correct (unchanged) data.
+                    return if -res == libc::EOPNOTSUPP { self.sync_after_or_done() } else { self.fail(res) };
+                }
+                if -res == libc::EOPNOTSUPP || -res == libc::EINVAL {
+                    if self.flags & CMD_FLAG_FAST_ZERO != 0 {
+                        self.phase = Phase::Finished;
+                        return Next::Done(Err(NbdErrno::NotSup));
+                    }
+                    self.done = 0;
+                    return self.zero_fill(pool);
+                }
+                self.fail(res)
+            }
+            Phase::ZeroFill => {
+                if res <= 0 {
+                    return self.fail(if res == 0 { -libc::ENOSPC } else { res });
+                }
+                self.done += res as usize;
+                self.zero_fill(pool)
+            }
+            // A failed prefetch hint is not the client's problem.
+            Phase::WillNeed => {
+                self.phase = Phase::Finished;
+                Next::Done(Ok(0))
+            }
+            Phase::SyncAfter | Phase::Flush => {
+                if res < 0 {
+                    return self.fail(res);
+                }
+                self.phase = Phase::Finished;
+                Next::Done(Ok(0))
+            }
+            Phase::Start | Phase::Finished => Next::Done(Err(NbdErrno::Io)),
+        }
+    }
+
+    fn fail(&mut self, res: i32) -> Next {
+        self.phase = Phase::Finished;
+        Next::Done(Err(NbdErrno::from_os(-res)))
+    }
+
+    /// File offset just past a write that may have grown the file: after it
+    /// succeeds, the caller publishes it with [`Device::grew_to`].
+    pub fn grows_to(&self) -> Option<u64> {
+        self.grows_to
+    }
+}
+
+fn clamp_u32(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX & !4095)
+}

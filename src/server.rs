@@ -1,0 +1,314 @@
+//! The server: listeners, the accept loop, signals, and the hand-off of negotiated
+//! connections to reactors.
+//!
+//! Threads: the caller's thread runs the accept loop (`poll` on the listeners and
+//! a signal pipe); each accepted connection gets a short-lived handshake thread
+//! (bounded by a socket timeout); reactors run the transmission phase. Stopping
+//! (SIGINT/SIGTERM): stop accepting, let each reactor finish and answer what it
+//! has in flight, flush every device, remove the socket file.
+
+use crate::device::Device;
+use crate::engine::reactor::{self, NewConn, ReactorError, ReactorHandle};
+use crate::nbd::handshake::{self, Exports};
+use rustix::event::{PollFd, PollFlags, poll};
+use std::io::Read;
+use std::net::TcpListener;
+use std::os::fd::OwnedFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+use thiserror::Error;
+
+/// How long a client may take over the handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Error)]
+pub enum ServerError {
+    #[error("cannot create directory {0} for the socket")]
+    SocketDir(PathBuf, #[source] std::io::Error),
+    #[error("{0} is in use by another server (remove it or choose another --socket)")]
+    SocketInUse(PathBuf),
+    #[error("cannot listen on {0}")]
+    BindUnix(PathBuf, #[source] std::io::Error),
+    #[error("cannot listen on {0}")]
+    BindTcp(String, #[source] std::io::Error),
+    #[error("cannot set up signal handling")]
+    Signals(#[source] std::io::Error),
+    #[error(transparent)]
+    Reactor(#[from] ReactorError),
+    #[error("waiting for connections failed")]
+    Poll(#[source] std::io::Error),
+}
+
+/// The exports a server offers, by name.
+#[derive(Default)]
+pub struct Registry {
+    devices: RwLock<Vec<Arc<Device>>>,
+}
+
+impl Registry {
+    pub fn add(&self, dev: Arc<Device>) {
+        if let Ok(mut d) = self.devices.write() {
+            d.push(dev);
+        }
+    }
+
+    pub fn all(&self) -> Vec<Arc<Device>> {
+        self.devices.read().map(|d| d.clone()).unwrap_or_default()
+    }
+}
+
+impl Exports for Registry {
+    fn find(&self, name: &str) -> Option<Arc<Device>> {
+        let d = self.devices.read().ok()?;
+        if name.is_empty() {
+            return d.first().cloned();
+        }
+        d.iter().find(|dev| dev.name == name).cloned()
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.all().iter().map(|d| d.name.clone()).collect()
+    }
+}
+
+/// Where and how to serve.
+#[derive(Debug, Clone, Default)]
+pub struct ServeOptions {
+    /// NBD Unix socket; `None` with no `listen` means the default path.
+    pub socket: Option<PathBuf>,
+    /// TCP addresses (`HOST:PORT`).
+    pub listen: Vec<String>,
+    /// Reactor threads (0 = one per core).
+    pub reactors: usize,
+}
+
+/// The default socket directory: `/run/loopd` for root, else
+/// `$XDG_RUNTIME_DIR/loopd`, else `/tmp/loopd-UID`.
+pub fn default_socket_dir() -> PathBuf {
+    let uid = rustix::process::geteuid();
+    if uid.is_root() {
+        return PathBuf::from("/run/loopd");
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) if !d.is_empty() => Path::new(&d).join("loopd"),
+        _ => PathBuf::from(format!("/tmp/loopd-{}", uid.as_raw())),
+    }
+}
+
+fn bind_unix(path: &Path) -> Result<UnixListener, ServerError> {
+    if let Some(dir) = path.parent() {
+        if !dir.as_os_str().is_empty() && !dir.exists() {
+            std::fs::create_dir_all(dir).map_err(|e| ServerError::SocketDir(dir.to_path_buf(), e))?;
+        }
+    }
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            return Err(ServerError::SocketInUse(path.to_path_buf()));
+        }
+        // A stale socket from a server that died: nobody answers on it.
+        let _ = std::fs::remove_file(path);
+    }
+    UnixListener::bind(path).map_err(|e| ServerError::BindUnix(path.to_path_buf(), e))
+}
+
+fn uri_host(addr: &std::net::SocketAddr) -> String {
+    match addr {
+        std::net::SocketAddr::V4(a) => format!("{}:{}", a.ip(), a.port()),
+        std::net::SocketAddr::V6(a) => format!("[{}]:{}", a.ip(), a.port()),
+    }
+}
+
+/// A bound endpoint and the URI a client uses for it.
+enum Listener {
+    Unix(UnixListener, PathBuf),
+    Tcp(TcpListener),
+}
+
+/// Serve the devices in `registry` until SIGINT or SIGTERM.
+/// Prints one line per endpoint with its URI on stdout once ready.
+pub fn serve(registry: Arc<Registry>, opts: &ServeOptions) -> Result<(), ServerError> {
+    let mut listeners = Vec::new();
+    let socket = match (&opts.socket, opts.listen.is_empty()) {
+        (Some(p), _) => Some(p.clone()),
+        (None, true) => Some(default_socket_dir().join("loopd.sock")),
+        (None, false) => None,
+    };
+    if let Some(p) = &socket {
+        listeners.push(Listener::Unix(bind_unix(p)?, p.clone()));
+    }
+    for addr in &opts.listen {
+        let l = TcpListener::bind(addr).map_err(|e| ServerError::BindTcp(addr.clone(), e))?;
+        listeners.push(Listener::Tcp(l));
+    }
+
+    let (sig_rx, sig_tx) = UnixStream::pair().map_err(ServerError::Signals)?;
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        let tx = sig_tx.try_clone().map_err(ServerError::Signals)?;
+        signal_hook::low_level::pipe::register(sig, tx).map_err(ServerError::Signals)?;
+    }
+    sig_rx.set_nonblocking(true).map_err(ServerError::Signals)?;
+
+    let n = if opts.reactors == 0 {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        opts.reactors
+    };
+    let reactors: Vec<Arc<ReactorHandle>> = (0..n).map(reactor::spawn).collect::<Result<_, _>>()?;
+    let reactors = Arc::new(reactors);
+
+    let name = registry.all().first().map(|d| d.name.clone()).unwrap_or_default();
+    for l in &listeners {
+        match l {
+            Listener::Unix(_, p) => println!("nbd+unix:///{name}?socket={}", p.display()),
+            Listener::Tcp(t) => {
+                if let Ok(a) = t.local_addr() {
+                    println!("nbd://{}/{name}", uri_host(&a));
+                }
+            }
+        }
+        if let Listener::Unix(u, _) = l {
+            let _ = u.set_nonblocking(true);
+        }
+        if let Listener::Tcp(t) = l {
+            let _ = t.set_nonblocking(true);
+        }
+    }
+
+    let result = accept_loop(&listeners, &sig_rx, &registry, &reactors);
+
+    tracing::info!("stopping: finishing in-flight requests");
+    for r in reactors.iter() {
+        r.shutdown();
+    }
+    for dev in registry.all() {
+        if !dev.read_only {
+            if let Err(e) = rustix::fs::fdatasync(&dev.file) {
+                tracing::error!("flushing {} failed: {e}", dev.path.display());
+            }
+        }
+        tracing::info!("device {:?}: {}", dev.name, dev.stats.summary());
+    }
+    if let Some(p) = &socket {
+        let _ = std::fs::remove_file(p);
+    }
+    result
+}
+
+fn accept_loop(
+    listeners: &[Listener],
+    sig_rx: &UnixStream,
+    registry: &Arc<Registry>,
+    reactors: &Arc<Vec<Arc<ReactorHandle>>>,
+) -> Result<(), ServerError> {
+    loop {
+        let mut fds: Vec<PollFd<'_>> = listeners
+            .iter()
+            .map(|l| match l {
+                Listener::Unix(u, _) => PollFd::new(u, PollFlags::IN),
+                Listener::Tcp(t) => PollFd::new(t, PollFlags::IN),
+            })
+            .collect();
+        fds.push(PollFd::new(sig_rx, PollFlags::IN));
+        match poll(&mut fds, None) {
+            Ok(_) => {}
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(ServerError::Poll(e.into())),
+        }
+        let ready: Vec<bool> = fds.iter().map(|f| !f.revents().is_empty()).collect();
+        drop(fds);
+        if ready[listeners.len()] {
+            let mut b = [0u8; 16];
+            let mut r = sig_rx;
+            let _ = r.read(&mut b);
+            return Ok(());
+        }
+        for (l, _) in listeners.iter().zip(&ready).filter(|(_, r)| **r) {
+            loop {
+                let sock: OwnedFd = match l {
+                    Listener::Unix(u, _) => match u.accept() {
+                        Ok((s, _)) => s.into(),
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                        Err(e) => {
+                            tracing::warn!("accept failed: {e}");
+                            break;
+                        }
+                    },
+                    Listener::Tcp(t) => match t.accept() {
+                        Ok((s, _)) => {
+                            let _ = s.set_nodelay(true);
+                            s.into()
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                        Err(e) => {
+                            tracing::warn!("accept failed: {e}");
+                            break;
+                        }
+                    },
+                };
+                start_handshake(sock, Arc::clone(registry), Arc::clone(reactors));
+            }
+        }
+    }
+}
+
+/// Negotiate on a thread of its own, then hand the socket to the least-loaded
+/// reactor.
+fn start_handshake(sock: OwnedFd, registry: Arc<Registry>, reactors: Arc<Vec<Arc<ReactorHandle>>>) {
+    let spawned = std::thread::Builder::new().name("loopd-handshake".into()).spawn(move || {
+        // Accepted sockets may inherit O_NONBLOCK from the listener: the handshake
+        // is blocking, with a timeout.
+        let mut stream = SockStream(sock);
+        let _ = rustix::io::ioctl_fionbio(&stream.0, false);
+        stream.set_timeouts(Some(HANDSHAKE_TIMEOUT));
+        match handshake::negotiate(&mut stream, registry.as_ref()) {
+            Ok(Some(neg)) => {
+                stream.set_timeouts(None);
+                let Some(r) = reactors.iter().min_by_key(|r| r.load.load(std::sync::atomic::Ordering::Relaxed))
+                else {
+                    return;
+                };
+                r.add(NewConn {
+                    sock: stream.0,
+                    dev: neg.dev,
+                    structured: neg.structured,
+                    meta_context: neg.meta_context,
+                });
+            }
+            Ok(None) => {}
+            Err(e) => tracing::info!("handshake failed: {e}"),
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::warn!("cannot start a handshake thread: {e}");
+    }
+}
+
+
+/// A connected stream socket (Unix or TCP) as blocking `Read + Write`.
+struct SockStream(OwnedFd);
+
+impl SockStream {
+    fn set_timeouts(&self, t: Option<Duration>) {
+        use rustix::net::sockopt::{Timeout, set_socket_timeout};
+        let _ = set_socket_timeout(&self.0, Timeout::Recv, t);
+        let _ = set_socket_timeout(&self.0, Timeout::Send, t);
+    }
+}
+
+impl std::io::Read for SockStream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        Ok(rustix::io::read(&self.0, buf)?)
+    }
+}
+
+impl std::io::Write for SockStream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        Ok(rustix::net::send(&self.0, buf, rustix::net::SendFlags::NOSIGNAL)?)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
