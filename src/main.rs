@@ -80,7 +80,8 @@ fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("LOOPD_LOG").unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_env("LOOPD_LOG")
+                .unwrap_or_else(|_| "info".into()),
         )
         .with_target(false)
         .with_ansi(std::io::stderr().is_terminal())
@@ -94,7 +95,11 @@ fn main() -> Result<()> {
 fn serve(a: ServeArgs) -> Result<()> {
     let name = match a.name {
         Some(n) => n,
-        None => a.image.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default(),
+        None => a
+            .image
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default(),
     };
     if name.len() > 4096 {
         bail!("export name is longer than 4096 bytes");
@@ -114,7 +119,8 @@ fn serve(a: ServeArgs) -> Result<()> {
         create: a.create,
         whole_device_lock: a.whole_device_lock,
     };
-    let dev = Device::open(&params).with_context(|| format!("cannot serve {}", a.image.display()))?;
+    let dev =
+        Device::open(&params).with_context(|| format!("cannot serve {}", a.image.display()))?;
     tracing::info!(
         "serving {} as {:?}: {} bytes, block size {}, {}{}",
         dev.path.display(),
@@ -126,7 +132,11 @@ fn serve(a: ServeArgs) -> Result<()> {
     );
     let registry = Arc::new(Registry::default());
     registry.add(Arc::new(dev));
-    let opts = ServeOptions { socket: a.socket, listen: a.listen, reactors: a.reactors };
+    let opts = ServeOptions {
+        socket: a.socket,
+        listen: a.listen,
+        reactors: a.reactors,
+    };
     server::serve(registry, &opts)?;
     Ok(())
 }

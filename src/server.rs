@@ -100,7 +100,8 @@ pub fn default_socket_dir() -> PathBuf {
 fn bind_unix(path: &Path) -> Result<UnixListener, ServerError> {
     if let Some(dir) = path.parent() {
         if !dir.as_os_str().is_empty() && !dir.exists() {
-            std::fs::create_dir_all(dir).map_err(|e| ServerError::SocketDir(dir.to_path_buf(), e))?;
+            std::fs::create_dir_all(dir)
+                .map_err(|e| ServerError::SocketDir(dir.to_path_buf(), e))?;
         }
     }
     if path.exists() {
@@ -158,7 +159,11 @@ pub fn serve(registry: Arc<Registry>, opts: &ServeOptions) -> Result<(), ServerE
     let reactors: Vec<Arc<ReactorHandle>> = (0..n).map(reactor::spawn).collect::<Result<_, _>>()?;
     let reactors = Arc::new(reactors);
 
-    let name = registry.all().first().map(|d| d.name.clone()).unwrap_or_default();
+    let name = registry
+        .all()
+        .first()
+        .map(|d| d.name.clone())
+        .unwrap_or_default();
     for l in &listeners {
         match l {
             Listener::Unix(_, p) => println!("nbd+unix:///{name}?socket={}", p.display()),
@@ -256,35 +261,38 @@ fn accept_loop(
 /// Negotiate on a thread of its own, then hand the socket to the least-loaded
 /// reactor.
 fn start_handshake(sock: OwnedFd, registry: Arc<Registry>, reactors: Arc<Vec<Arc<ReactorHandle>>>) {
-    let spawned = std::thread::Builder::new().name("loopd-handshake".into()).spawn(move || {
-        // Accepted sockets may inherit O_NONBLOCK from the listener: the handshake
-        // is blocking, with a timeout.
-        let mut stream = SockStream(sock);
-        let _ = rustix::io::ioctl_fionbio(&stream.0, false);
-        stream.set_timeouts(Some(HANDSHAKE_TIMEOUT));
-        match handshake::negotiate(&mut stream, registry.as_ref()) {
-            Ok(Some(neg)) => {
-                stream.set_timeouts(None);
-                let Some(r) = reactors.iter().min_by_key(|r| r.load.load(std::sync::atomic::Ordering::Relaxed))
-                else {
-                    return;
-                };
-                r.add(NewConn {
-                    sock: stream.0,
-                    dev: neg.dev,
-                    structured: neg.structured,
-                    meta_context: neg.meta_context,
-                });
+    let spawned = std::thread::Builder::new()
+        .name("loopd-handshake".into())
+        .spawn(move || {
+            // Accepted sockets may inherit O_NONBLOCK from the listener: the handshake
+            // is blocking, with a timeout.
+            let mut stream = SockStream(sock);
+            let _ = rustix::io::ioctl_fionbio(&stream.0, false);
+            stream.set_timeouts(Some(HANDSHAKE_TIMEOUT));
+            match handshake::negotiate(&mut stream, registry.as_ref()) {
+                Ok(Some(neg)) => {
+                    stream.set_timeouts(None);
+                    let Some(r) = reactors
+                        .iter()
+                        .min_by_key(|r| r.load.load(std::sync::atomic::Ordering::Relaxed))
+                    else {
+                        return;
+                    };
+                    r.add(NewConn {
+                        sock: stream.0,
+                        dev: neg.dev,
+                        structured: neg.structured,
+                        meta_context: neg.meta_context,
+                    });
+                }
+                Ok(None) => {}
+                Err(e) => tracing::info!("handshake failed: {e}"),
             }
-            Ok(None) => {}
-            Err(e) => tracing::info!("handshake failed: {e}"),
-        }
-    });
+        });
     if let Err(e) = spawned {
         tracing::warn!("cannot start a handshake thread: {e}");
     }
 }
-
 
 /// A connected stream socket (Unix or TCP) as blocking `Read + Write`.
 struct SockStream(OwnedFd);
@@ -305,7 +313,11 @@ impl std::io::Read for SockStream {
 
 impl std::io::Write for SockStream {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        Ok(rustix::net::send(&self.0, buf, rustix::net::SendFlags::NOSIGNAL)?)
+        Ok(rustix::net::send(
+            &self.0,
+            buf,
+            rustix::net::SendFlags::NOSIGNAL,
+        )?)
     }
 
     fn flush(&mut self) -> std::io::Result<()> {

@@ -14,7 +14,10 @@ pub enum SizeError {
 /// Parse a size such as `1G` into bytes.
 pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     let t = s.trim();
-    let t = t.strip_suffix("iB").or_else(|| t.strip_suffix('B')).unwrap_or(t);
+    let t = t
+        .strip_suffix("iB")
+        .or_else(|| t.strip_suffix('B'))
+        .unwrap_or(t);
     let (digits, shift) = match t.char_indices().last() {
         Some((i, c)) if c.is_ascii_alphabetic() => {
             let shift = match c.to_ascii_uppercase() {
@@ -31,8 +34,11 @@ pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return Err(SizeError::Invalid(s.to_owned()));
     }
-    let n: u64 = digits.parse().map_err(|_| SizeError::Overflow(s.to_owned()))?;
-    n.checked_mul(1u64 << shift).ok_or_else(|| SizeError::Overflow(s.to_owned()))
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| SizeError::Overflow(s.to_owned()))?;
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| SizeError::Overflow(s.to_owned()))
 }
 
 #[cfg(test)]
@@ -53,6 +59,9 @@ mod tests {
         for bad in ["", "G", "1.5G", "-1", "10X", "1 G"] {
             assert!(parse_size(bad).is_err(), "{bad}");
         }
-        assert!(matches!(parse_size("99999999999999T"), Err(SizeError::Overflow(_))));
+        assert!(matches!(
+            parse_size("99999999999999T"),
+            Err(SizeError::Overflow(_))
+        ));
     }
 }

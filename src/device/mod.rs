@@ -71,8 +71,14 @@ pub enum DeviceError {
     },
     #[error("{path} is not a regular file or block device")]
     NotAFile { path: PathBuf },
-    #[error("offset {offset} is beyond the end of {path} ({size} bytes); give --size-limit to serve past the end")]
-    OffsetPastEnd { path: PathBuf, offset: u64, size: u64 },
+    #[error(
+        "offset {offset} is beyond the end of {path} ({size} bytes); give --size-limit to serve past the end"
+    )]
+    OffsetPastEnd {
+        path: PathBuf,
+        offset: u64,
+        size: u64,
+    },
     #[error("offset {offset} is not a multiple of the block size {block_size}")]
     UnalignedOffset { offset: u64, block_size: u32 },
     #[error("size limit {0} is not a positive multiple of the block size {1}")]
@@ -131,7 +137,10 @@ fn open_file(path: &Path, read_only: bool, direct: bool) -> std::io::Result<File
 }
 
 fn dup(f: &File, path: &Path) -> Result<File, DeviceError> {
-    f.try_clone().map_err(|source| DeviceError::Open { path: path.to_path_buf(), source })
+    f.try_clone().map_err(|source| DeviceError::Open {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 impl Device {
@@ -148,46 +157,100 @@ impl Device {
                     .write(true)
                     .create_new(true)
                     .open(&p.path)
-                    .map_err(|source| DeviceError::Create { path: p.path.clone(), source })?;
-                f.set_len(size).map_err(|source| DeviceError::Create { path: p.path.clone(), source })?;
+                    .map_err(|source| DeviceError::Create {
+                        path: p.path.clone(),
+                        source,
+                    })?;
+                f.set_len(size).map_err(|source| DeviceError::Create {
+                    path: p.path.clone(),
+                    source,
+                })?;
             }
         }
-        let plain = open_file(&p.path, p.read_only, false)
-            .map_err(|source| DeviceError::Open { path: p.path.clone(), source })?;
-        let meta = plain.metadata().map_err(|source| DeviceError::Stat { path: p.path.clone(), source })?;
+        let plain = open_file(&p.path, p.read_only, false).map_err(|source| DeviceError::Open {
+            path: p.path.clone(),
+            source,
+        })?;
+        let meta = plain.metadata().map_err(|source| DeviceError::Stat {
+            path: p.path.clone(),
+            source,
+        })?;
         let ft = meta.file_type();
         use std::os::unix::fs::FileTypeExt;
         let file_size = if ft.is_file() {
             meta.len()
         } else if ft.is_block_device() {
-            rustix::fs::seek(&plain, rustix::fs::SeekFrom::End(0))
-                .map_err(|e| DeviceError::Stat { path: p.path.clone(), source: e.into() })?
+            rustix::fs::seek(&plain, rustix::fs::SeekFrom::End(0)).map_err(|e| {
+                DeviceError::Stat {
+                    path: p.path.clone(),
+                    source: e.into(),
+                }
+            })?
         } else {
-            return Err(DeviceError::NotAFile { path: p.path.clone() });
+            return Err(DeviceError::NotAFile {
+                path: p.path.clone(),
+            });
         };
         let align = align::probe(&plain);
         let default_bs = align.offset.clamp(512, 4096);
-        let block_size = p.block_size.unwrap_or(if valid_block_size(default_bs) { default_bs } else { 512 });
+        let block_size = p.block_size.unwrap_or(if valid_block_size(default_bs) {
+            default_bs
+        } else {
+            512
+        });
 
         let (file, direct, cache_note) = match p.cache {
-            CacheMode::Buffered => (dup(&plain, &p.path)?, false, "buffered (page cache), as asked".to_string()),
+            CacheMode::Buffered => (
+                dup(&plain, &p.path)?,
+                false,
+                "buffered (page cache), as asked".to_string(),
+            ),
             CacheMode::Direct => {
                 if !align.supported {
-                    return Err(DeviceError::DirectRefused { path: p.path.clone(), source: None });
+                    return Err(DeviceError::DirectRefused {
+                        path: p.path.clone(),
+                        source: None,
+                    });
                 }
-                let f = open_file(&p.path, p.read_only, true)
-                    .map_err(|e| DeviceError::DirectRefused { path: p.path.clone(), source: Some(e) })?;
-                (f, true, format!("direct I/O, alignment {} ({})", align.offset, align.source))
+                let f = open_file(&p.path, p.read_only, true).map_err(|e| {
+                    DeviceError::DirectRefused {
+                        path: p.path.clone(),
+                        source: Some(e),
+                    }
+                })?;
+                (
+                    f,
+                    true,
+                    format!("direct I/O, alignment {} ({})", align.offset, align.source),
+                )
             }
             CacheMode::Auto => match (align.supported, open_file(&p.path, p.read_only, true)) {
-                (true, Ok(f)) => (f, true, format!("direct I/O (auto), alignment {} ({})", align.offset, align.source)),
-                (_, Err(e)) => (dup(&plain, &p.path)?, false, format!("buffered (auto): the filesystem refused O_DIRECT: {e}")),
-                (false, Ok(_)) => (dup(&plain, &p.path)?, false, "buffered (auto): statx says direct I/O is unsupported here".into()),
+                (true, Ok(f)) => (
+                    f,
+                    true,
+                    format!(
+                        "direct I/O (auto), alignment {} ({})",
+                        align.offset, align.source
+                    ),
+                ),
+                (_, Err(e)) => (
+                    dup(&plain, &p.path)?,
+                    false,
+                    format!("buffered (auto): the filesystem refused O_DIRECT: {e}"),
+                ),
+                (false, Ok(_)) => (
+                    dup(&plain, &p.path)?,
+                    false,
+                    "buffered (auto): statx says direct I/O is unsupported here".into(),
+                ),
             },
         };
 
         if p.offset % u64::from(block_size) != 0 {
-            return Err(DeviceError::UnalignedOffset { offset: p.offset, block_size });
+            return Err(DeviceError::UnalignedOffset {
+                offset: p.offset,
+                block_size,
+            });
         }
         let size = match p.size_limit {
             Some(limit) => {
@@ -198,7 +261,11 @@ impl Device {
             }
             None => {
                 if p.offset > file_size {
-                    return Err(DeviceError::OffsetPastEnd { path: p.path.clone(), offset: p.offset, size: file_size });
+                    return Err(DeviceError::OffsetPastEnd {
+                        path: p.path.clone(),
+                        offset: p.offset,
+                        size: file_size,
+                    });
                 }
                 // Round a ragged tail up to a whole block: the bytes past the end of
                 // the file read as zeros (and a write there extends the file).
@@ -222,7 +289,11 @@ impl Device {
             file,
             plain,
             file_size: AtomicU64::new(file_size),
-            lock: if p.whole_device_lock { RangeLock::whole_device() } else { RangeLock::default() },
+            lock: if p.whole_device_lock {
+                RangeLock::whole_device()
+            } else {
+                RangeLock::default()
+            },
             stats: Stats::default(),
             cache_note,
         })

@@ -69,7 +69,10 @@ impl RangeLock {
     /// A lock where every range is widened to the whole device: for the
     /// benchmark that shows what range locking buys.
     pub fn whole_device() -> Self {
-        RangeLock { state: Mutex::default(), whole_device: true }
+        RangeLock {
+            state: Mutex::default(),
+            whole_device: true,
+        }
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -80,13 +83,23 @@ impl RangeLock {
 
     /// Try to take `[start, end)` in `mode`. On failure the waker is recorded and
     /// will be called when a range is released; call again with the same `place`.
-    pub fn try_lock(&self, start: u64, end: u64, mode: Mode, place: &mut Place, waker: &Arc<dyn Wake>) -> Option<Ticket> {
-        let (start, end) = if self.whole_device { (0, u64::MAX) } else { (start, end) };
+    pub fn try_lock(
+        &self,
+        start: u64,
+        end: u64,
+        mode: Mode,
+        place: &mut Place,
+        waker: &Arc<dyn Wake>,
+    ) -> Option<Ticket> {
+        let (start, end) = if self.whole_device {
+            (0, u64::MAX)
+        } else {
+            (start, end)
+        };
         let mut st = self.state();
-        let blocked_by_held = st
-            .held
-            .iter()
-            .any(|h| h.overlaps(start, end) && (mode == Mode::Exclusive || h.mode == Mode::Exclusive));
+        let blocked_by_held = st.held.iter().any(|h| {
+            h.overlaps(start, end) && (mode == Mode::Exclusive || h.mode == Mode::Exclusive)
+        });
         let my_id = place.0;
         let blocked_by_pending = st
             .pending
@@ -97,7 +110,12 @@ impl RangeLock {
             if mode == Mode::Exclusive && my_id.is_none() {
                 let id = st.next_id;
                 st.next_id += 1;
-                st.pending.push(Span { id, start, end, mode });
+                st.pending.push(Span {
+                    id,
+                    start,
+                    end,
+                    mode,
+                });
                 place.0 = Some(id);
             }
             if !st.waiters.iter().any(|w| Arc::ptr_eq(w, waker)) {
@@ -117,7 +135,12 @@ impl RangeLock {
                 id
             }
         };
-        st.held.push(Span { id, start, end, mode });
+        st.held.push(Span {
+            id,
+            start,
+            end,
+            mode,
+        });
         Some(Ticket(id))
     }
 

@@ -54,7 +54,16 @@ pub fn errno_index(e: NbdErrno) -> usize {
 }
 
 /// Names for [`Stats::errors`], in index order.
-pub const ERRNO_NAMES: [&str; 8] = ["EPERM", "EIO", "ENOMEM", "EINVAL", "ENOSPC", "EOVERFLOW", "ENOTSUP", "ESHUTDOWN"];
+pub const ERRNO_NAMES: [&str; 8] = [
+    "EPERM",
+    "EIO",
+    "ENOMEM",
+    "EINVAL",
+    "ENOSPC",
+    "EOVERFLOW",
+    "ENOTSUP",
+    "ESHUTDOWN",
+];
 
 impl Stats {
     pub fn command(&self, cmd: Command, bytes: u64) {
@@ -115,7 +124,11 @@ impl Stats {
             g(&self.bounced),
             g(&self.buffered),
             g(&self.inline_cached),
-            if errs.is_empty() { " none".to_string() } else { errs }
+            if errs.is_empty() {
+                " none".to_string()
+            } else {
+                errs
+            }
         )
     }
 }

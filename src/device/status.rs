@@ -13,7 +13,13 @@ pub const MAX_DESCRIPTORS: usize = 256;
 
 /// Describe `[off, off+len)` of the export into `out` (8 bytes per descriptor),
 /// returning the number of descriptors. Covers at least the first byte.
-pub fn describe(dev: &Device, off: u64, len: u32, one: bool, out: &mut [u8]) -> Result<usize, NbdErrno> {
+pub fn describe(
+    dev: &Device,
+    off: u64,
+    len: u32,
+    one: bool,
+    out: &mut [u8],
+) -> Result<usize, NbdErrno> {
     let end = off + u64::from(len);
     let file_size = dev.file_size.load(Ordering::Relaxed).max(current_size(dev));
     let mut pos = off;
@@ -31,7 +37,9 @@ pub fn describe(dev: &Device, off: u64, len: u32, one: bool, out: &mut [u8]) -> 
                     Err(e) => return Err(NbdErrno::from_os(e.raw_os_error())),
                 },
                 // ENXIO: no data after foff: a hole to the end of the file.
-                Err(e) if e == rustix::io::Errno::NXIO => (export_pos(dev, file_size), STATE_HOLE | STATE_ZERO),
+                Err(e) if e == rustix::io::Errno::NXIO => {
+                    (export_pos(dev, file_size), STATE_HOLE | STATE_ZERO)
+                }
                 Err(e) => return Err(NbdErrno::from_os(e.raw_os_error())),
             }
         };
@@ -40,7 +48,11 @@ pub fn describe(dev: &Device, off: u64, len: u32, one: bool, out: &mut [u8]) -> 
         let bs = u64::from(dev.block_size);
         let (run_end, flags) = if flags != 0 {
             let down = run_end - run_end % bs;
-            if down > pos { (down, flags) } else { (pos + bs, 0) }
+            if down > pos {
+                (down, flags)
+            } else {
+                (pos + bs, 0)
+            }
         } else {
             (run_end.div_ceil(bs) * bs, flags)
         };

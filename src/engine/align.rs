@@ -24,10 +24,20 @@ pub struct DioAlign {
 
 /// Probe a file's direct-I/O alignment.
 pub fn probe(file: &File) -> DioAlign {
-    match statx(file, "", AtFlags::EMPTY_PATH, StatxFlags::DIOALIGN | StatxFlags::BASIC_STATS) {
+    match statx(
+        file,
+        "",
+        AtFlags::EMPTY_PATH,
+        StatxFlags::DIOALIGN | StatxFlags::BASIC_STATS,
+    ) {
         Ok(st) if st.stx_mask & StatxFlags::DIOALIGN.bits() != 0 => {
             if st.stx_dio_offset_align == 0 {
-                DioAlign { offset: 512, mem: 512, supported: false, source: "statx (direct I/O unsupported)" }
+                DioAlign {
+                    offset: 512,
+                    mem: 512,
+                    supported: false,
+                    source: "statx (direct I/O unsupported)",
+                }
             } else {
                 DioAlign {
                     offset: st.stx_dio_offset_align,
@@ -38,10 +48,25 @@ pub fn probe(file: &File) -> DioAlign {
             }
         }
         Ok(st) => match device_logical_block_size(st.stx_dev_major, st.stx_dev_minor) {
-            Some(lbs) => DioAlign { offset: lbs, mem: lbs, supported: true, source: "device logical block size" },
-            None => DioAlign { offset: 512, mem: 512, supported: true, source: "default 512" },
+            Some(lbs) => DioAlign {
+                offset: lbs,
+                mem: lbs,
+                supported: true,
+                source: "device logical block size",
+            },
+            None => DioAlign {
+                offset: 512,
+                mem: 512,
+                supported: true,
+                source: "default 512",
+            },
         },
-        Err(_) => DioAlign { offset: 512, mem: 512, supported: true, source: "default 512" },
+        Err(_) => DioAlign {
+            offset: 512,
+            mem: 512,
+            supported: true,
+            source: "default 512",
+        },
     }
 }
 

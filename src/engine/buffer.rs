@@ -33,7 +33,9 @@ impl AlignedBuf {
         let layout = Self::layout(cap);
         // SAFETY: layout has non-zero size (cap >= BUF_ALIGN) and a valid alignment.
         let raw = unsafe { alloc_zeroed(layout) };
-        let Some(ptr) = NonNull::new(raw) else { std::alloc::handle_alloc_error(layout) };
+        let Some(ptr) = NonNull::new(raw) else {
+            std::alloc::handle_alloc_error(layout)
+        };
         AlignedBuf { ptr, cap }
     }
 
@@ -108,7 +110,9 @@ impl Pool {
     /// Return a buffer for reuse (or free it if the pool is full).
     pub fn put(&mut self, buf: AlignedBuf) {
         if let Some(c) = class_of(buf.cap) {
-            if buf.cap == 1 << (c as u32 + MIN_CLASS_SHIFT) && self.kept + buf.cap <= POOL_KEEP_BYTES {
+            if buf.cap == 1 << (c as u32 + MIN_CLASS_SHIFT)
+                && self.kept + buf.cap <= POOL_KEEP_BYTES
+            {
                 self.kept += buf.cap;
                 self.free[c].push(buf);
             }

@@ -8,8 +8,8 @@
 //! concurrently and complete in any order.
 
 use super::buffer::AlignedBuf;
-use super::reactor::{Io, TAG_CANCEL, TAG_FILE, TAG_RECV, TAG_SEND, ud};
 use super::ops;
+use super::reactor::{Io, TAG_CANCEL, TAG_FILE, TAG_RECV, TAG_SEND, ud};
 use super::task::{Next, Task};
 use crate::device::range_lock::{Place, Ticket};
 use crate::device::stats::Path;
@@ -137,10 +137,18 @@ unsafe impl Send for Conn {}
 
 impl Conn {
     pub fn new(sock: OwnedFd, dev: Arc<Device>, structured: bool, meta_context: bool) -> Conn {
-        let view = ExportView { size: dev.size, read_only: dev.read_only, structured, meta_context };
+        let view = ExportView {
+            size: dev.size,
+            read_only: dev.read_only,
+            structured,
+            meta_context,
+        };
         // SAFETY: msghdr and iovec are plain C structs for which all-zero is valid.
         let msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        let iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_IOV];
+        let iov = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; MAX_IOV];
         Conn {
             sock,
             dev,
@@ -189,7 +197,11 @@ impl Conn {
 
     /// Whether the connection has nothing in flight and can be dropped.
     pub fn finished(&self) -> bool {
-        self.read_closed && !self.recv_inflight && !self.send_inflight && self.file_ops == 0 && self.idle()
+        self.read_closed
+            && !self.recv_inflight
+            && !self.send_inflight
+            && self.file_ops == 0
+            && self.idle()
     }
 }
 
@@ -202,7 +214,9 @@ impl Conn {
     fn post_recv(&mut self, io: &mut Io, ci: u32, ptr: *mut u8, len: usize) {
         self.recv_inflight = true;
         let len = u32::try_from(len).unwrap_or(u32::MAX);
-        let e = opcode::Recv::new(types::Fd(self.sock.as_raw_fd()), ptr, len).build().user_data(ud(TAG_RECV, ci, 0));
+        let e = opcode::Recv::new(types::Fd(self.sock.as_raw_fd()), ptr, len)
+            .build()
+            .user_data(ud(TAG_RECV, ci, 0));
         io.push(e);
     }
 
@@ -211,7 +225,9 @@ impl Conn {
         self.read_closed = true;
         if self.recv_inflight && !self.cancel_sent {
             self.cancel_sent = true;
-            let e = opcode::AsyncCancel::new(ud(TAG_RECV, ci, 0)).build().user_data(ud(TAG_CANCEL, ci, 0));
+            let e = opcode::AsyncCancel::new(ud(TAG_RECV, ci, 0))
+                .build()
+                .user_data(ud(TAG_CANCEL, ci, 0));
             io.push(e);
         }
     }
@@ -257,19 +273,26 @@ impl Conn {
             let req = match wire::parse_request(hdr) {
                 Ok(r) => r,
                 Err(e) => {
-                    tracing::warn!("closing a connection to {:?}: framing error: {e}", self.dev.name);
+                    tracing::warn!(
+                        "closing a connection to {:?}: framing error: {e}",
+                        self.dev.name
+                    );
                     self.kill(io, ci);
                     return;
                 }
             };
             self.rstart += REQUEST_LEN;
-            let Some(si) = self.free_slots.pop() else { return };
+            let Some(si) = self.free_slots.pop() else {
+                return;
+            };
             self.slots[si as usize].cookie = req.cookie;
             match wire::validate(&req, &self.view) {
                 Err(rej) => {
                     self.slots[si as usize].state = SlotState::Io;
                     if rej.payload > 0 {
-                        self.recv = RecvState::Discard { remaining: u64::from(rej.payload) };
+                        self.recv = RecvState::Discard {
+                            remaining: u64::from(rej.payload),
+                        };
                     }
                     self.finish(io, ci, si, req.kind == CMD_READ, Err(rej.errno));
                 }
@@ -279,7 +302,8 @@ impl Conn {
                     return;
                 }
                 Ok(cmd) => {
-                    let mut task = Task::plan(&self.dev, cmd, req.flags, req.offset, req.len, &mut io.pool);
+                    let mut task =
+                        Task::plan(&self.dev, cmd, req.flags, req.offset, req.len, &mut io.pool);
                     let len = req.len as usize;
                     if matches!(cmd, Command::Read | Command::Write) {
                         self.bytes_held += len;
@@ -294,7 +318,10 @@ impl Conn {
                             let slot = &mut self.slots[si as usize];
                             slot.task = Some(task);
                             slot.state = SlotState::Receiving;
-                            self.recv = RecvState::Payload { slot: si, got: have };
+                            self.recv = RecvState::Payload {
+                                slot: si,
+                                got: have,
+                            };
                             self.post_recv(io, ci, ptr, len - have);
                             return;
                         }
@@ -310,7 +337,11 @@ impl Conn {
         self.recv_inflight = false;
         if res <= 0 {
             if res < 0 && res != -libc::ECANCELED && res != -libc::ECONNRESET {
-                tracing::debug!("receive failed on a connection to {:?}: errno {}", self.dev.name, -res);
+                tracing::debug!(
+                    "receive failed on a connection to {:?}: errno {}",
+                    self.dev.name,
+                    -res
+                );
             }
             self.read_closed = true;
             if let RecvState::Payload { slot, .. } = self.recv {
@@ -325,7 +356,9 @@ impl Conn {
             RecvState::Header | RecvState::Discard { .. } => self.rend += n,
             RecvState::Payload { slot, got } => {
                 let got = got + n;
-                let Some(t) = self.slots[slot as usize].task.as_mut() else { return };
+                let Some(t) = self.slots[slot as usize].task.as_mut() else {
+                    return;
+                };
                 let total = t.len as usize;
                 if got < total {
                     if self.read_closed {
@@ -349,7 +382,9 @@ impl Conn {
     pub(super) fn dispatch(&mut self, io: &mut Io, ci: u32, si: u16) {
         let dev = Arc::clone(&self.dev);
         let slot = &mut self.slots[si as usize];
-        let Some(task) = slot.task.as_mut() else { return };
+        let Some(task) = slot.task.as_mut() else {
+            return;
+        };
         if task.cmd == Command::BlockStatus {
             let (off, len, one) = (task.offset, task.len, task.flags & CMD_FLAG_REQ_ONE != 0);
             dev.stats.command(Command::BlockStatus, 0);
@@ -357,7 +392,13 @@ impl Conn {
             return;
         }
         if task.needs_lock() && slot.ticket.is_none() {
-            match dev.lock.try_lock(task.lock_start, task.lock_end, task.lock_mode, &mut slot.place, &io.waker) {
+            match dev.lock.try_lock(
+                task.lock_start,
+                task.lock_end,
+                task.lock_mode,
+                &mut slot.place,
+                &io.waker,
+            ) {
                 Some(t) => slot.ticket = Some(t),
                 None => {
                     slot.state = SlotState::WaitLock;
@@ -374,7 +415,12 @@ impl Conn {
                 let foff = dev.file_offset(task.offset);
                 let buf = &mut task.payload_mut()[..len];
                 let flags = rustix::io::ReadWriteFlags::NOWAIT;
-                match rustix::io::preadv2(&dev.plain, &mut [std::io::IoSliceMut::new(buf)], foff, flags) {
+                match rustix::io::preadv2(
+                    &dev.plain,
+                    &mut [std::io::IoSliceMut::new(buf)],
+                    foff,
+                    flags,
+                ) {
                     Ok(n) if n == len => {
                         dev.stats.path(Path::InlineCached);
                         self.finish(io, ci, si, true, Ok(len as u32));
@@ -400,8 +446,10 @@ impl Conn {
             Next::Done(r) => {
                 let task = self.slots[si as usize].task.as_ref();
                 let is_read = task.is_some_and(|t| t.cmd == Command::Read);
-                if let (Ok(_), Some(end)) = (&r, task.and_then(Task::grows_to)) {
-                    self.dev.grew_to(end);
+                match (&r, task.and_then(Task::grows_to)) {
+                    (Ok(_), Some(end)) => self.dev.grew_to(end),
+                    (Err(e), _) => log_backing_error(&self.dev, *e, task),
+                    _ => {}
                 }
                 self.finish(io, ci, si, is_read, r);
             }
@@ -410,7 +458,9 @@ impl Conn {
 
     pub(super) fn on_file(&mut self, io: &mut Io, ci: u32, si: u16, res: i32) {
         self.file_ops = self.file_ops.saturating_sub(1);
-        let Some(task) = self.slots[si as usize].task.as_mut() else { return };
+        let Some(task) = self.slots[si as usize].task.as_mut() else {
+            return;
+        };
         let next = task.complete(res, &mut io.pool);
         if self.dead {
             // Nobody to answer: stop here (the range is released with the slot).
@@ -433,14 +483,18 @@ impl Conn {
         }
         if let Err(e) = r {
             self.dev.stats.error(e);
-            if matches!(e, NbdErrno::Io | NbdErrno::NoSpc) {
-                log_backing_error(&self.dev, e);
-            }
         }
         let offset = slot.task.as_ref().map_or(0, |t| t.offset);
         let r = if is_read { r } else { r.map(|_| 0) };
         slot.data_len = r.map_or(0, |n| n as usize);
-        slot.hdr_len = wire::reply_header(&mut slot.hdr, is_read, self.structured, slot.cookie, offset, r);
+        slot.hdr_len = wire::reply_header(
+            &mut slot.hdr,
+            is_read,
+            self.structured,
+            slot.cookie,
+            offset,
+            r,
+        );
         self.queue(io, si);
     }
 
@@ -459,7 +513,12 @@ impl Conn {
             Ok(n) => {
                 let slot = &mut self.slots[si as usize];
                 let count = u32::try_from(n).unwrap_or(0);
-                slot.hdr_len = wire::block_status_header(&mut slot.hdr, slot.cookie, BASE_ALLOCATION_ID, count);
+                slot.hdr_len = wire::block_status_header(
+                    &mut slot.hdr,
+                    slot.cookie,
+                    BASE_ALLOCATION_ID,
+                    count,
+                );
                 slot.data_len = 8 * n;
                 slot.extra = Some(extra);
                 self.queue(io, si);
@@ -490,7 +549,10 @@ impl Conn {
                 }
                 // SAFETY: skip < len, so the pointer stays inside the part.
                 let p = unsafe { ptr.add(skip) };
-                self.iov[n_iov] = libc::iovec { iov_base: p as *mut libc::c_void, iov_len: len - skip };
+                self.iov[n_iov] = libc::iovec {
+                    iov_base: p as *mut libc::c_void,
+                    iov_len: len - skip,
+                };
                 skip = 0;
                 n_iov += 1;
             }
@@ -510,7 +572,11 @@ impl Conn {
         self.send_inflight = false;
         if res < 0 {
             if res != -libc::EPIPE && res != -libc::ECONNRESET {
-                tracing::debug!("send failed on a connection to {:?}: errno {}", self.dev.name, -res);
+                tracing::debug!(
+                    "send failed on a connection to {:?}: errno {}",
+                    self.dev.name,
+                    -res
+                );
             }
             self.kill(io, ci);
             return;
@@ -586,14 +652,21 @@ impl Conn {
     }
 }
 
-/// Log the first backing-file error of each kind per device, with context.
-fn log_backing_error(dev: &Device, e: NbdErrno) {
-    let bit = 1u64 << crate::device::stats::errno_index(e);
+/// Log the first backing-file error of each kind per device, with context
+/// (later ones are only counted, so a failing disk cannot flood the log).
+fn log_backing_error(dev: &Device, e: NbdErrno, task: Option<&Task>) {
+    use crate::device::stats::{ERRNO_NAMES, errno_index};
+    let bit = 1u64 << errno_index(e);
     if dev.stats.logged_errors.fetch_or(bit, Ordering::Relaxed) & bit == 0 {
+        let what = task.map_or(String::new(), |t| {
+            format!(" {:?} at offset {} length {}:", t.cmd, t.offset, t.len)
+        });
         tracing::warn!(
-            "device {:?} ({}): backing file error {e:?}; further errors of this kind are counted, not logged",
+            "device {:?} ({}):{what} backing file error {}; further {} errors are counted, not logged",
             dev.name,
-            dev.path.display()
+            dev.path.display(),
+            ERRNO_NAMES[errno_index(e)],
+            ERRNO_NAMES[errno_index(e)],
         );
     }
 }

@@ -6,18 +6,34 @@ use io_uring::{opcode, squeue, types};
 /// Build the SQE for `op`, tagged with `user_data`.
 pub fn sqe(op: FileOp, user_data: u64) -> squeue::Entry {
     let e = match op {
-        FileOp::Read { fd, buf, len, off } => opcode::Read::new(types::Fd(fd), buf, len).offset(off).build(),
-        FileOp::Write { fd, buf, len, off, dsync } => {
-            let flags = if dsync { libc::RWF_DSYNC } else { 0 };
-            opcode::Write::new(types::Fd(fd), buf, len).offset(off).rw_flags(flags).build()
-        }
-        FileOp::Fdatasync { fd } => opcode::Fsync::new(types::Fd(fd)).flags(types::FsyncFlags::DATASYNC).build(),
-        FileOp::Fallocate { fd, mode, off, len } => {
-            opcode::Fallocate::new(types::Fd(fd), len).offset(off).mode(mode).build()
-        }
-        FileOp::WillNeed { fd, off, len } => opcode::Fadvise::new(types::Fd(fd), len_i64(len), libc::POSIX_FADV_WILLNEED)
+        FileOp::Read { fd, buf, len, off } => opcode::Read::new(types::Fd(fd), buf, len)
             .offset(off)
             .build(),
+        FileOp::Write {
+            fd,
+            buf,
+            len,
+            off,
+            dsync,
+        } => {
+            let flags = if dsync { libc::RWF_DSYNC } else { 0 };
+            opcode::Write::new(types::Fd(fd), buf, len)
+                .offset(off)
+                .rw_flags(flags)
+                .build()
+        }
+        FileOp::Fdatasync { fd } => opcode::Fsync::new(types::Fd(fd))
+            .flags(types::FsyncFlags::DATASYNC)
+            .build(),
+        FileOp::Fallocate { fd, mode, off, len } => opcode::Fallocate::new(types::Fd(fd), len)
+            .offset(off)
+            .mode(mode)
+            .build(),
+        FileOp::WillNeed { fd, off, len } => {
+            opcode::Fadvise::new(types::Fd(fd), len_i64(len), libc::POSIX_FADV_WILLNEED)
+                .offset(off)
+                .build()
+        }
     };
     e.user_data(user_data)
 }

@@ -42,12 +42,18 @@ pub(super) fn ud(tag: u64, conn: u32, slot: u16) -> u64 {
 }
 
 fn ud_parts(u: u64) -> (u64, u32, u16) {
-    (u >> 56, ((u >> 16) & 0xffff_ffff) as u32, (u & 0xffff) as u16)
+    (
+        u >> 56,
+        ((u >> 16) & 0xffff_ffff) as u32,
+        (u & 0xffff) as u16,
+    )
 }
 
 #[derive(Debug, Error)]
 pub enum ReactorError {
-    #[error("cannot create io_uring (is io_uring disabled? see /proc/sys/kernel/io_uring_disabled)")]
+    #[error(
+        "cannot create io_uring (is io_uring disabled? see /proc/sys/kernel/io_uring_disabled)"
+    )]
     Ring(#[source] std::io::Error),
     #[error("cannot create eventfd")]
     EventFd(#[source] std::io::Error),
@@ -77,8 +83,8 @@ pub struct EventWaker {
 
 impl Wake for EventWaker {
     fn wake(&self) {
-        // A full counter (EAGAIN) still means a wake-up is pending, so the result
-        // does not matter.
+        // Only a counter at its maximum could fail (or block) here, and then a
+        // wake-up is pending anyway, so the result does not matter.
         let _ = rustix::io::write(&self.fd, &1u64.to_ne_bytes());
     }
 }
@@ -122,7 +128,9 @@ pub fn spawn(id: usize) -> Result<Arc<ReactorHandle>, ReactorError> {
         .setup_cqsize(RING_ENTRIES * 4)
         .build(RING_ENTRIES)
         .map_err(ReactorError::Ring)?;
-    let efd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)
+    // Blocking: io_uring polls it; a non-blocking eventfd could complete the
+    // wake-up read with EAGAIN instead of waiting.
+    let efd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)
         .map_err(|e| ReactorError::EventFd(e.into()))?;
     let waker = Arc::new(EventWaker { fd: efd });
     let (tx, rx) = channel();
@@ -202,10 +210,21 @@ struct Reactor {
 }
 
 impl Reactor {
-    fn new(ring: IoUring, rx: Receiver<Msg>, waker: Arc<EventWaker>, handle: Arc<ReactorHandle>) -> Reactor {
+    fn new(
+        ring: IoUring,
+        rx: Receiver<Msg>,
+        waker: Arc<EventWaker>,
+        handle: Arc<ReactorHandle>,
+    ) -> Reactor {
         let waker_dyn: Arc<dyn Wake> = waker.clone();
         Reactor {
-            io: Io { ring, pool: Pool::default(), lock_waiters: Vec::new(), waker: waker_dyn, cqes: Vec::new() },
+            io: Io {
+                ring,
+                pool: Pool::default(),
+                lock_waiters: Vec::new(),
+                waker: waker_dyn,
+                cqes: Vec::new(),
+            },
             rx,
             waker,
             handle,
@@ -223,13 +242,19 @@ impl Reactor {
     fn arm_wake(&mut self) {
         let buf: *mut u64 = &mut *self.wake_buf;
         let fd = types::Fd(self.waker.fd.as_raw_fd());
-        self.io.push(opcode::Read::new(fd, buf.cast(), 8).build().user_data(ud(TAG_WAKE, 0, 0)));
+        self.io.push(
+            opcode::Read::new(fd, buf.cast(), 8)
+                .build()
+                .user_data(ud(TAG_WAKE, 0, 0)),
+        );
     }
 
     fn run(&mut self) -> Result<(), ReactorError> {
         self.arm_wake();
         loop {
-            match self.io.ring.submit_and_wait(1) {
+            // Completions reaped while submitting are already queued: don't sleep.
+            let want = usize::from(self.io.cqes.is_empty());
+            match self.io.ring.submit_and_wait(want) {
                 Ok(_) => {}
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY)) => {}
                 Err(e) => return Err(ReactorError::Enter(e)),
@@ -258,12 +283,12 @@ impl Reactor {
                 if !self.timer_armed {
                     self.timer_armed = true;
                     let t: *const types::Timespec = &*self.timer;
-                    self.io.push(opcode::Timeout::new(t).build().user_data(ud(TAG_TIMER, 0, 0)));
+                    self.io.push(
+                        opcode::Timeout::new(t)
+                            .build()
+                            .user_data(ud(TAG_TIMER, 0, 0)),
+                    );
                 }
-            }
-            if !self.io.cqes.is_empty() {
-                // Handle completions reaped during submission before sleeping.
-                continue;
             }
         }
     }
@@ -286,7 +311,10 @@ impl Reactor {
             return;
         }
         let io = &mut self.io;
-        let conn = self.conns.get_mut(ci as usize).and_then(|c| c.as_deref_mut());
+        let conn = self
+            .conns
+            .get_mut(ci as usize)
+            .and_then(|c| c.as_deref_mut());
         match (tag, conn) {
             (TAG_RECV, Some(c)) => c.on_recv(io, ci, res),
             (TAG_SEND, Some(c)) => c.on_send(io, ci, res),
@@ -343,7 +371,11 @@ impl Reactor {
     fn retry_waiters(&mut self) {
         let waiters = std::mem::take(&mut self.io.lock_waiters);
         for (ci, si) in waiters {
-            if let Some(c) = self.conns.get_mut(ci as usize).and_then(|c| c.as_deref_mut()) {
+            if let Some(c) = self
+                .conns
+                .get_mut(ci as usize)
+                .and_then(|c| c.as_deref_mut())
+            {
                 if c.waiting(si) {
                     c.dispatch(&mut self.io, ci, si);
                     self.dirty.push(ci);
@@ -356,7 +388,13 @@ impl Reactor {
         self.dirty.sort_unstable();
         self.dirty.dedup();
         while let Some(ci) = self.dirty.pop() {
-            let Some(c) = self.conns.get_mut(ci as usize).and_then(|c| c.as_deref_mut()) else { continue };
+            let Some(c) = self
+                .conns
+                .get_mut(ci as usize)
+                .and_then(|c| c.as_deref_mut())
+            else {
+                continue;
+            };
             if c.service(&mut self.io, ci) {
                 self.conns[ci as usize] = None;
                 self.free_conns.push(ci);
@@ -371,7 +409,10 @@ impl Drop for Reactor {
         // Never free a buffer the kernel may still write: wait for everything in
         // flight. If the ring is broken, leak the connections instead.
         let busy = |conns: &[Option<Box<Conn>>]| {
-            conns.iter().flatten().any(|c| c.recv_inflight || c.send_inflight || c.file_ops > 0)
+            conns
+                .iter()
+                .flatten()
+                .any(|c| c.recv_inflight || c.send_inflight || c.file_ops > 0)
         };
         for (ci, c) in self.conns.iter_mut().enumerate() {
             if let Some(c) = c.as_deref_mut() {
@@ -390,7 +431,11 @@ impl Drop for Reactor {
             for (u, res) in batch {
                 let (tag, ci, si) = ud_parts(u);
                 let io = &mut self.io;
-                if let Some(c) = self.conns.get_mut(ci as usize).and_then(|c| c.as_deref_mut()) {
+                if let Some(c) = self
+                    .conns
+                    .get_mut(ci as usize)
+                    .and_then(|c| c.as_deref_mut())
+                {
                     match tag {
                         TAG_RECV => c.on_recv(io, ci, res),
                         TAG_SEND => c.on_send(io, ci, res),

@@ -27,12 +27,22 @@ pub fn run_op(op: FileOp) -> i32 {
                 Err(e) => errno_of(e),
             }
         }
-        FileOp::Write { fd, buf, len, off, dsync } => {
+        FileOp::Write {
+            fd,
+            buf,
+            len,
+            off,
+            dsync,
+        } => {
             // SAFETY: as for Read; the buffer is only read.
             let slice = unsafe { std::slice::from_raw_parts(buf, len as usize) };
             // SAFETY: fd is the device's open file, alive for the task's lifetime.
             let fd = unsafe { BorrowedFd::borrow_raw(fd) };
-            let flags = if dsync { rustix::io::ReadWriteFlags::DSYNC } else { rustix::io::ReadWriteFlags::empty() };
+            let flags = if dsync {
+                rustix::io::ReadWriteFlags::DSYNC
+            } else {
+                rustix::io::ReadWriteFlags::empty()
+            };
             match rustix::io::pwritev2(fd, &[std::io::IoSlice::new(slice)], off, flags) {
                 Ok(n) => n as i32,
                 Err(e) => errno_of(e),
@@ -53,7 +63,8 @@ pub fn run_op(op: FileOp) -> i32 {
             // SAFETY: fd is the device's open file, alive for the task's lifetime.
             let fd = unsafe { BorrowedFd::borrow_raw(fd) };
             let len = std::num::NonZeroU64::new(len);
-            rustix::fs::fadvise(fd, off, len, rustix::fs::Advice::WillNeed).map_or_else(errno_of, |()| 0)
+            rustix::fs::fadvise(fd, off, len, rustix::fs::Advice::WillNeed)
+                .map_or_else(errno_of, |()| 0)
         }
     }
 }

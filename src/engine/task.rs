@@ -22,11 +22,33 @@ use std::os::fd::{AsRawFd, RawFd};
 /// One operation on the backing file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FileOp {
-    Read { fd: RawFd, buf: *mut u8, len: u32, off: u64 },
-    Write { fd: RawFd, buf: *const u8, len: u32, off: u64, dsync: bool },
-    Fdatasync { fd: RawFd },
-    Fallocate { fd: RawFd, mode: i32, off: u64, len: u64 },
-    WillNeed { fd: RawFd, off: u64, len: u64 },
+    Read {
+        fd: RawFd,
+        buf: *mut u8,
+        len: u32,
+        off: u64,
+    },
+    Write {
+        fd: RawFd,
+        buf: *const u8,
+        len: u32,
+        off: u64,
+        dsync: bool,
+    },
+    Fdatasync {
+        fd: RawFd,
+    },
+    Fallocate {
+        fd: RawFd,
+        mode: i32,
+        off: u64,
+        len: u64,
+    },
+    WillNeed {
+        fd: RawFd,
+        off: u64,
+        len: u64,
+    },
 }
 
 /// What a task wants next.
@@ -102,7 +124,14 @@ fn align_up(x: u64, a: u64) -> u64 {
 impl Task {
     /// Plan a validated request (the caller has checked bounds against the export
     /// size, so `offset + len` fits). Takes buffers from `pool`.
-    pub fn plan(dev: &Device, cmd: Command, flags: u16, offset: u64, len: u32, pool: &mut Pool) -> Task {
+    pub fn plan(
+        dev: &Device,
+        cmd: Command,
+        flags: u16,
+        offset: u64,
+        len: u32,
+        pool: &mut Pool,
+    ) -> Task {
         let foff = dev.file_offset(offset);
         let fend = foff.saturating_add(u64::from(len));
         let align = u64::from(dev.dio_align.max(1));
@@ -119,7 +148,11 @@ impl Task {
             lock_start: foff,
             lock_end: fend,
             lock_mode: Mode::Shared,
-            path: if dev.direct { Path::Direct } else { Path::Buffered },
+            path: if dev.direct {
+                Path::Direct
+            } else {
+                Path::Buffered
+            },
             phase: Phase::Start,
             done: 0,
             fd: dev.file.as_raw_fd(),
@@ -156,7 +189,10 @@ impl Task {
 
     /// Whether this task touches the file under the range lock at all.
     pub fn needs_lock(&self) -> bool {
-        matches!(self.cmd, Command::Read | Command::Write | Command::Trim | Command::WriteZeroes)
+        matches!(
+            self.cmd,
+            Command::Read | Command::Write | Command::Trim | Command::WriteZeroes
+        )
     }
 
     /// The bytes a write's payload must be received into.
@@ -201,7 +237,9 @@ impl Task {
             return Next::Done(Ok(self.len));
         }
         self.phase = Phase::ReadSpan;
-        let Some(buf) = self.buf.as_mut() else { return Next::Done(Err(NbdErrno::Io)) };
+        let Some(buf) = self.buf.as_mut() else {
+            return Next::Done(Err(NbdErrno::Io));
+        };
         // SAFETY: done < span_len <= buf capacity, so the pointer stays in bounds.
         let ptr = unsafe { buf.as_mut_ptr().add(self.done) };
         Next::Submit(FileOp::Read {
@@ -218,7 +256,9 @@ impl Task {
             return Next::Done(Ok(0));
         }
         self.phase = Phase::WriteSpan;
-        let Some(buf) = self.buf.as_ref() else { return Next::Done(Err(NbdErrno::Io)) };
+        let Some(buf) = self.buf.as_ref() else {
+            return Next::Done(Err(NbdErrno::Io));
+        };
         // SAFETY: done < span_len <= buf capacity, so the pointer stays in bounds.
         let ptr = unsafe { buf.as_ptr().add(self.done) };
         Next::Submit(FileOp::Write {
@@ -246,14 +286,23 @@ impl Task {
         self.phase = phase;
         self.done = 0;
         let align = self.align as usize;
-        let Some(edge) = self.edge.as_mut() else { return Next::Done(Err(NbdErrno::Io)) };
-        Next::Submit(FileOp::Read { fd: self.fd, buf: edge.as_mut_ptr(), len: clamp_u32(align), off: block })
+        let Some(edge) = self.edge.as_mut() else {
+            return Next::Done(Err(NbdErrno::Io));
+        };
+        Next::Submit(FileOp::Read {
+            fd: self.fd,
+            buf: edge.as_mut_ptr(),
+            len: clamp_u32(align),
+            off: block,
+        })
     }
 
     /// Copy the parts of `edge` (holding the block at file offset `block`) that lie
     /// outside the client's bytes into `buf`.
     fn merge_edge(&mut self, block: u64) {
-        let (Some(buf), Some(edge)) = (self.buf.as_mut(), self.edge.as_ref()) else { return };
+        let (Some(buf), Some(edge)) = (self.buf.as_mut(), self.edge.as_ref()) else {
+            return;
+        };
         let rel = (block - self.span_start) as usize;
         let align = self.align as usize;
         let data = self.data_at..self.data_at + self.len as usize;
@@ -300,7 +349,11 @@ impl Task {
             }
             Command::Cache if self.path == Path::Buffered => {
                 self.phase = Phase::WillNeed;
-                Next::Submit(FileOp::WillNeed { fd: self.fd, off: self.lock_start, len: u64::from(self.len) })
+                Next::Submit(FileOp::WillNeed {
+                    fd: self.fd,
+                    off: self.lock_start,
+                    len: u64::from(self.len),
+                })
             }
             // Direct mode keeps the image out of the page cache on purpose, so a
             // prefetch into it would only cost memory: CACHE succeeds as a no-op.
@@ -330,7 +383,9 @@ impl Task {
             b.as_mut_slice().fill(0);
             self.buf = Some(b);
         }
-        let Some(buf) = self.buf.as_ref() else { return Next::Done(Err(NbdErrno::Io)) };
+        let Some(buf) = self.buf.as_ref() else {
+            return Next::Done(Err(NbdErrno::Io));
+        };
         // Through the plain (buffered) fd: the range may not be aligned for O_DIRECT,
         // and it is held exclusively, so no direct I/O races with it.
         Next::Submit(FileOp::Write {
@@ -369,9 +424,16 @@ impl Task {
                 if let Some(e) = self.edge.as_mut() {
                     e.as_mut_slice()[n..self.align as usize].fill(0);
                 }
-                let block = if self.phase == Phase::RmwHead { self.span_start } else { self.tail_block() };
+                let block = if self.phase == Phase::RmwHead {
+                    self.span_start
+                } else {
+                    self.tail_block()
+                };
                 self.merge_edge(block);
-                if self.phase == Phase::RmwHead && self.tail_partial() && self.tail_block() != self.span_start {
+                if self.phase == Phase::RmwHead
+                    && self.tail_partial()
+                    && self.tail_block() != self.span_start
+                {
                     return self.read_edge(Phase::RmwTail, self.tail_block());
                 }
                 self.done = 0;
@@ -394,7 +456,11 @@ impl Task {
                 if self.cmd == Command::Trim {
                     // Trim is advisory: a filesystem that cannot punch holes still
                     // gave correct (unchanged) data.
-                    return if -res == libc::EOPNOTSUPP { self.sync_after_or_done() } else { self.fail(res) };
+                    return if -res == libc::EOPNOTSUPP {
+                        self.sync_after_or_done()
+                    } else {
+                        self.fail(res)
+                    };
                 }
                 if -res == libc::EOPNOTSUPP || -res == libc::EINVAL {
                     if self.flags & CMD_FLAG_FAST_ZERO != 0 {

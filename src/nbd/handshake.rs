@@ -46,7 +46,11 @@ const MAX_OPTIONS: usize = 4096;
 
 /// Transmission flags for a device.
 pub fn transmission_flags(dev: &Device, structured: bool) -> u16 {
-    let mut f = TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH | TFLAG_SEND_FUA | TFLAG_SEND_CACHE | TFLAG_CAN_MULTI_CONN;
+    let mut f = TFLAG_HAS_FLAGS
+        | TFLAG_SEND_FLUSH
+        | TFLAG_SEND_FUA
+        | TFLAG_SEND_CACHE
+        | TFLAG_CAN_MULTI_CONN;
     if dev.read_only {
         f |= TFLAG_READ_ONLY;
     } else {
@@ -74,7 +78,10 @@ struct Session<'a, S> {
 
 /// Run the handshake. `Ok(None)` means the client ended it cleanly (ABORT, or
 /// closed the socket between options).
-pub fn negotiate<S: Read + Write>(s: &mut S, exports: &dyn Exports) -> Result<Option<Negotiated>, HandshakeError> {
+pub fn negotiate<S: Read + Write>(
+    s: &mut S,
+    exports: &dyn Exports,
+) -> Result<Option<Negotiated>, HandshakeError> {
     let mut hello = [0u8; 18];
     hello[0..8].copy_from_slice(&NBDMAGIC.to_be_bytes());
     hello[8..16].copy_from_slice(&IHAVEOPT.to_be_bytes());
@@ -134,10 +141,15 @@ impl<S: Read + Write> Session<'_, S> {
     }
 
     /// Handle one option. `Some(outcome)` ends the handshake.
-    fn option(&mut self, option: u32, data: &[u8]) -> Result<Option<Option<Negotiated>>, HandshakeError> {
+    fn option(
+        &mut self,
+        option: u32,
+        data: &[u8],
+    ) -> Result<Option<Option<Negotiated>>, HandshakeError> {
         match option {
             OPT_EXPORT_NAME => {
-                let name = std::str::from_utf8(data).map_err(|_| WireError::Malformed("export name is not UTF-8"))?;
+                let name = std::str::from_utf8(data)
+                    .map_err(|_| WireError::Malformed("export name is not UTF-8"))?;
                 let Some(dev) = self.exports.find(name) else {
                     return Err(HandshakeError::UnknownExport(name.to_owned()));
                 };
@@ -188,10 +200,18 @@ impl<S: Read + Write> Session<'_, S> {
     }
 
     fn done(&mut self, dev: Arc<Device>) -> Negotiated {
-        Negotiated { dev, structured: self.structured, meta_context: self.meta_context }
+        Negotiated {
+            dev,
+            structured: self.structured,
+            meta_context: self.meta_context,
+        }
     }
 
-    fn info_or_go(&mut self, option: u32, data: &[u8]) -> Result<Option<Option<Negotiated>>, HandshakeError> {
+    fn info_or_go(
+        &mut self,
+        option: u32,
+        data: &[u8],
+    ) -> Result<Option<Option<Negotiated>>, HandshakeError> {
         let req = match wire::parse_info_request(data) {
             Ok(r) => r,
             Err(e) => {
@@ -208,10 +228,16 @@ impl<S: Read + Write> Session<'_, S> {
         self.reply(option, REP_INFO, &wire::info_export(dev.size, flags))?;
         for &kind in &req.requests {
             match kind {
-                INFO_NAME => self.reply(option, REP_INFO, &wire::info_string(INFO_NAME, &dev.name))?,
+                INFO_NAME => {
+                    self.reply(option, REP_INFO, &wire::info_string(INFO_NAME, &dev.name))?
+                }
                 INFO_DESCRIPTION => {
                     let desc = format!("loopd: {}", dev.path.display());
-                    self.reply(option, REP_INFO, &wire::info_string(INFO_DESCRIPTION, &desc))?
+                    self.reply(
+                        option,
+                        REP_INFO,
+                        &wire::info_string(INFO_DESCRIPTION, &desc),
+                    )?
                 }
                 INFO_BLOCK_SIZE => {
                     let (min, pref, max) = block_sizes(&dev);
@@ -230,7 +256,11 @@ impl<S: Read + Write> Session<'_, S> {
     fn meta(&mut self, option: u32, data: &[u8]) -> Result<(), HandshakeError> {
         let listing = option == OPT_LIST_META_CONTEXT;
         if !self.structured {
-            self.reply(option, REP_ERR_INVALID, b"negotiate structured replies first")?;
+            self.reply(
+                option,
+                REP_ERR_INVALID,
+                b"negotiate structured replies first",
+            )?;
             return Ok(());
         }
         let req = match wire::parse_meta_context_request(data) {
@@ -248,10 +278,16 @@ impl<S: Read + Write> Session<'_, S> {
         let selected = if listing && req.queries.is_empty() {
             true
         } else {
-            req.queries.iter().any(|q| wire::query_selects_base_allocation(q, listing))
+            req.queries
+                .iter()
+                .any(|q| wire::query_selects_base_allocation(q, listing))
         };
         if selected {
-            self.reply(option, REP_META_CONTEXT, &wire::rep_meta_context(BASE_ALLOCATION_ID, BASE_ALLOCATION))?;
+            self.reply(
+                option,
+                REP_META_CONTEXT,
+                &wire::rep_meta_context(BASE_ALLOCATION_ID, BASE_ALLOCATION),
+            )?;
         }
         if !listing {
             self.meta_context = selected;

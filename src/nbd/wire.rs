@@ -35,7 +35,10 @@ fn be64(b: &[u8], at: usize) -> u64 {
 
 fn need(b: &[u8], n: usize) -> Result<(), WireError> {
     if b.len() < n {
-        Err(WireError::Short { need: n, have: b.len() })
+        Err(WireError::Short {
+            need: n,
+            have: b.len(),
+        })
     } else {
         Ok(())
     }
@@ -58,7 +61,10 @@ pub fn parse_option_header(b: &[u8]) -> Result<OptionHeader, WireError> {
     if magic != IHAVEOPT {
         return Err(WireError::BadMagic(magic));
     }
-    Ok(OptionHeader { option: be32(b, 8), len: be32(b, 12) })
+    Ok(OptionHeader {
+        option: be32(b, 8),
+        len: be32(b, 12),
+    })
 }
 
 /// The payload of `NBD_OPT_INFO` / `NBD_OPT_GO`.
@@ -73,12 +79,16 @@ fn parse_string(b: &[u8], at: usize) -> Result<(String, usize), WireError> {
     need(b, at.checked_add(4).ok_or(WireError::Malformed("offset"))?)?;
     let len = be32(b, at) as usize;
     if len > MAX_NAME_LEN {
-        return Err(WireError::TooLong { len: len as u64, limit: MAX_NAME_LEN as u64 });
+        return Err(WireError::TooLong {
+            len: len as u64,
+            limit: MAX_NAME_LEN as u64,
+        });
     }
     let start = at + 4;
     let end = start + len;
     need(b, end)?;
-    let s = std::str::from_utf8(&b[start..end]).map_err(|_| WireError::Malformed("string is not UTF-8"))?;
+    let s = std::str::from_utf8(&b[start..end])
+        .map_err(|_| WireError::Malformed("string is not UTF-8"))?;
     if s.contains('\0') {
         return Err(WireError::Malformed("string contains NUL"));
     }
@@ -92,7 +102,9 @@ pub fn parse_info_request(b: &[u8]) -> Result<InfoRequest, WireError> {
     let n = be16(b, at) as usize;
     let start = at + 2;
     if b.len() != start + 2 * n {
-        return Err(WireError::Malformed("info request count does not match length"));
+        return Err(WireError::Malformed(
+            "info request count does not match length",
+        ));
     }
     let requests = (0..n).map(|i| be16(b, start + 2 * i)).collect();
     Ok(InfoRequest { name, requests })
@@ -403,7 +415,13 @@ pub fn reply_header(
             26
         }
         (true, Ok(data_len)) if cmd_is_read => {
-            chunk_header(out, REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, cookie, data_len + 8);
+            chunk_header(
+                out,
+                REPLY_FLAG_DONE,
+                REPLY_TYPE_OFFSET_DATA,
+                cookie,
+                data_len + 8,
+            );
             out[20..28].copy_from_slice(&offset.to_be_bytes());
             28
         }
@@ -417,8 +435,19 @@ pub fn reply_header(
 }
 
 /// Encode the header of a block-status chunk carrying `n` descriptors.
-pub fn block_status_header(out: &mut [u8; MAX_REPLY_HEADER], cookie: u64, context: u32, n: u32) -> usize {
-    chunk_header(out, REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, cookie, 4 + 8 * n);
+pub fn block_status_header(
+    out: &mut [u8; MAX_REPLY_HEADER],
+    cookie: u64,
+    context: u32,
+    n: u32,
+) -> usize {
+    chunk_header(
+        out,
+        REPLY_FLAG_DONE,
+        REPLY_TYPE_BLOCK_STATUS,
+        cookie,
+        4 + 8 * n,
+    );
     out[20..24].copy_from_slice(&context.to_be_bytes());
     24
 }
