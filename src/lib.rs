@@ -3,8 +3,11 @@
 //! Data flows client → [`nbd`] (handshake, wire) → [`engine`] (reactor,
 //! io_uring) → [`device`] (window, range lock, stats) → backing file.
 
+pub mod control;
+pub mod daemon;
 pub mod device;
 pub mod engine;
+pub mod kernel_loop;
 pub mod nbd;
 pub mod server;
 pub mod size;

@@ -1,16 +1,20 @@
 //! The `loopd` command line. Subcommands only; the work is in the library.
 
+mod cli;
+
 use anyhow::{Context, Result, bail};
-use clap::{Parser, Subcommand, ValueEnum};
-use loopd::device::{CacheMode, Device, DeviceParams};
-use loopd::server::{self, Registry, ServeOptions};
-use loopd::size::parse_size;
+use clap::{Parser, Subcommand};
+use cli::{Cache, DeviceArgs};
+use loopd::control::client;
+use loopd::control::proto::{Request, SetSpec};
+use loopd::daemon::{self, Daemon};
+use loopd::server::{self, ServeOptions};
 use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 /// A userspace loop device: serves disk-image files as block devices over NBD,
-/// with direct, asynchronous I/O (io_uring).
+/// with direct, asynchronous I/O (io_uring). `loopd serve` runs the server; the
+/// other commands talk to a running server over its control socket.
 #[derive(Parser)]
 #[command(name = "loopd", version, propagate_version = true)]
 struct Cli {
@@ -20,24 +24,33 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Serve an image file as an NBD export, in the foreground, until Ctrl-C/SIGTERM.
+    /// Run the server in the foreground until Ctrl-C/SIGTERM: serve IMAGE (if
+    /// given), the devices of --config and of the state file, and any attached later.
     Serve(ServeArgs),
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Cache {
-    /// Direct I/O where the filesystem allows it, else buffered (and say which).
-    Auto,
-    /// O_DIRECT: keep the image out of the page cache; fail if the filesystem refuses.
-    Direct,
-    /// Through the page cache.
-    Buffered,
+    /// Attach an image as a new device of a running server; prints its name and URIs.
+    Attach(AttachArgs),
+    /// Remove a device. Refuses while clients are connected unless --force.
+    Detach(DetachArgs),
+    /// List devices, like `losetup --list`.
+    List(ListArgs),
+    /// Show a device's configuration and live counters.
+    Status(StatusArgs),
+    /// Change a device's configuration while it serves.
+    Set(SetArgs),
+    /// Re-read the backing file's size (like `losetup --set-capacity`).
+    Resize(ResizeArgs),
+    /// Kernel loop devices (/dev/loopN), set up in one LOOP_CONFIGURE call.
+    #[command(subcommand)]
+    Kernel(cli::kernel::KernelCmd),
 }
 
 #[derive(clap::Args)]
 struct ServeArgs {
-    /// The image file (or block device) to serve.
-    image: PathBuf,
+    /// The image file (or block device) to serve; optional: without it the server
+    /// starts with the devices of --config and the state file only.
+    image: Option<PathBuf>,
+    #[command(flatten)]
+    dev: DeviceArgs,
     /// NBD Unix socket to listen on [default: /run/loopd/loopd.sock for root,
     /// else $XDG_RUNTIME_DIR/loopd/loopd.sock].
     #[arg(long, value_name = "PATH")]
@@ -45,29 +58,17 @@ struct ServeArgs {
     /// Also (or only) listen on TCP, e.g. 127.0.0.1:10809 (NBD's port). Repeatable.
     #[arg(long, value_name = "HOST:PORT")]
     listen: Vec<String>,
-    /// Export name [default: the image's file stem]; the empty name also works.
-    #[arg(long)]
-    name: Option<String>,
-    /// Create a sparse image of this size (e.g. 1G; K/M/G/T) if IMAGE does not exist.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
-    create: Option<u64>,
-    /// Start of the exported window in the file, in bytes (like losetup --offset).
-    #[arg(long, value_name = "BYTES", value_parser = parse_size, default_value = "0")]
-    offset: u64,
-    /// Size of the exported window (like losetup --sizelimit); may reach past the
-    /// end of the file, which then reads as zeros [default: to the end of the file].
-    #[arg(long, value_name = "BYTES", value_parser = parse_size)]
-    size_limit: Option<u64>,
-    /// Logical block size: 512, 1024, 2048 or 4096 [default: the file's direct-I/O
-    /// alignment (statx), else the filesystem device's block size, else 512].
-    #[arg(long, value_name = "BYTES")]
-    block_size: Option<u32>,
-    /// How to reach the file: auto, direct (O_DIRECT) or buffered (page cache).
-    #[arg(long, value_enum, default_value = "auto")]
-    cache: Cache,
-    /// Refuse writes (EPERM) and advertise the export as read-only.
-    #[arg(long)]
-    read_only: bool,
+    /// TOML file of devices to attach at start ([[device]] tables with image,
+    /// name, offset, size_limit, block_size, cache, read_only, autoclear).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Control socket (mode 0600) [default: beside the NBD socket, with extension .ctl].
+    #[arg(long, value_name = "PATH")]
+    control: Option<PathBuf>,
+    /// State file: devices attached over the control socket, restored at start
+    /// [default: the control socket's path with extension .state].
+    #[arg(long, value_name = "FILE")]
+    state: Option<PathBuf>,
     /// Reactor threads, each with its own io_uring [default: one per core].
     #[arg(long, value_name = "N", default_value = "0")]
     reactors: usize,
@@ -76,7 +77,125 @@ struct ServeArgs {
     whole_device_lock: bool,
 }
 
-fn main() -> Result<()> {
+/// Where client commands find the server.
+#[derive(clap::Args)]
+struct ControlArg {
+    /// The server's control socket [default: $LOOPD_CONTROL, else the default
+    /// socket directory's loopd.ctl].
+    #[arg(long, value_name = "PATH", env = "LOOPD_CONTROL")]
+    control: Option<PathBuf>,
+}
+
+impl ControlArg {
+    fn path(&self) -> PathBuf {
+        self.control
+            .clone()
+            .unwrap_or_else(|| server::default_socket_dir().join("loopd.ctl"))
+    }
+}
+
+#[derive(clap::Args)]
+struct AttachArgs {
+    /// The image file (or block device).
+    image: PathBuf,
+    #[command(flatten)]
+    dev: DeviceArgs,
+    /// Remove the device when its last client disconnects.
+    #[arg(long)]
+    autoclear: bool,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    ctl: ControlArg,
+}
+
+#[derive(clap::Args)]
+struct DetachArgs {
+    /// Device name.
+    name: String,
+    /// Detach even with clients connected: in-flight requests finish, clients are
+    /// disconnected.
+    #[arg(long)]
+    force: bool,
+    #[command(flatten)]
+    ctl: ControlArg,
+}
+
+#[derive(clap::Args)]
+struct ListArgs {
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    ctl: ControlArg,
+}
+
+#[derive(clap::Args)]
+struct StatusArgs {
+    /// Device name.
+    name: String,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    ctl: ControlArg,
+}
+
+#[derive(clap::Args)]
+struct SetArgs {
+    /// Device name.
+    name: String,
+    /// New size of the window, in bytes (K/M/G/T).
+    #[arg(long, value_name = "BYTES", value_parser = loopd::size::parse_size)]
+    size_limit: Option<u64>,
+    /// New start of the window in the file (clients cannot follow: needs --force
+    /// while clients are connected).
+    #[arg(long, value_name = "BYTES", value_parser = loopd::size::parse_size)]
+    offset: Option<u64>,
+    /// New logical block size (clients cannot follow: needs --force while
+    /// clients are connected).
+    #[arg(long, value_name = "BYTES")]
+    block_size: Option<u32>,
+    /// New cache mode.
+    #[arg(long, value_enum)]
+    cache: Option<Cache>,
+    /// Make the device read-only (true) or writable (false).
+    #[arg(long, value_name = "BOOL")]
+    read_only: Option<bool>,
+    /// Apply changes connected clients cannot follow.
+    #[arg(long)]
+    force: bool,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    ctl: ControlArg,
+}
+
+#[derive(clap::Args)]
+struct ResizeArgs {
+    /// Device name.
+    name: String,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    ctl: ControlArg,
+}
+
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One line with the whole cause chain; no backtrace noise.
+            eprintln!("loopd: error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
@@ -89,54 +208,111 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Serve(a) => serve(a),
+        Cmd::Attach(a) => {
+            let mut spec = a.dev.spec(a.image);
+            spec.autoclear = a.autoclear;
+            let v = call(&a.ctl, &Request::Attach(spec))?;
+            cli::print_device(&v, a.json)
+        }
+        Cmd::Detach(a) => {
+            call(
+                &a.ctl,
+                &Request::Detach {
+                    name: a.name.clone(),
+                    force: a.force,
+                },
+            )?;
+            println!("detached {}", a.name);
+            Ok(())
+        }
+        Cmd::List(a) => cli::print_list(&call(&a.ctl, &Request::List)?, a.json),
+        Cmd::Status(a) => {
+            cli::print_status(&call(&a.ctl, &Request::Status { name: a.name })?, a.json)
+        }
+        Cmd::Set(a) => {
+            let s = SetSpec {
+                name: a.name,
+                size_limit: a.size_limit,
+                offset: a.offset,
+                block_size: a.block_size,
+                cache: a.cache.map(Into::into),
+                read_only: a.read_only,
+                force: a.force,
+            };
+            cli::print_set(&call(&a.ctl, &Request::Set(s))?, a.json)
+        }
+        Cmd::Resize(a) => cli::print_set(&call(&a.ctl, &Request::Resize { name: a.name })?, a.json),
+        Cmd::Kernel(k) => cli::kernel::run(k),
+    }
+}
+
+/// Send a control request; a daemon error becomes this command's error.
+fn call(ctl: &ControlArg, req: &Request) -> Result<serde_json::Value> {
+    match client::call(&ctl.path(), req)? {
+        Ok(v) => Ok(v),
+        Err(e) => {
+            let code = serde_json::to_value(e.code).unwrap_or_default();
+            bail!("{} ({})", e.message, code.as_str().unwrap_or("error"))
+        }
     }
 }
 
 fn serve(a: ServeArgs) -> Result<()> {
-    let name = match a.name {
-        Some(n) => n,
-        None => a
-            .image
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default(),
-    };
-    if name.len() > 4096 {
-        bail!("export name is longer than 4096 bytes");
-    }
-    let params = DeviceParams {
-        path: a.image.clone(),
-        name,
-        offset: a.offset,
-        size_limit: a.size_limit,
-        block_size: a.block_size,
-        cache: match a.cache {
-            Cache::Auto => CacheMode::Auto,
-            Cache::Direct => CacheMode::Direct,
-            Cache::Buffered => CacheMode::Buffered,
-        },
-        read_only: a.read_only,
-        create: a.create,
-        whole_device_lock: a.whole_device_lock,
-    };
-    let dev =
-        Device::open(&params).with_context(|| format!("cannot serve {}", a.image.display()))?;
-    tracing::info!(
-        "serving {} as {:?}: {} bytes, block size {}, {}{}",
-        dev.path.display(),
-        dev.name,
-        dev.size,
-        dev.block_size,
-        dev.cache_note,
-        if dev.read_only { ", read-only" } else { "" }
-    );
-    let registry = Arc::new(Registry::default());
-    registry.add(Arc::new(dev));
-    let opts = ServeOptions {
-        socket: a.socket,
-        listen: a.listen,
+    let opts0 = ServeOptions {
+        socket: a.socket.clone(),
+        listen: a.listen.clone(),
         reactors: a.reactors,
+        control: None,
     };
-    server::serve(registry, &opts)?;
+    let nbd = server::nbd_socket_path(&opts0);
+    let control = a.control.clone().unwrap_or_else(|| match &nbd {
+        Some(p) => p.with_extension("ctl"),
+        None => server::default_socket_dir().join("loopd.ctl"),
+    });
+    let state = a
+        .state
+        .clone()
+        .unwrap_or_else(|| daemon::default_state_path(&control));
+    let d = Daemon::new(Some(state));
+    if let Some(image) = a.image {
+        let mut spec = a.dev.spec(image);
+        spec.autoclear = false;
+        let info = d
+            .attach_default(spec, a.whole_device_lock)
+            .map_err(|e| anyhow::anyhow!(e.body().message))?;
+        let e = d.export(&info.name).context("device vanished")?;
+        let (dev, _) = e.current();
+        tracing::info!(
+            "serving {} as {:?}: {} bytes, block size {}, {}{}",
+            dev.path.display(),
+            dev.name,
+            dev.size,
+            dev.block_size,
+            dev.cache_note,
+            if dev.read_only { ", read-only" } else { "" }
+        );
+    }
+    if let Some(cfg) = &a.config {
+        let specs = cli::read_config(cfg)?;
+        let t = std::time::Instant::now();
+        let n = specs.len();
+        for spec in specs {
+            let name = daemon::name_of(&spec);
+            d.attach(spec, false)
+                .map_err(|e| anyhow::anyhow!(e.body().message))
+                .with_context(|| format!("{}: device {name:?}", cfg.display()))?;
+        }
+        tracing::info!(
+            "attached {n} device(s) from {} in {:?}",
+            cfg.display(),
+            t.elapsed()
+        );
+    }
+    d.restore();
+    let opts = ServeOptions {
+        control: Some(control),
+        ..opts0
+    };
+    server::serve(d, &opts)?;
     Ok(())
 }

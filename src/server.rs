@@ -7,16 +7,17 @@
 //! (SIGINT/SIGTERM): stop accepting, let each reactor finish and answer what it
 //! has in flight, flush every device, remove the socket file.
 
-use crate::device::Device;
+use crate::control::server::{self as control, ControlError};
+use crate::daemon::{Daemon, Endpoints};
 use crate::engine::reactor::{self, NewConn, ReactorError, ReactorHandle};
-use crate::nbd::handshake::{self, Exports};
+use crate::nbd::handshake;
 use rustix::event::{PollFd, PollFlags, poll};
 use std::io::Read;
 use std::net::TcpListener;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
 
@@ -37,40 +38,10 @@ pub enum ServerError {
     Signals(#[source] std::io::Error),
     #[error(transparent)]
     Reactor(#[from] ReactorError),
+    #[error(transparent)]
+    Control(#[from] ControlError),
     #[error("waiting for connections failed")]
     Poll(#[source] std::io::Error),
-}
-
-/// The exports a server offers, by name.
-#[derive(Default)]
-pub struct Registry {
-    devices: RwLock<Vec<Arc<Device>>>,
-}
-
-impl Registry {
-    pub fn add(&self, dev: Arc<Device>) {
-        if let Ok(mut d) = self.devices.write() {
-            d.push(dev);
-        }
-    }
-
-    pub fn all(&self) -> Vec<Arc<Device>> {
-        self.devices.read().map(|d| d.clone()).unwrap_or_default()
-    }
-}
-
-impl Exports for Registry {
-    fn find(&self, name: &str) -> Option<Arc<Device>> {
-        let d = self.devices.read().ok()?;
-        if name.is_empty() {
-            return d.first().cloned();
-        }
-        d.iter().find(|dev| dev.name == name).cloned()
-    }
-
-    fn names(&self) -> Vec<String> {
-        self.all().iter().map(|d| d.name.clone()).collect()
-    }
 }
 
 /// Where and how to serve.
@@ -82,6 +53,8 @@ pub struct ServeOptions {
     pub listen: Vec<String>,
     /// Reactor threads (0 = one per core).
     pub reactors: usize,
+    /// Control socket; `None` = no control socket.
+    pub control: Option<PathBuf>,
 }
 
 /// The default socket directory: `/run/loopd` for root, else
@@ -123,26 +96,47 @@ fn uri_host(addr: &std::net::SocketAddr) -> String {
 
 /// A bound endpoint and the URI a client uses for it.
 enum Listener {
-    Unix(UnixListener, PathBuf),
+    Unix(UnixListener),
     Tcp(TcpListener),
 }
 
-/// Serve the devices in `registry` until SIGINT or SIGTERM.
-/// Prints one line per endpoint with its URI on stdout once ready.
-pub fn serve(registry: Arc<Registry>, opts: &ServeOptions) -> Result<(), ServerError> {
-    let mut listeners = Vec::new();
-    let socket = match (&opts.socket, opts.listen.is_empty()) {
+/// The NBD socket path `opts` asks for (the default when nothing is given).
+pub fn nbd_socket_path(opts: &ServeOptions) -> Option<PathBuf> {
+    match (&opts.socket, opts.listen.is_empty()) {
         (Some(p), _) => Some(p.clone()),
         (None, true) => Some(default_socket_dir().join("loopd.sock")),
         (None, false) => None,
-    };
-    if let Some(p) = &socket {
-        listeners.push(Listener::Unix(bind_unix(p)?, p.clone()));
     }
+}
+
+/// Serve the daemon's exports until SIGINT or SIGTERM.
+/// Prints one line per endpoint with its URI on stdout once ready.
+pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError> {
+    let mut listeners = Vec::new();
+    let socket = nbd_socket_path(opts);
+    if let Some(p) = &socket {
+        listeners.push(Listener::Unix(bind_unix(p)?));
+    }
+    let mut tcp = Vec::new();
     for addr in &opts.listen {
         let l = TcpListener::bind(addr).map_err(|e| ServerError::BindTcp(addr.clone(), e))?;
+        if let Ok(a) = l.local_addr() {
+            tcp.push(uri_host(&a));
+        }
         listeners.push(Listener::Tcp(l));
     }
+    daemon.set_endpoints(Endpoints {
+        unix: socket.clone(),
+        tcp,
+    });
+    let control = match &opts.control {
+        Some(p) => {
+            let l = control::bind(p)?;
+            control::spawn(l, Arc::clone(&daemon))?;
+            Some(p.clone())
+        }
+        None => None,
+    };
 
     let (sig_rx, sig_tx) = UnixStream::pair().map_err(ServerError::Signals)?;
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
@@ -157,45 +151,47 @@ pub fn serve(registry: Arc<Registry>, opts: &ServeOptions) -> Result<(), ServerE
         opts.reactors
     };
     let reactors: Vec<Arc<ReactorHandle>> = (0..n).map(reactor::spawn).collect::<Result<_, _>>()?;
+    daemon.set_reactors(reactors.clone());
     let reactors = Arc::new(reactors);
+    daemon.run_janitor();
 
-    let name = registry
-        .all()
-        .first()
-        .map(|d| d.name.clone())
+    let name = daemon
+        .export("")
+        .map(|e| e.name.clone())
         .unwrap_or_default();
+    for uri in daemon.endpoints().uris(&name) {
+        println!("{uri}");
+    }
+    if let Some(c) = &control {
+        println!("control: {}", c.display());
+    }
     for l in &listeners {
-        match l {
-            Listener::Unix(_, p) => println!("nbd+unix:///{name}?socket={}", p.display()),
-            Listener::Tcp(t) => {
-                if let Ok(a) = t.local_addr() {
-                    println!("nbd://{}/{name}", uri_host(&a));
-                }
-            }
-        }
-        if let Listener::Unix(u, _) = l {
-            let _ = u.set_nonblocking(true);
-        }
-        if let Listener::Tcp(t) = l {
-            let _ = t.set_nonblocking(true);
-        }
+        let _ = match l {
+            Listener::Unix(u) => u.set_nonblocking(true),
+            Listener::Tcp(t) => t.set_nonblocking(true),
+        };
     }
 
-    let result = accept_loop(&listeners, &sig_rx, &registry, &reactors);
+    let result = accept_loop(&listeners, &sig_rx, &daemon, &reactors);
 
     tracing::info!("stopping: finishing in-flight requests");
+    daemon.set_stopping();
     for r in reactors.iter() {
         r.shutdown();
     }
-    for dev in registry.all() {
+    for e in daemon.all() {
+        let (dev, _) = e.current();
         if !dev.read_only {
-            if let Err(e) = rustix::fs::fdatasync(&dev.file) {
-                tracing::error!("flushing {} failed: {e}", dev.path.display());
+            if let Err(err) = rustix::fs::fdatasync(&dev.file) {
+                tracing::error!("flushing {} failed: {err}", dev.path.display());
             }
         }
-        tracing::info!("device {:?}: {}", dev.name, dev.stats.summary());
+        tracing::info!("device {:?}: {}", e.name, e.stats.summary());
     }
     if let Some(p) = &socket {
+        let _ = std::fs::remove_file(p);
+    }
+    if let Some(p) = &control {
         let _ = std::fs::remove_file(p);
     }
     result
@@ -204,14 +200,14 @@ pub fn serve(registry: Arc<Registry>, opts: &ServeOptions) -> Result<(), ServerE
 fn accept_loop(
     listeners: &[Listener],
     sig_rx: &UnixStream,
-    registry: &Arc<Registry>,
+    daemon: &Arc<Daemon>,
     reactors: &Arc<Vec<Arc<ReactorHandle>>>,
 ) -> Result<(), ServerError> {
     loop {
         let mut fds: Vec<PollFd<'_>> = listeners
             .iter()
             .map(|l| match l {
-                Listener::Unix(u, _) => PollFd::new(u, PollFlags::IN),
+                Listener::Unix(u) => PollFd::new(u, PollFlags::IN),
                 Listener::Tcp(t) => PollFd::new(t, PollFlags::IN),
             })
             .collect();
@@ -232,7 +228,7 @@ fn accept_loop(
         for (l, _) in listeners.iter().zip(&ready).filter(|(_, r)| **r) {
             loop {
                 let sock: OwnedFd = match l {
-                    Listener::Unix(u, _) => match u.accept() {
+                    Listener::Unix(u) => match u.accept() {
                         Ok((s, _)) => s.into(),
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                         Err(e) => {
@@ -252,7 +248,7 @@ fn accept_loop(
                         }
                     },
                 };
-                start_handshake(sock, Arc::clone(registry), Arc::clone(reactors));
+                start_handshake(sock, Arc::clone(daemon), Arc::clone(reactors));
             }
         }
     }
@@ -260,7 +256,7 @@ fn accept_loop(
 
 /// Negotiate on a thread of its own, then hand the socket to the least-loaded
 /// reactor.
-fn start_handshake(sock: OwnedFd, registry: Arc<Registry>, reactors: Arc<Vec<Arc<ReactorHandle>>>) {
+fn start_handshake(sock: OwnedFd, daemon: Arc<Daemon>, reactors: Arc<Vec<Arc<ReactorHandle>>>) {
     let spawned = std::thread::Builder::new()
         .name("loopd-handshake".into())
         .spawn(move || {
@@ -269,7 +265,7 @@ fn start_handshake(sock: OwnedFd, registry: Arc<Registry>, reactors: Arc<Vec<Arc
             let mut stream = SockStream(sock);
             let _ = rustix::io::ioctl_fionbio(&stream.0, false);
             stream.set_timeouts(Some(HANDSHAKE_TIMEOUT));
-            match handshake::negotiate(&mut stream, registry.as_ref()) {
+            match handshake::negotiate(&mut stream, daemon.as_ref()) {
                 Ok(Some(neg)) => {
                     stream.set_timeouts(None);
                     let Some(r) = reactors
@@ -278,9 +274,13 @@ fn start_handshake(sock: OwnedFd, registry: Arc<Registry>, reactors: Arc<Vec<Arc
                     else {
                         return;
                     };
+                    // Detached while we negotiated: drop the connection.
+                    let Some(export) = daemon.export(&neg.dev.name) else {
+                        return;
+                    };
                     r.add(NewConn {
                         sock: stream.0,
-                        dev: neg.dev,
+                        export,
                         structured: neg.structured,
                         meta_context: neg.meta_context,
                     });

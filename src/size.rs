@@ -14,10 +14,14 @@ pub enum SizeError {
 /// Parse a size such as `1G` into bytes.
 pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     let t = s.trim();
-    let t = t
-        .strip_suffix("iB")
-        .or_else(|| t.strip_suffix('B'))
-        .unwrap_or(t);
+    let lower = t.to_ascii_lowercase();
+    let t = if lower.ends_with("ib") {
+        &t[..t.len() - 2]
+    } else if lower.ends_with('b') {
+        &t[..t.len() - 1]
+    } else {
+        t
+    };
     let (digits, shift) = match t.char_indices().last() {
         Some((i, c)) if c.is_ascii_alphabetic() => {
             let shift = match c.to_ascii_uppercase() {

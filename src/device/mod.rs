@@ -6,6 +6,7 @@
 //! reactors, so nothing ever sees a half-configured device. Its fields are
 //! immutable after open except the atomics (`file_size`, stats) and the range lock.
 
+pub mod export;
 pub mod range_lock;
 pub mod stats;
 pub mod status;
@@ -16,11 +17,13 @@ use stats::Stats;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use thiserror::Error;
 
 /// The cache mode a user asks for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum CacheMode {
     /// Direct I/O where the filesystem allows it, else buffered (and say so).
     #[default]
@@ -118,7 +121,8 @@ pub struct Device {
     /// exclusive range because they change the file's size.
     pub file_size: AtomicU64,
     pub lock: RangeLock,
-    pub stats: Stats,
+    /// Counters; shared by every configuration a device goes through.
+    pub stats: Arc<Stats>,
     /// Why the cache mode is what it is (for the start-up line).
     pub cache_note: String,
 }
@@ -146,6 +150,11 @@ fn dup(f: &File, path: &Path) -> Result<File, DeviceError> {
 impl Device {
     /// Validate `p`, open and probe the file, and return a complete device.
     pub fn open(p: &DeviceParams) -> Result<Device, DeviceError> {
+        Self::open_with_stats(p, Arc::default())
+    }
+
+    /// As [`Device::open`], counting into existing `stats` (a reconfiguration).
+    pub fn open_with_stats(p: &DeviceParams, stats: Arc<Stats>) -> Result<Device, DeviceError> {
         if let Some(bs) = p.block_size {
             if !valid_block_size(bs) {
                 return Err(DeviceError::BadBlockSize(bs));
@@ -294,7 +303,7 @@ impl Device {
             } else {
                 RangeLock::default()
             },
-            stats: Stats::default(),
+            stats,
             cache_note,
         })
     }

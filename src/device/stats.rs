@@ -37,6 +37,8 @@ pub struct Stats {
     pub in_flight: AtomicU64,
     /// Bit per errno index: whether a backing-file error of that kind was logged.
     pub logged_errors: AtomicU64,
+    /// Time from a request's header to its reply being queued.
+    pub latency: Histogram,
 }
 
 /// Position of an errno in [`Stats::errors`].
@@ -130,5 +132,104 @@ impl Stats {
                 errs
             }
         )
+    }
+}
+
+/// A lock-free latency histogram: four buckets per power of two of nanoseconds
+/// (about 19% resolution), plus the exact maximum.
+pub struct Histogram {
+    buckets: [AtomicU64; 256],
+    max_ns: AtomicU64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram {
+            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
+            max_ns: AtomicU64::new(0),
+        }
+    }
+}
+
+impl std::fmt::Debug for Histogram {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Histogram {{ max_ns: {} }}", self.max_ns.load(Relaxed))
+    }
+}
+
+fn bucket_of(ns: u64) -> usize {
+    if ns < 4 {
+        return usize::try_from(ns).unwrap_or(0);
+    }
+    let b = 63 - ns.leading_zeros() as usize; // >= 2
+    let sub = usize::try_from((ns >> (b - 2)) & 3).unwrap_or(0);
+    b * 4 + sub
+}
+
+/// The middle of a bucket's range, in nanoseconds.
+fn bucket_value(i: usize) -> f64 {
+    if i < 4 {
+        return i as f64;
+    }
+    let (b, sub) = (i / 4, i % 4);
+    let lo = (4 + sub as u64) << (b - 2);
+    lo as f64 + (1u64 << (b - 2)) as f64 / 2.0
+}
+
+impl Histogram {
+    pub fn record(&self, ns: u64) {
+        self.buckets[bucket_of(ns)].fetch_add(1, Relaxed);
+        self.max_ns.fetch_max(ns, Relaxed);
+    }
+
+    /// (p50, p99, max) in microseconds; zeros when nothing was recorded.
+    pub fn summary(&self) -> (f64, f64, f64) {
+        let counts: Vec<u64> = self.buckets.iter().map(|b| b.load(Relaxed)).collect();
+        let total: u64 = counts.iter().sum();
+        if total == 0 {
+            return (0.0, 0.0, 0.0);
+        }
+        let pct = |p: u64| {
+            // Rank ceil(total * p / 1000), p in thousandths.
+            let want = total.saturating_mul(p).div_ceil(1000).max(1);
+            let mut seen = 0;
+            for (i, c) in counts.iter().enumerate() {
+                seen += c;
+                if seen >= want {
+                    return bucket_value(i) / 1000.0;
+                }
+            }
+            0.0
+        };
+        let max = self.max_ns.load(Relaxed) as f64 / 1000.0;
+        (pct(500).min(max), pct(990).min(max), max)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_percentiles_are_within_a_bucket() {
+        let h = Histogram::default();
+        for ns in 1..=1000u64 {
+            h.record(ns * 1000); // 1 µs ..= 1 ms
+        }
+        let (p50, p99, max) = h.summary();
+        assert!((400.0..=600.0).contains(&p50), "p50 {p50}");
+        assert!((850.0..=1000.0).contains(&p99), "p99 {p99}");
+        assert_eq!(max, 1000.0);
+    }
+
+    #[test]
+    fn bucket_index_is_monotonic() {
+        let mut last = 0;
+        for ns in (0..1_000_000u64).step_by(7) {
+            let b = bucket_of(ns);
+            assert!(b >= last);
+            last = b;
+        }
+        assert!(bucket_of(u64::MAX) < 256);
     }
 }

@@ -11,7 +11,7 @@ use std::ptr::NonNull;
 
 /// Alignment of every buffer.
 pub const BUF_ALIGN: usize = 4096;
-const MIN_CLASS_SHIFT: u32 = 12; // 4 KiB
+const MIN_CLASS_SHIFT: usize = 12; // 4 KiB
 const CLASSES: usize = 15; // 4 KiB ..= 64 MiB
 /// Bytes of idle buffers a pool keeps for reuse; past this they are freed.
 const POOL_KEEP_BYTES: usize = 96 << 20;
@@ -81,7 +81,7 @@ impl Drop for AlignedBuf {
 
 fn class_of(len: usize) -> Option<usize> {
     let size = len.max(1).next_power_of_two().max(1 << MIN_CLASS_SHIFT);
-    let idx = (size.trailing_zeros() - MIN_CLASS_SHIFT) as usize;
+    let idx = size.trailing_zeros() as usize - MIN_CLASS_SHIFT;
     (idx < CLASSES).then_some(idx)
 }
 
@@ -101,7 +101,7 @@ impl Pool {
                     self.kept -= b.cap;
                     b
                 }
-                None => AlignedBuf::new(1 << (c as u32 + MIN_CLASS_SHIFT)),
+                None => AlignedBuf::new(1 << (c + MIN_CLASS_SHIFT)),
             },
             None => AlignedBuf::new(len),
         }
@@ -110,9 +110,7 @@ impl Pool {
     /// Return a buffer for reuse (or free it if the pool is full).
     pub fn put(&mut self, buf: AlignedBuf) {
         if let Some(c) = class_of(buf.cap) {
-            if buf.cap == 1 << (c as u32 + MIN_CLASS_SHIFT)
-                && self.kept + buf.cap <= POOL_KEEP_BYTES
-            {
+            if buf.cap == 1 << (c + MIN_CLASS_SHIFT) && self.kept + buf.cap <= POOL_KEEP_BYTES {
                 self.kept += buf.cap;
                 self.free[c].push(buf);
             }

@@ -11,6 +11,7 @@ use super::buffer::AlignedBuf;
 use super::ops;
 use super::reactor::{Io, TAG_CANCEL, TAG_FILE, TAG_RECV, TAG_SEND, ud};
 use super::task::{Next, Task};
+use crate::device::export::Export;
 use crate::device::range_lock::{Place, Ticket};
 use crate::device::stats::Path;
 use crate::device::{Device, status};
@@ -23,7 +24,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 /// Requests a connection may have between header and reply.
-pub const SLOTS: usize = 128;
+pub const SLOTS: u16 = 128;
 /// Bytes of request buffers a connection may hold before it stops reading.
 pub const BYTES_BUDGET: usize = 128 << 20;
 /// Size of the header receive buffer.
@@ -56,6 +57,10 @@ pub struct Slot {
     pub data_len: usize,
     /// Block-status descriptors, when this is a block-status reply.
     pub extra: Option<AlignedBuf>,
+    /// Counted in the export's in-flight requests (see `Export::enter`).
+    pub entered: bool,
+    /// When the request's header was parsed (for the latency histogram).
+    pub started: Option<std::time::Instant>,
 }
 
 impl Slot {
@@ -70,6 +75,8 @@ impl Slot {
             hdr_len: 0,
             data_len: 0,
             extra: None,
+            entered: false,
+            started: None,
         }
     }
 
@@ -102,7 +109,10 @@ pub enum RecvState {
 
 pub struct Conn {
     pub sock: OwnedFd,
+    pub export: Arc<Export>,
+    /// The configuration this connection uses, as of `epoch`.
     pub dev: Arc<Device>,
+    pub epoch: u64,
     pub view: ExportView,
     pub structured: bool,
     pub rbuf: AlignedBuf,
@@ -136,7 +146,8 @@ pub struct Conn {
 unsafe impl Send for Conn {}
 
 impl Conn {
-    pub fn new(sock: OwnedFd, dev: Arc<Device>, structured: bool, meta_context: bool) -> Conn {
+    pub fn new(sock: OwnedFd, export: Arc<Export>, structured: bool, meta_context: bool) -> Conn {
+        let (dev, epoch) = export.current();
         let view = ExportView {
             size: dev.size,
             read_only: dev.read_only,
@@ -151,7 +162,9 @@ impl Conn {
         }; MAX_IOV];
         Conn {
             sock,
+            export,
             dev,
+            epoch,
             view,
             structured,
             rbuf: AlignedBuf::new(RBUF),
@@ -162,9 +175,9 @@ impl Conn {
             read_closed: false,
             dead: false,
             slots: (0..SLOTS).map(|_| Slot::new()).collect(),
-            free_slots: (0..SLOTS as u16).rev().collect(),
+            free_slots: (0..SLOTS).rev().collect(),
             bytes_held: 0,
-            sendq: VecDeque::with_capacity(SLOTS),
+            sendq: VecDeque::with_capacity(usize::from(SLOTS)),
             send_inflight: false,
             front_sent: 0,
             sending: 0,
@@ -192,7 +205,7 @@ impl Conn {
 
     /// Whether every slot is back in the free list.
     pub fn idle(&self) -> bool {
-        self.free_slots.len() == SLOTS
+        self.free_slots.len() == usize::from(SLOTS)
     }
 
     /// Whether the connection has nothing in flight and can be dropped.
@@ -220,6 +233,16 @@ impl Conn {
         io.push(e);
     }
 
+    /// Pick up the export's new configuration (no request of ours is in flight
+    /// on the old one: the swap waited for them).
+    fn reload(&mut self) {
+        let (dev, epoch) = self.export.current();
+        self.view.size = dev.size;
+        self.view.read_only = dev.read_only;
+        self.dev = dev;
+        self.epoch = epoch;
+    }
+
     /// Stop reading requests; cancel the receive in flight.
     pub(super) fn close_reading(&mut self, io: &mut Io, ci: u32) {
         self.read_closed = true;
@@ -240,9 +263,10 @@ impl Conn {
             }
             match self.recv {
                 RecvState::Discard { remaining } => {
-                    let take = (self.avail() as u64).min(remaining);
-                    self.rstart += take as usize;
-                    let left = remaining - take;
+                    let avail = self.avail();
+                    let take = usize::try_from(remaining).map_or(avail, |r| r.min(avail));
+                    self.rstart += take;
+                    let left = remaining - take as u64;
                     if left == 0 {
                         self.recv = RecvState::Header;
                         continue;
@@ -269,10 +293,22 @@ impl Conn {
             if self.free_slots.is_empty() || self.bytes_held > BYTES_BUDGET {
                 return; // resumed when a reply has been sent
             }
+            if self.export.closing() {
+                self.close_reading(io, ci);
+                return;
+            }
+            if !self.export.enter(&io.waker) {
+                io.parked.push(ci);
+                return; // frozen: resumed when the export thaws
+            }
+            if self.export.epoch() != self.epoch {
+                self.reload();
+            }
             let hdr = &self.rbuf.as_slice()[self.rstart..self.rstart + REQUEST_LEN];
             let req = match wire::parse_request(hdr) {
                 Ok(r) => r,
                 Err(e) => {
+                    self.export.leave();
                     tracing::warn!(
                         "closing a connection to {:?}: framing error: {e}",
                         self.dev.name
@@ -283,9 +319,12 @@ impl Conn {
             };
             self.rstart += REQUEST_LEN;
             let Some(si) = self.free_slots.pop() else {
+                self.export.leave();
                 return;
             };
             self.slots[si as usize].cookie = req.cookie;
+            self.slots[si as usize].entered = true;
+            self.slots[si as usize].started = Some(std::time::Instant::now());
             match wire::validate(&req, &self.view) {
                 Err(rej) => {
                     self.slots[si as usize].state = SlotState::Io;
@@ -297,6 +336,8 @@ impl Conn {
                     self.finish(io, ci, si, req.kind == CMD_READ, Err(rej.errno));
                 }
                 Ok(Command::Disc) => {
+                    self.slots[si as usize].entered = false;
+                    self.export.leave();
                     self.free_slots.push(si);
                     self.read_closed = true;
                     return;
@@ -411,7 +452,8 @@ impl Conn {
         if matches!(task.cmd, Command::Read | Command::Write) {
             if task.cmd == Command::Read && task.path == Path::Buffered {
                 // Seed 004: try the page cache inline before going async.
-                let len = task.len as usize;
+                let len32 = task.len;
+                let len = len32 as usize;
                 let foff = dev.file_offset(task.offset);
                 let buf = &mut task.payload_mut()[..len];
                 let flags = rustix::io::ReadWriteFlags::NOWAIT;
@@ -423,7 +465,7 @@ impl Conn {
                 ) {
                     Ok(n) if n == len => {
                         dev.stats.path(Path::InlineCached);
-                        self.finish(io, ci, si, true, Ok(len as u32));
+                        self.finish(io, ci, si, true, Ok(len32));
                         return;
                     }
                     Ok(n) => task.set_progress(n),
@@ -475,15 +517,29 @@ impl Conn {
         self.slots[si as usize].state == SlotState::WaitLock
     }
 
-    /// Queue the reply of slot `si` (or drop it on a dead socket).
-    fn finish(&mut self, io: &mut Io, _ci: u32, si: u16, is_read: bool, r: Result<u32, NbdErrno>) {
+    /// The request in `si` is done with the file: release its range, leave the
+    /// export's in-flight count, record its latency.
+    fn settle(&mut self, si: u16) {
         let slot = &mut self.slots[si as usize];
         if let Some(t) = slot.ticket.take() {
             self.dev.lock.unlock(t);
         }
+        if std::mem::take(&mut slot.entered) {
+            self.export.leave();
+        }
+        if let Some(t) = slot.started.take() {
+            let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            self.dev.stats.latency.record(ns);
+        }
+    }
+
+    /// Queue the reply of slot `si` (or drop it on a dead socket).
+    fn finish(&mut self, io: &mut Io, _ci: u32, si: u16, is_read: bool, r: Result<u32, NbdErrno>) {
+        self.settle(si);
         if let Err(e) = r {
             self.dev.stats.error(e);
         }
+        let slot = &mut self.slots[si as usize];
         let offset = slot.task.as_ref().map_or(0, |t| t.offset);
         let r = if is_read { r } else { r.map(|_| 0) };
         slot.data_len = r.map_or(0, |n| n as usize);
@@ -511,6 +567,7 @@ impl Conn {
         let mut extra = io.pool.get(8 * status::MAX_DESCRIPTORS);
         match status::describe(&self.dev, off, len, one, extra.as_mut_slice()) {
             Ok(n) => {
+                self.settle(si);
                 let slot = &mut self.slots[si as usize];
                 let count = u32::try_from(n).unwrap_or(0);
                 slot.hdr_len = wire::block_status_header(
@@ -601,9 +658,8 @@ impl Conn {
         if slot.state == SlotState::Free {
             return;
         }
-        if let Some(t) = slot.ticket.take() {
-            self.dev.lock.unlock(t);
-        }
+        self.settle(si);
+        let slot = &mut self.slots[si as usize];
         self.dev.lock.abandon(&mut slot.place);
         if let Some(mut t) = slot.task.take() {
             if matches!(t.cmd, Command::Read | Command::Write) {
@@ -634,7 +690,7 @@ impl Conn {
                 self.release_slot(io, si);
             }
         }
-        for si in 0..SLOTS as u16 {
+        for si in 0..SLOTS {
             if self.slots[si as usize].state == SlotState::WaitLock {
                 self.release_slot(io, si);
             }

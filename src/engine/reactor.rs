@@ -16,7 +16,7 @@
 
 use super::buffer::Pool;
 use super::conn::Conn;
-use crate::device::Device;
+use crate::device::export::Export;
 use crate::device::range_lock::Wake;
 use io_uring::{IoUring, opcode, squeue, types};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -36,6 +36,15 @@ const TAG_TIMER: u64 = 6;
 const RING_ENTRIES: u32 = 1024;
 /// How long a stopping reactor waits for clients to take their replies.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Bumped by the control plane when connections must look at their export again
+/// (a detach started); reactors compare it on every wake-up.
+pub static CONTROL_GEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A connection's index as it appears in user_data.
+fn conn_id(i: usize) -> u32 {
+    u32::try_from(i).unwrap_or(u32::MAX)
+}
 
 pub(super) fn ud(tag: u64, conn: u32, slot: u16) -> u64 {
     tag << 56 | u64::from(conn) << 16 | u64::from(slot)
@@ -66,7 +75,7 @@ pub enum ReactorError {
 /// A negotiated connection, ready for the transmission phase.
 pub struct NewConn {
     pub sock: OwnedFd,
-    pub dev: Arc<Device>,
+    pub export: Arc<Export>,
     pub structured: bool,
     pub meta_context: bool,
 }
@@ -105,6 +114,12 @@ impl ReactorHandle {
         if let Ok(tx) = self.tx.lock() {
             let _ = tx.send(Msg::Conn(c));
         }
+        self.waker.wake();
+    }
+
+    /// Wake the reactor (it re-checks parked requests and, if the control
+    /// generation moved, every connection's export).
+    pub fn wake(&self) {
         self.waker.wake();
     }
 
@@ -162,6 +177,8 @@ pub(super) struct Io {
     ring: IoUring,
     pub pool: Pool,
     pub lock_waiters: Vec<(u32, u16)>,
+    /// Connections that stopped reading because their export is frozen.
+    pub parked: Vec<u32>,
     pub waker: Arc<dyn Wake>,
     cqes: Vec<(u64, i32)>,
 }
@@ -205,6 +222,8 @@ struct Reactor {
     /// Connections to service after this batch of completions.
     dirty: Vec<u32>,
     stopping: Option<Instant>,
+    /// Last [`CONTROL_GEN`] seen: when it moves, every connection is looked at.
+    control_gen: u64,
     timer: Box<types::Timespec>,
     timer_armed: bool,
 }
@@ -222,9 +241,11 @@ impl Reactor {
                 ring,
                 pool: Pool::default(),
                 lock_waiters: Vec::new(),
+                parked: Vec::new(),
                 waker: waker_dyn,
                 cqes: Vec::new(),
             },
+            control_gen: CONTROL_GEN.load(Ordering::SeqCst),
             rx,
             waker,
             handle,
@@ -298,6 +319,12 @@ impl Reactor {
         if tag == TAG_WAKE {
             self.arm_wake();
             self.retry_locks = true;
+            self.dirty.append(&mut self.io.parked);
+            let gen_now = CONTROL_GEN.load(Ordering::SeqCst);
+            if gen_now != self.control_gen {
+                self.control_gen = gen_now;
+                self.dirty.extend((0..self.conns.len()).map(conn_id));
+            }
             while let Ok(m) = self.rx.try_recv() {
                 match m {
                     Msg::Conn(c) => self.adopt(c),
@@ -326,7 +353,13 @@ impl Reactor {
     }
 
     fn adopt(&mut self, nc: NewConn) {
-        let mut c = Box::new(Conn::new(nc.sock, nc.dev, nc.structured, nc.meta_context));
+        nc.export.client_connected();
+        let mut c = Box::new(Conn::new(
+            nc.sock,
+            nc.export,
+            nc.structured,
+            nc.meta_context,
+        ));
         if self.stopping.is_some() {
             c.read_closed = true;
         }
@@ -337,7 +370,7 @@ impl Reactor {
             }
             None => {
                 self.conns.push(Some(c));
-                u32::try_from(self.conns.len() - 1).unwrap_or(u32::MAX)
+                conn_id(self.conns.len() - 1)
             }
         };
         self.dirty.push(ci);
@@ -350,7 +383,7 @@ impl Reactor {
         self.stopping = Some(Instant::now());
         for (ci, c) in self.conns.iter_mut().enumerate() {
             if let Some(c) = c.as_deref_mut() {
-                let ci = ci as u32;
+                let ci = conn_id(ci);
                 c.close_reading(&mut self.io, ci);
                 self.dirty.push(ci);
             }
@@ -362,14 +395,18 @@ impl Reactor {
             if let Some(c) = c.as_deref_mut() {
                 // Shutting the socket down makes a stuck send fail at once.
                 let _ = rustix::net::shutdown(&c.sock, rustix::net::Shutdown::Both);
-                c.kill(&mut self.io, ci as u32);
-                self.dirty.push(ci as u32);
+                c.kill(&mut self.io, conn_id(ci));
+                self.dirty.push(conn_id(ci));
             }
         }
     }
 
     fn retry_waiters(&mut self) {
-        let waiters = std::mem::take(&mut self.io.lock_waiters);
+        let mut waiters = std::mem::take(&mut self.io.lock_waiters);
+        // A slot parks again each time it loses; keep one entry per slot, oldest
+        // first (the lock itself orders exclusive waiters fairly).
+        let mut seen = std::collections::HashSet::with_capacity(waiters.len());
+        waiters.retain(|w| seen.insert(*w));
         for (ci, si) in waiters {
             if let Some(c) = self
                 .conns
@@ -396,6 +433,9 @@ impl Reactor {
                 continue;
             };
             if c.service(&mut self.io, ci) {
+                if c.export.client_disconnected() {
+                    c.export.last_client_gone();
+                }
                 self.conns[ci as usize] = None;
                 self.free_conns.push(ci);
                 self.handle.load.fetch_sub(1, Ordering::Relaxed);
@@ -417,7 +457,7 @@ impl Drop for Reactor {
         for (ci, c) in self.conns.iter_mut().enumerate() {
             if let Some(c) = c.as_deref_mut() {
                 let _ = rustix::net::shutdown(&c.sock, rustix::net::Shutdown::Both);
-                c.kill(&mut self.io, ci as u32);
+                c.kill(&mut self.io, conn_id(ci));
             }
         }
         let mut rounds = 0;

@@ -13,6 +13,12 @@ fn errno_of(e: rustix::io::Errno) -> i32 {
     -e.raw_os_error()
 }
 
+/// A byte count as an io_uring-style result (ops never exceed `u32` lengths,
+/// well under `i32::MAX` for every request loopd issues).
+fn res_of(n: usize) -> i32 {
+    i32::try_from(n).unwrap_or(i32::MAX)
+}
+
 /// Run one operation synchronously.
 pub fn run_op(op: FileOp) -> i32 {
     match op {
@@ -23,7 +29,7 @@ pub fn run_op(op: FileOp) -> i32 {
             // SAFETY: fd is the device's open file, alive for the task's lifetime.
             let fd = unsafe { BorrowedFd::borrow_raw(fd) };
             match rustix::io::pread(fd, slice, off) {
-                Ok(n) => n as i32,
+                Ok(n) => res_of(n),
                 Err(e) => errno_of(e),
             }
         }
@@ -44,7 +50,7 @@ pub fn run_op(op: FileOp) -> i32 {
                 rustix::io::ReadWriteFlags::empty()
             };
             match rustix::io::pwritev2(fd, &[std::io::IoSlice::new(slice)], off, flags) {
-                Ok(n) => n as i32,
+                Ok(n) => res_of(n),
                 Err(e) => errno_of(e),
             }
         }

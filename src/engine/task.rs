@@ -109,6 +109,8 @@ pub struct Task {
     fd: RawFd,
     plain_fd: RawFd,
     align: u64,
+    /// `align` as a buffer length.
+    align_len: usize,
     /// File offset just past this write, if it may grow the file.
     grows_to: Option<u64>,
 }
@@ -158,6 +160,7 @@ impl Task {
             fd: dev.file.as_raw_fd(),
             plain_fd: dev.plain.as_raw_fd(),
             align,
+            align_len: to_len(align),
             grows_to: None,
         };
         match cmd {
@@ -166,8 +169,8 @@ impl Task {
                     let a0 = align_down(foff, align);
                     let a1 = align_up(fend, align);
                     t.span_start = a0;
-                    t.span_len = (a1 - a0) as usize;
-                    t.data_at = (foff - a0) as usize;
+                    t.span_len = to_len(a1 - a0);
+                    t.data_at = to_len(foff - a0);
                     t.lock_start = a0;
                     t.lock_end = a1;
                     t.path = Path::Bounced;
@@ -285,7 +288,7 @@ impl Task {
     fn read_edge(&mut self, phase: Phase, block: u64) -> Next {
         self.phase = phase;
         self.done = 0;
-        let align = self.align as usize;
+        let align = self.align_len;
         let Some(edge) = self.edge.as_mut() else {
             return Next::Done(Err(NbdErrno::Io));
         };
@@ -303,8 +306,8 @@ impl Task {
         let (Some(buf), Some(edge)) = (self.buf.as_mut(), self.edge.as_ref()) else {
             return;
         };
-        let rel = (block - self.span_start) as usize;
-        let align = self.align as usize;
+        let rel = to_len(block - self.span_start);
+        let align = self.align_len;
         let data = self.data_at..self.data_at + self.len as usize;
         let b = buf.as_mut_slice();
         let e = edge.as_slice();
@@ -320,7 +323,7 @@ impl Task {
         match self.cmd {
             Command::Read => self.read_span(),
             Command::Write if self.path == Path::Bounced => {
-                self.edge = Some(AlignedBuf::new(self.align as usize));
+                self.edge = Some(AlignedBuf::new(self.align_len));
                 if self.head_partial() {
                     self.read_edge(Phase::RmwHead, self.span_start)
                 } else {
@@ -420,9 +423,9 @@ impl Task {
                 if res < 0 {
                     return self.fail(res);
                 }
-                let n = (res as usize).min(self.align as usize);
+                let n = (res as usize).min(self.align_len);
                 if let Some(e) = self.edge.as_mut() {
-                    e.as_mut_slice()[n..self.align as usize].fill(0);
+                    e.as_mut_slice()[n..self.align_len].fill(0);
                 }
                 let block = if self.phase == Phase::RmwHead {
                     self.span_start
@@ -507,6 +510,12 @@ impl Task {
     }
 }
 
+/// A span length or offset inside a request buffer as `usize`: bounded by the
+/// largest request plus two alignment blocks, so it always fits.
+fn to_len(x: u64) -> usize {
+    usize::try_from(x).unwrap_or(usize::MAX)
+}
+
 fn clamp_u32(n: usize) -> u32 {
-    u32::try_from(n).unwrap_or(u32::MAX & !4095)
+    u32::try_from(n).unwrap_or(0xffff_f000)
 }

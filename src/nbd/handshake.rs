@@ -127,7 +127,7 @@ impl<S: Read + Write> Session<'_, S> {
     fn discard(&mut self, mut n: u64) -> std::io::Result<()> {
         let mut buf = [0u8; 4096];
         while n > 0 {
-            let k = n.min(buf.len() as u64) as usize;
+            let k = usize::try_from(n).map_or(buf.len(), |n| n.min(buf.len()));
             self.s.read_exact(&mut buf[..k])?;
             n -= k as u64;
         }
@@ -296,3 +296,6 @@ impl<S: Read + Write> Session<'_, S> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -33,6 +33,11 @@ fn be64(b: &[u8], at: usize) -> u64 {
     u64::from_be_bytes(a)
 }
 
+/// Length of something loopd itself built (names, replies), capped far below `u32`.
+fn len_u32(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
 fn need(b: &[u8], n: usize) -> Result<(), WireError> {
     if b.len() < n {
         Err(WireError::Short {
@@ -150,7 +155,7 @@ pub fn option_reply(out: &mut Vec<u8>, option: u32, reply: u32, payload: &[u8]) 
     out.extend_from_slice(&OPT_REPLY_MAGIC.to_be_bytes());
     out.extend_from_slice(&option.to_be_bytes());
     out.extend_from_slice(&reply.to_be_bytes());
-    out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    out.extend_from_slice(&len_u32(payload.len()).to_be_bytes());
     out.extend_from_slice(payload);
 }
 
@@ -184,7 +189,7 @@ pub fn info_string(kind: u16, s: &str) -> Vec<u8> {
 /// Encode an `NBD_REP_SERVER` payload for `NBD_OPT_LIST`.
 pub fn rep_server(name: &str) -> Vec<u8> {
     let mut b = Vec::with_capacity(4 + name.len());
-    b.extend_from_slice(&(name.len() as u32).to_be_bytes());
+    b.extend_from_slice(&len_u32(name.len()).to_be_bytes());
     b.extend_from_slice(name.as_bytes());
     b
 }

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Short, time-bounded fuzz run of every cargo-fuzz target in fuzz/.
+#
+#   scripts/fuzz-smoke.sh [SECONDS_PER_TARGET]     (default 20; or FUZZ_SECONDS)
+#
+# Installs cargo-fuzz if it is missing (needs the nightly toolchain, which
+# libFuzzer's sanitizer flags require). Each target starts from the seeds in
+# fuzz/seeds/<target> plus whatever fuzz/corpus/<target> holds from earlier runs.
+# Exits non-zero if any target crashes; the crashing input is left in
+# fuzz/artifacts/<target>/ and its path printed by libFuzzer.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+SECONDS_PER_TARGET="${1:-${FUZZ_SECONDS:-20}}"
+TOOLCHAIN="${FUZZ_TOOLCHAIN:-nightly}"
+
+if ! rustup run "$TOOLCHAIN" rustc --version >/dev/null 2>&1; then
+    echo "fuzz-smoke: installing the $TOOLCHAIN toolchain"
+    rustup toolchain install "$TOOLCHAIN" --profile minimal
+fi
+if ! cargo fuzz --version >/dev/null 2>&1; then
+    echo "fuzz-smoke: installing cargo-fuzz"
+    cargo install cargo-fuzz --locked
+fi
+
+targets=$(cargo "+$TOOLCHAIN" fuzz list --fuzz-dir fuzz)
+echo "fuzz-smoke: building targets"
+if ! cargo "+$TOOLCHAIN" fuzz build --fuzz-dir fuzz; then
+    echo "fuzz-smoke: ERROR: the fuzz targets do not build" >&2
+    exit 2
+fi
+
+crashed=()
+broken=()
+for t in $targets; do
+    echo "== fuzz $t for ${SECONDS_PER_TARGET}s"
+    mkdir -p "fuzz/corpus/$t" "fuzz/artifacts/$t"
+    seeds=()
+    [ -d "fuzz/seeds/$t" ] && seeds=("fuzz/seeds/$t")
+    before=$(find "fuzz/artifacts/$t" -type f | wc -l)
+    # -rss_limit_mb: a target that allocates without bound fails loudly.
+    if ! cargo "+$TOOLCHAIN" fuzz run --fuzz-dir fuzz "$t" "fuzz/corpus/$t" "${seeds[@]}" -- \
+        -max_total_time="$SECONDS_PER_TARGET" -rss_limit_mb=2048 -print_final_stats=1; then
+        if [ "$(find "fuzz/artifacts/$t" -type f | wc -l)" -gt "$before" ]; then
+            crashed+=("$t")
+        else
+            broken+=("$t")
+        fi
+    fi
+done
+
+if [ "${#crashed[@]}" -ne 0 ]; then
+    echo "fuzz-smoke: CRASHED: ${crashed[*]} (inputs in fuzz/artifacts/<target>/;" \
+        "replay with: cargo +$TOOLCHAIN fuzz run --fuzz-dir fuzz <target> <input>)" >&2
+fi
+if [ "${#broken[@]}" -ne 0 ]; then
+    echo "fuzz-smoke: FAILED without a crash input (build or setup error): ${broken[*]}" >&2
+fi
+if [ "${#crashed[@]}" -ne 0 ] || [ "${#broken[@]}" -ne 0 ]; then
+    exit 1
+fi
+echo "fuzz-smoke: all targets ran ${SECONDS_PER_TARGET}s without a crash"

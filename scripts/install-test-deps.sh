@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Installs the external tools the end-to-end tests need (Debian/Ubuntu).
+# Idempotent: does nothing when every tool is already present.
+set -euo pipefail
+
+PACKAGES=(qemu-utils fio nbdkit libnbd-bin python3-libnbd nbd-client)
+TOOLS=(qemu-io qemu-img qemu-nbd fio nbdkit nbdinfo nbdcopy nbdsh nbd-client)
+
+# /usr/bin first: nbdsh runs `python3`, which must be the system Python that
+# has the `nbd` module (not, say, a pyenv shim).
+export PATH="/usr/bin:/usr/sbin:/bin:/sbin:${PATH}"
+
+missing=()
+for t in "${TOOLS[@]}"; do
+    command -v "$t" >/dev/null 2>&1 || missing+=("$t")
+done
+if ! /usr/bin/python3 -c 'import nbd' >/dev/null 2>&1; then
+    missing+=("python3 module nbd")
+fi
+if ! fio --enghelp=nbd >/dev/null 2>&1; then
+    missing+=("fio nbd engine")
+fi
+
+if [ "${#missing[@]}" -eq 0 ]; then
+    echo "install-test-deps: all test tools present"
+    exit 0
+fi
+
+echo "install-test-deps: missing: ${missing[*]}"
+if [ "$(id -u)" -ne 0 ]; then
+    echo "install-test-deps: ERROR: not root; install these packages first:" >&2
+    echo "    apt-get install -y ${PACKAGES[*]}" >&2
+    exit 1
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+apt-get update
+apt-get install -y --no-install-recommends "${PACKAGES[@]}"
+
+# Check again, so a package that did not provide a tool fails here, clearly.
+still=()
+for t in "${TOOLS[@]}"; do
+    command -v "$t" >/dev/null 2>&1 || still+=("$t")
+done
+/usr/bin/python3 -c 'import nbd' >/dev/null 2>&1 || still+=("python3 module nbd")
+fio --enghelp=nbd >/dev/null 2>&1 || still+=("fio nbd engine")
+if [ "${#still[@]}" -ne 0 ]; then
+    echo "install-test-deps: ERROR: still missing after install: ${still[*]}" >&2
+    exit 1
+fi
+echo "install-test-deps: installed ${PACKAGES[*]}"

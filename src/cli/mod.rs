@@ -1,0 +1,244 @@
+//! Argument types shared by subcommands, and output formatting (tables, JSON).
+
+pub mod kernel;
+
+use anyhow::{Context, Result};
+use clap::ValueEnum;
+use loopd::control::proto::DeviceSpec;
+use loopd::device::CacheMode;
+use loopd::size::parse_size;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum Cache {
+    /// Direct I/O where the filesystem allows it, else buffered (and say which).
+    Auto,
+    /// O_DIRECT: keep the image out of the page cache; fail if the filesystem refuses.
+    Direct,
+    /// Through the page cache.
+    Buffered,
+}
+
+impl From<Cache> for CacheMode {
+    fn from(c: Cache) -> CacheMode {
+        match c {
+            Cache::Auto => CacheMode::Auto,
+            Cache::Direct => CacheMode::Direct,
+            Cache::Buffered => CacheMode::Buffered,
+        }
+    }
+}
+
+/// How a device is configured (shared by `serve IMAGE` and `attach`).
+#[derive(clap::Args)]
+pub struct DeviceArgs {
+    /// Export name [default: the image's file stem]; the empty name also selects
+    /// the device given to `serve`.
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Create a sparse image of this size (e.g. 1G; K/M/G/T) if IMAGE does not exist.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub create: Option<u64>,
+    /// Start of the exported window in the file, in bytes (like losetup --offset).
+    #[arg(long, value_name = "BYTES", value_parser = parse_size, default_value = "0")]
+    pub offset: u64,
+    /// Size of the exported window (like losetup --sizelimit); may reach past the
+    /// end of the file, which then reads as zeros [default: to the end of the file].
+    #[arg(long, value_name = "BYTES", value_parser = parse_size)]
+    pub size_limit: Option<u64>,
+    /// Logical block size: 512, 1024, 2048 or 4096 [default: the file's direct-I/O
+    /// alignment (statx), else the filesystem device's block size, else 512].
+    #[arg(long, value_name = "BYTES")]
+    pub block_size: Option<u32>,
+    /// How to reach the file: auto, direct (O_DIRECT) or buffered (page cache).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub cache: Cache,
+    /// Refuse writes (EPERM) and advertise the export as read-only.
+    #[arg(long)]
+    pub read_only: bool,
+}
+
+impl DeviceArgs {
+    pub fn spec(&self, image: PathBuf) -> DeviceSpec {
+        DeviceSpec {
+            image,
+            name: self.name.clone(),
+            offset: self.offset,
+            size_limit: self.size_limit,
+            block_size: self.block_size,
+            cache: self.cache.into(),
+            read_only: self.read_only,
+            autoclear: false,
+            create: self.create,
+        }
+    }
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConfigFile {
+    #[serde(default)]
+    device: Vec<DeviceSpec>,
+}
+
+/// Read a `--config` file: `[[device]]` tables.
+pub fn read_config(path: &Path) -> Result<Vec<DeviceSpec>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let c: ConfigFile = toml::from_str(&text)
+        .with_context(|| format!("{} is not a valid config file", path.display()))?;
+    Ok(c.device)
+}
+
+fn s(v: &Value, k: &str) -> String {
+    match &v[k] {
+        Value::String(x) => x.clone(),
+        Value::Null => "-".into(),
+        x => x.to_string(),
+    }
+}
+
+fn yn(v: &Value, k: &str) -> &'static str {
+    if v[k].as_bool().unwrap_or(false) {
+        "yes"
+    } else {
+        "no"
+    }
+}
+
+fn pretty(v: &Value) -> Result<String> {
+    Ok(serde_json::to_string_pretty(v)?)
+}
+
+/// `attach`: the name, then one URI per line.
+pub fn print_device(v: &Value, json: bool) -> Result<()> {
+    if json {
+        println!("{}", pretty(v)?);
+        return Ok(());
+    }
+    println!("{}", s(v, "name"));
+    for u in v["uris"].as_array().into_iter().flatten() {
+        println!("{}", u.as_str().unwrap_or_default());
+    }
+    Ok(())
+}
+
+/// `list`: a table like `losetup --list`.
+pub fn print_list(v: &Value, json: bool) -> Result<()> {
+    let devs = v["devices"].as_array().cloned().unwrap_or_default();
+    if json {
+        println!("{}", pretty(&Value::Array(devs))?);
+        return Ok(());
+    }
+    let header = [
+        "NAME",
+        "SIZE",
+        "OFFSET",
+        "SIZELIMIT",
+        "BLOCK",
+        "CACHE",
+        "DIO",
+        "RO",
+        "AUTOCLEAR",
+        "CLIENTS",
+        "IMAGE",
+    ];
+    let mut rows: Vec<Vec<String>> = vec![header.iter().map(|h| h.to_string()).collect()];
+    for d in &devs {
+        rows.push(vec![
+            s(d, "name"),
+            s(d, "size"),
+            s(d, "offset"),
+            if d["size_limit"].is_null() {
+                "0".into()
+            } else {
+                s(d, "size_limit")
+            },
+            s(d, "block_size"),
+            s(d, "cache"),
+            yn(d, "direct").into(),
+            yn(d, "read_only").into(),
+            yn(d, "autoclear").into(),
+            s(d, "clients"),
+            s(d, "image"),
+        ]);
+    }
+    let widths: Vec<usize> = (0..header.len())
+        .map(|i| rows.iter().map(|r| r[i].len()).max().unwrap_or(0))
+        .collect();
+    for r in rows {
+        let line: Vec<String> = r
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        println!("{}", line.join(" ").trim_end());
+    }
+    Ok(())
+}
+
+/// `status`: configuration and counters as `key: value` lines.
+pub fn print_status(v: &Value, json: bool) -> Result<()> {
+    if json {
+        println!("{}", pretty(v)?);
+        return Ok(());
+    }
+    for k in [
+        "name",
+        "image",
+        "size",
+        "offset",
+        "size_limit",
+        "block_size",
+        "cache",
+    ] {
+        println!("{k}: {}", s(v, k));
+    }
+    println!("direct: {}", yn(v, "direct"));
+    println!("read_only: {}", yn(v, "read_only"));
+    println!("autoclear: {}", yn(v, "autoclear"));
+    println!("clients: {}", s(v, "clients"));
+    println!("in_flight: {}", s(v, "in_flight"));
+    for group in ["requests", "paths", "errors"] {
+        let parts: Vec<String> = v[group]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .map(|(k, n)| format!("{k}={n}"))
+            .collect();
+        println!("{group}: {}", parts.join(" "));
+    }
+    println!("bytes_read: {}", s(v, "bytes_read"));
+    println!("bytes_written: {}", s(v, "bytes_written"));
+    let l = &v["latency"];
+    println!(
+        "latency_us: p50={} p99={} max={}",
+        s(l, "p50_us"),
+        s(l, "p99_us"),
+        s(l, "max_us")
+    );
+    Ok(())
+}
+
+/// `set` / `resize`: what changed and how long the device was held.
+pub fn print_set(v: &Value, json: bool) -> Result<()> {
+    if json {
+        println!("{}", pretty(v)?);
+        return Ok(());
+    }
+    if v["changed"].as_bool().unwrap_or(false) {
+        println!(
+            "{}: updated (size {}, offset {}, block size {}, read-only {}); requests held {} µs",
+            s(v, "name"),
+            s(v, "size"),
+            s(v, "offset"),
+            s(v, "block_size"),
+            yn(v, "read_only"),
+            s(v, "quiesced_us")
+        );
+    } else {
+        println!("{}: nothing to change", s(v, "name"));
+    }
+    Ok(())
+}

@@ -1,0 +1,254 @@
+//! The control protocol: one JSON request per line, one JSON reply per line.
+//!
+//! Pure types and parsing (fuzzable, no I/O). Every request carries the protocol
+//! version `"v"`; a reply is either `{"v":1,"ok":true,"result":…}` or
+//! `{"v":1,"ok":false,"error":{"code":…,"message":…}}`. `docs/control.md` is the
+//! user-facing description; keep the two in step.
+
+use crate::device::CacheMode;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// The protocol version this build speaks.
+pub const VERSION: u32 = 1;
+/// Longest request line accepted.
+pub const MAX_LINE: usize = 1 << 20;
+
+/// A device as configured: used by `attach`, the `--config` file and the state file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceSpec {
+    pub image: PathBuf,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub offset: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_limit: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
+    #[serde(default)]
+    pub cache: CacheMode,
+    #[serde(default)]
+    pub read_only: bool,
+    #[serde(default)]
+    pub autoclear: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub create: Option<u64>,
+}
+
+/// Live changes to a device; absent fields stay as they are.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SetSpec {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_limit: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offset: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<CacheMode>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_only: Option<bool>,
+    /// Apply changes connected clients cannot follow (offset, block size).
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// What a client asks for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    Attach(DeviceSpec),
+    Detach {
+        name: String,
+        #[serde(default)]
+        force: bool,
+    },
+    List,
+    Status {
+        name: String,
+    },
+    Set(SetSpec),
+    Resize {
+        name: String,
+    },
+    Version,
+}
+
+/// Machine-readable error codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// Not JSON, not an object, unknown op or field, wrong type.
+    BadRequest,
+    /// `"v"` missing or not one this daemon speaks.
+    UnsupportedVersion,
+    /// No device with that name.
+    NotFound,
+    /// A device with that name exists.
+    NameTaken,
+    /// Clients are connected and the request needs `force`.
+    Busy,
+    /// A value is out of range (block size, offset, size).
+    Invalid,
+    /// The image could not be created, opened or probed.
+    Io,
+    /// The filesystem refuses direct I/O for `cache: direct`.
+    DirectRefused,
+    /// The daemon is stopping.
+    ShuttingDown,
+    Internal,
+}
+
+/// An error reply's body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+/// Parse one request line (without its newline).
+pub fn parse_request(line: &[u8]) -> Result<Request, ErrorBody> {
+    let bad = |message: String| ErrorBody {
+        code: ErrorCode::BadRequest,
+        message,
+    };
+    if line.len() > MAX_LINE {
+        return Err(bad(format!("request longer than {MAX_LINE} bytes")));
+    }
+    let mut v: serde_json::Value =
+        serde_json::from_slice(line).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let obj = v
+        .as_object_mut()
+        .ok_or_else(|| bad("request is not a JSON object".into()))?;
+    match obj.remove("v").and_then(|v| v.as_u64()) {
+        Some(n) if n == u64::from(VERSION) => {}
+        Some(n) => {
+            return Err(ErrorBody {
+                code: ErrorCode::UnsupportedVersion,
+                message: format!(
+                    "protocol version {n} is not supported; this daemon speaks {VERSION}"
+                ),
+            });
+        }
+        None => {
+            return Err(ErrorBody {
+                code: ErrorCode::UnsupportedVersion,
+                message: format!(
+                    "request has no numeric \"v\" (protocol version; this daemon speaks {VERSION})"
+                ),
+            });
+        }
+    }
+    serde_json::from_value(v).map_err(|e| bad(format!("bad request: {e}")))
+}
+
+/// Encode a request as one line (no newline), with the version.
+pub fn encode_request(r: &Request) -> String {
+    let mut v = serde_json::to_value(r).unwrap_or(serde_json::Value::Null);
+    if let Some(o) = v.as_object_mut() {
+        o.insert("v".into(), VERSION.into());
+    }
+    v.to_string()
+}
+
+/// Encode a successful reply as one line.
+pub fn ok_reply<T: Serialize>(result: &T) -> String {
+    serde_json::json!({ "v": VERSION, "ok": true, "result": result }).to_string()
+}
+
+/// Encode an error reply as one line.
+pub fn err_reply(e: &ErrorBody) -> String {
+    serde_json::json!({ "v": VERSION, "ok": false, "error": e }).to_string()
+}
+
+/// A decoded reply: the result value or the error.
+pub fn parse_reply(line: &[u8]) -> Result<Result<serde_json::Value, ErrorBody>, String> {
+    #[derive(Deserialize)]
+    struct Reply {
+        #[allow(dead_code)]
+        v: u32,
+        ok: bool,
+        #[serde(default)]
+        result: serde_json::Value,
+        error: Option<ErrorBody>,
+    }
+    let r: Reply =
+        serde_json::from_slice(line).map_err(|e| format!("malformed reply from daemon: {e}"))?;
+    match (r.ok, r.error) {
+        (true, _) => Ok(Ok(r.result)),
+        (false, Some(e)) => Ok(Err(e)),
+        (false, None) => Err("error reply without an error body".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attach_round_trips() {
+        let r = Request::Attach(DeviceSpec {
+            image: "/tmp/a.img".into(),
+            name: Some("a".into()),
+            offset: 4096,
+            size_limit: Some(1 << 20),
+            block_size: Some(4096),
+            cache: CacheMode::Direct,
+            read_only: true,
+            autoclear: true,
+            create: None,
+        });
+        assert_eq!(parse_request(encode_request(&r).as_bytes()), Ok(r));
+    }
+
+    #[test]
+    fn request_without_version_is_rejected() {
+        let e = parse_request(br#"{"op":"list"}"#).unwrap_err();
+        assert_eq!(e.code, ErrorCode::UnsupportedVersion);
+    }
+
+    #[test]
+    fn request_with_future_version_is_rejected() {
+        let e = parse_request(br#"{"v":2,"op":"list"}"#).unwrap_err();
+        assert_eq!(e.code, ErrorCode::UnsupportedVersion);
+    }
+
+    #[test]
+    fn unknown_field_is_rejected() {
+        let e = parse_request(br#"{"v":1,"op":"detach","name":"a","forse":true}"#).unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadRequest);
+        let e = parse_request(br#"{"v":1,"op":"attach","image":"x","colour":1}"#).unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadRequest);
+    }
+
+    #[test]
+    fn unknown_op_and_garbage_are_rejected() {
+        for bad in [
+            &br#"{"v":1,"op":"explode"}"#[..],
+            b"[1,2]",
+            b"not json",
+            b"",
+        ] {
+            assert_eq!(
+                parse_request(bad).unwrap_err().code,
+                ErrorCode::BadRequest,
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn replies_round_trip() {
+        let ok = ok_reply(&serde_json::json!({"name": "a"}));
+        assert_eq!(parse_reply(ok.as_bytes()).unwrap().unwrap()["name"], "a");
+        let e = ErrorBody {
+            code: ErrorCode::Busy,
+            message: "2 clients".into(),
+        };
+        assert_eq!(parse_reply(err_reply(&e).as_bytes()).unwrap(), Err(e));
+    }
+}

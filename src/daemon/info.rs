@@ -1,0 +1,126 @@
+//! What `list`, `status`, `attach` and `set` report: serialisable snapshots.
+
+use super::Endpoints;
+use crate::device::CacheMode;
+use crate::device::export::Export;
+use crate::device::stats::ERRNO_NAMES;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering::Relaxed;
+
+/// One device, as `loopd list` shows it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DeviceInfo {
+    pub name: String,
+    pub image: PathBuf,
+    pub size: u64,
+    pub offset: u64,
+    pub size_limit: Option<u64>,
+    pub block_size: u32,
+    /// The cache mode asked for.
+    pub cache: CacheMode,
+    /// Whether direct I/O is really in use.
+    pub direct: bool,
+    pub read_only: bool,
+    pub autoclear: bool,
+    pub clients: u32,
+    pub uris: Vec<String>,
+}
+
+impl DeviceInfo {
+    pub fn of(e: &Export, ep: &Endpoints) -> DeviceInfo {
+        let (d, _) = e.current();
+        let spec = e.spec();
+        DeviceInfo {
+            name: e.name.clone(),
+            image: d.path.clone(),
+            size: d.size,
+            offset: d.offset,
+            size_limit: spec.size_limit,
+            block_size: d.block_size,
+            cache: spec.cache,
+            direct: d.direct,
+            read_only: d.read_only,
+            autoclear: spec.autoclear,
+            clients: e.clients(),
+            uris: ep.uris(&e.name),
+        }
+    }
+}
+
+/// Request latency summary, in microseconds.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Latency {
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub max_us: f64,
+}
+
+/// `loopd status`: the configuration plus live counters.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DeviceStatus {
+    #[serde(flatten)]
+    pub info: DeviceInfo,
+    pub in_flight: u64,
+    pub requests: BTreeMap<String, u64>,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    /// How reads and writes reached the file.
+    pub paths: BTreeMap<String, u64>,
+    pub errors: BTreeMap<String, u64>,
+    pub latency: Latency,
+}
+
+impl DeviceStatus {
+    pub fn of(e: &Export, ep: &Endpoints) -> DeviceStatus {
+        let s = &e.stats;
+        let g = |a: &std::sync::atomic::AtomicU64| a.load(Relaxed);
+        let requests = [
+            ("read", g(&s.reads)),
+            ("write", g(&s.writes)),
+            ("flush", g(&s.flushes)),
+            ("trim", g(&s.trims)),
+            ("write_zeroes", g(&s.write_zeroes)),
+            ("cache", g(&s.caches)),
+            ("block_status", g(&s.block_status)),
+        ];
+        let paths = [
+            ("direct", g(&s.direct)),
+            ("bounced", g(&s.bounced)),
+            ("buffered", g(&s.buffered)),
+            ("inline_cached", g(&s.inline_cached)),
+        ];
+        let errors = ERRNO_NAMES
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.to_string(), g(&s.errors[i])))
+            .collect();
+        let (p50, p99, max) = s.latency.summary();
+        DeviceStatus {
+            info: DeviceInfo::of(e, ep),
+            in_flight: e.in_flight(),
+            requests: requests.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            bytes_read: g(&s.bytes_read),
+            bytes_written: g(&s.bytes_written),
+            paths: paths.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            errors,
+            latency: Latency {
+                p50_us: p50,
+                p99_us: p99,
+                max_us: max,
+            },
+        }
+    }
+}
+
+/// The answer to `set` and `resize`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SetResult {
+    #[serde(flatten)]
+    pub device: DeviceInfo,
+    /// Whether anything the data path sees changed.
+    pub changed: bool,
+    /// How long this device's requests were held (0 when nothing was frozen).
+    pub quiesced_us: u64,
+}

@@ -1,0 +1,323 @@
+//! Kernel loop devices in one step: `LOOP_CTL_GET_FREE`, then one `LOOP_CONFIGURE`
+//! carrying everything (backing fd, block size, offset, size limit, flags), so the
+//! device is configured completely before it goes live and no queue is frozen.
+//!
+//! The block size defaults to the backing file's direct-I/O alignment (statx), so
+//! that direct I/O is really on; the result is checked in sysfs
+//! (`loop/dio`, `queue/logical_block_size`). Another process may take the free
+//! device between the two calls (`EBUSY`): then ask for another, a few times.
+
+use crate::engine::align;
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use thiserror::Error;
+
+const LOOP_CLR_FD: libc::c_ulong = 0x4C01;
+const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
+const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
+
+const LO_FLAGS_READ_ONLY: u32 = 1;
+const LO_FLAGS_AUTOCLEAR: u32 = 4;
+const LO_FLAGS_PARTSCAN: u32 = 8;
+const LO_FLAGS_DIRECT_IO: u32 = 16;
+
+/// `struct loop_info64` (linux/loop.h).
+#[repr(C)]
+struct LoopInfo64 {
+    lo_device: u64,
+    lo_inode: u64,
+    lo_rdevice: u64,
+    lo_offset: u64,
+    lo_sizelimit: u64,
+    lo_number: u32,
+    lo_encrypt_type: u32,
+    lo_encrypt_key_size: u32,
+    lo_flags: u32,
+    lo_file_name: [u8; 64],
+    lo_crypt_name: [u8; 64],
+    lo_encrypt_key: [u8; 32],
+    lo_init: [u64; 2],
+}
+
+/// `struct loop_config` (linux/loop.h, Linux 5.8).
+#[repr(C)]
+struct LoopConfig {
+    fd: u32,
+    block_size: u32,
+    info: LoopInfo64,
+    reserved: [u64; 8],
+}
+
+const _: () = assert!(std::mem::size_of::<LoopInfo64>() == 232);
+const _: () = assert!(std::mem::size_of::<LoopConfig>() == 304);
+
+/// Whether to ask the kernel for direct I/O.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DirectIo {
+    /// On where the backing file allows it; say so when it does not.
+    #[default]
+    Auto,
+    /// On, or fail (and leave no device behind).
+    On,
+    Off,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct KernelParams {
+    pub image: PathBuf,
+    pub offset: u64,
+    pub size_limit: u64,
+    pub block_size: Option<u32>,
+    pub direct_io: DirectIo,
+    pub read_only: bool,
+    pub autoclear: bool,
+    pub partscan: bool,
+}
+
+#[derive(Debug, Error)]
+pub enum KernelLoopError {
+    #[error("block size {0} is not a power of two between 512 and 4096")]
+    BadBlockSize(u32),
+    #[error("cannot open {0}")]
+    Open(PathBuf, #[source] std::io::Error),
+    #[error("cannot open /dev/loop-control (is the loop module loaded? are you root?)")]
+    Control(#[source] std::io::Error),
+    #[error("LOOP_CTL_GET_FREE failed")]
+    GetFree(#[source] std::io::Error),
+    #[error("LOOP_CONFIGURE on {0} failed")]
+    Configure(PathBuf, #[source] std::io::Error),
+    #[error("every free loop device was taken by someone else {0} times in a row")]
+    Contended(u32),
+    #[error(
+        "the kernel refused direct I/O on {dev} (block size {block_size}, file alignment {align}); device removed"
+    )]
+    DirectRefused {
+        dev: PathBuf,
+        block_size: u32,
+        align: u32,
+    },
+    #[error("{0} is not a loop device")]
+    NotLoop(PathBuf),
+    #[error("LOOP_CLR_FD on {0} failed")]
+    Clear(PathBuf, #[source] std::io::Error),
+}
+
+/// What was set up.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Attached {
+    pub device: PathBuf,
+    pub block_size: u32,
+    /// Direct I/O as the kernel reports it in sysfs.
+    pub direct_io: bool,
+    /// Attempts it took (more than 1 when another process raced us).
+    pub attempts: u32,
+}
+
+fn sysfs(dev: u32, rel: &str) -> Option<String> {
+    std::fs::read_to_string(format!("/sys/block/loop{dev}/{rel}"))
+        .ok()
+        .map(|s| s.trim().to_owned())
+}
+
+fn ioctl_int(fd: &File, req: libc::c_ulong, arg: libc::c_ulong) -> std::io::Result<libc::c_int> {
+    // SAFETY: `req` is a loop ioctl that takes an integer argument (or none);
+    // fd is an open file for the duration of the call.
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), req, arg) };
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+/// Set up a kernel loop device for `p` in one `LOOP_CONFIGURE`.
+pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
+    if let Some(bs) = p.block_size {
+        if !bs.is_power_of_two() || !(512..=4096).contains(&bs) {
+            return Err(KernelLoopError::BadBlockSize(bs));
+        }
+    }
+    let open = |direct: bool| {
+        let mut o = OpenOptions::new();
+        o.read(true).write(!p.read_only);
+        if direct {
+            o.custom_flags(libc::O_DIRECT);
+        }
+        o.open(&p.image)
+    };
+    let plain = open(false).map_err(|e| KernelLoopError::Open(p.image.clone(), e))?;
+    let a = align::probe(&plain);
+    let want_dio = p.direct_io != DirectIo::Off && a.supported;
+    let backing = if want_dio {
+        match open(true) {
+            Ok(f) => f,
+            Err(e) if p.direct_io == DirectIo::On => {
+                return Err(KernelLoopError::Open(p.image.clone(), e));
+            }
+            Err(_) => plain,
+        }
+    } else {
+        plain
+    };
+    let block_size = p.block_size.unwrap_or(a.offset.clamp(512, 4096));
+    let mut flags = 0;
+    if want_dio {
+        flags |= LO_FLAGS_DIRECT_IO;
+    }
+    if p.read_only {
+        flags |= LO_FLAGS_READ_ONLY;
+    }
+    if p.autoclear {
+        flags |= LO_FLAGS_AUTOCLEAR;
+    }
+    if p.partscan {
+        flags |= LO_FLAGS_PARTSCAN;
+    }
+    let mut info = LoopInfo64 {
+        lo_device: 0,
+        lo_inode: 0,
+        lo_rdevice: 0,
+        lo_offset: p.offset,
+        lo_sizelimit: p.size_limit,
+        lo_number: 0,
+        lo_encrypt_type: 0,
+        lo_encrypt_key_size: 0,
+        lo_flags: flags,
+        lo_file_name: [0; 64],
+        lo_crypt_name: [0; 64],
+        lo_encrypt_key: [0; 32],
+        lo_init: [0; 2],
+    };
+    let name = p.image.as_os_str().as_encoded_bytes();
+    let n = name.len().min(63);
+    info.lo_file_name[..n].copy_from_slice(&name[..n]);
+    let fd = u32::try_from(backing.as_raw_fd()).map_err(|_| {
+        KernelLoopError::Open(
+            p.image.clone(),
+            std::io::Error::from_raw_os_error(libc::EBADF),
+        )
+    })?;
+    let cfg = LoopConfig {
+        fd,
+        block_size,
+        info,
+        reserved: [0; 8],
+    };
+
+    let ctl = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/loop-control")
+        .map_err(KernelLoopError::Control)?;
+    const TRIES: u32 = 16;
+    for attempt in 1..=TRIES {
+        let n = ioctl_int(&ctl, LOOP_CTL_GET_FREE, 0).map_err(KernelLoopError::GetFree)?;
+        let n = u32::try_from(n).unwrap_or(0);
+        let dev = PathBuf::from(format!("/dev/loop{n}"));
+        let loopf = match OpenOptions::new().read(true).write(true).open(&dev) {
+            Ok(f) => f,
+            // The node may be gone already (another process removed it): next.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(KernelLoopError::Open(dev, e)),
+        };
+        // SAFETY: LOOP_CONFIGURE reads a `struct loop_config`, which `cfg` is
+        // (layout checked at compile time); both fds are open during the call.
+        let r =
+            unsafe { libc::ioctl(loopf.as_raw_fd(), LOOP_CONFIGURE, &cfg as *const LoopConfig) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EBUSY) {
+                continue; // someone else configured it first
+            }
+            return Err(KernelLoopError::Configure(dev, e));
+        }
+        let direct_io = sysfs(n, "loop/dio").as_deref() == Some("1");
+        let lbs = sysfs(n, "queue/logical_block_size")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(block_size);
+        if p.direct_io == DirectIo::On && !direct_io {
+            let _ = ioctl_int(&loopf, LOOP_CLR_FD, 0);
+            return Err(KernelLoopError::DirectRefused {
+                dev,
+                block_size: lbs,
+                align: a.offset,
+            });
+        }
+        return Ok(Attached {
+            device: dev,
+            block_size: lbs,
+            direct_io,
+            attempts: attempt,
+        });
+    }
+    Err(KernelLoopError::Contended(TRIES))
+}
+
+fn loop_number(dev: &Path) -> Option<u32> {
+    let name = dev.file_name()?.to_str()?;
+    name.strip_prefix("loop")?.parse().ok()
+}
+
+/// Detach a kernel loop device (`LOOP_CLR_FD`: it goes away at last close).
+pub fn detach(dev: &Path) -> Result<(), KernelLoopError> {
+    if loop_number(dev).is_none() {
+        return Err(KernelLoopError::NotLoop(dev.to_path_buf()));
+    }
+    let f = OpenOptions::new()
+        .read(true)
+        .open(dev)
+        .map_err(|e| KernelLoopError::Open(dev.to_path_buf(), e))?;
+    ioctl_int(&f, LOOP_CLR_FD, 0).map_err(|e| KernelLoopError::Clear(dev.to_path_buf(), e))?;
+    Ok(())
+}
+
+/// A configured kernel loop device, from sysfs.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LoopEntry {
+    pub device: PathBuf,
+    pub backing_file: String,
+    pub offset: u64,
+    pub size_limit: u64,
+    pub block_size: u32,
+    pub direct_io: bool,
+    pub read_only: bool,
+    pub autoclear: bool,
+    pub partscan: bool,
+}
+
+/// Every loop device with a backing file.
+pub fn list() -> Vec<LoopEntry> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir("/sys/block") else {
+        return out;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(n) = name
+            .strip_prefix("loop")
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Some(backing) = sysfs(n, "loop/backing_file") else {
+            continue;
+        };
+        let num = |rel| sysfs(n, rel).and_then(|s| s.parse().ok()).unwrap_or(0);
+        let flag = |rel| sysfs(n, rel).as_deref() == Some("1");
+        out.push(LoopEntry {
+            device: PathBuf::from(format!("/dev/loop{n}")),
+            backing_file: backing,
+            offset: num("loop/offset"),
+            size_limit: num("loop/sizelimit"),
+            block_size: u32::try_from(num("queue/logical_block_size")).unwrap_or(0),
+            direct_io: flag("loop/dio"),
+            read_only: flag("ro"),
+            autoclear: flag("loop/autoclear"),
+            partscan: flag("loop/partscan"),
+        });
+    }
+    out.sort_by_key(|e| loop_number(&e.device).unwrap_or(u32::MAX));
+    out
+}
