@@ -18,8 +18,7 @@ echo "== cargo test (release)"
 # --no-fail-fast: report failures from every test binary, not just the first.
 cargo test --release --no-fail-fast
 
-# ---------------------------------------------------------------------------
-# FUZZ SMOKE STEP (to be added): a short, time-bounded fuzz run goes here.
-# ---------------------------------------------------------------------------
+echo "== fuzz smoke (every parser of untrusted bytes, ${FUZZ_SECONDS:-20}s each)"
+scripts/fuzz-smoke.sh "${FUZZ_SECONDS:-20}"
 
 echo "== all checks passed"

@@ -154,6 +154,7 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
     daemon.set_reactors(reactors.clone());
     let reactors = Arc::new(reactors);
     daemon.run_janitor();
+    daemon.run_persister();
 
     let name = daemon
         .export("")
@@ -176,6 +177,7 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
 
     tracing::info!("stopping: finishing in-flight requests");
     daemon.set_stopping();
+    daemon.write_state();
     for r in reactors.iter() {
         r.shutdown();
     }

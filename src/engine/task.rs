@@ -180,7 +180,8 @@ impl Task {
                 }
                 if cmd == Command::Write && dev.extends_file(t.lock_end) {
                     t.lock_mode = Mode::Exclusive;
-                    t.grows_to = Some(fend);
+                    // The whole span is written, so the file reaches its end.
+                    t.grows_to = Some(t.lock_end);
                 }
                 t.buf = Some(pool.get(t.span_len));
             }

@@ -425,7 +425,7 @@ pub fn reply_header(
                 REPLY_FLAG_DONE,
                 REPLY_TYPE_OFFSET_DATA,
                 cookie,
-                data_len + 8,
+                data_len.saturating_add(8),
             );
             out[20..28].copy_from_slice(&offset.to_be_bytes());
             28
@@ -451,7 +451,7 @@ pub fn block_status_header(
         REPLY_FLAG_DONE,
         REPLY_TYPE_BLOCK_STATUS,
         cookie,
-        4 + 8 * n,
+        n.saturating_mul(8).saturating_add(4),
     );
     out[20..24].copy_from_slice(&context.to_be_bytes());
     24
