@@ -182,7 +182,10 @@ fn main() {
     };
 
     // 1. Control socket, in-process client.
-    let (daemon, _) = start(d, &["--state", d.join("s.state").to_str().unwrap()]);
+    let state = std::env::var("BENCH_STATE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| d.join("s.state"));
+    let (daemon, _) = start(d, &["--state", state.to_str().unwrap()]);
     let mut ctl = Ctl::connect(&d.join("nbd.ctl"));
     let (mut reply, mut open) = (Vec::new(), Vec::new());
     for i in 0..rounds {

@@ -154,7 +154,6 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
     daemon.set_reactors(reactors.clone());
     let reactors = Arc::new(reactors);
     daemon.run_janitor();
-    daemon.run_persister();
 
     let name = daemon
         .export("")

@@ -60,9 +60,11 @@ pub struct DeviceArgs {
 }
 
 impl DeviceArgs {
+    /// The device spec for `image`, made absolute against this process's working
+    /// directory (the daemon may run elsewhere).
     pub fn spec(&self, image: PathBuf) -> DeviceSpec {
         DeviceSpec {
-            image,
+            image: std::path::absolute(&image).unwrap_or(image),
             name: self.name.clone(),
             offset: self.offset,
             size_limit: self.size_limit,
@@ -88,7 +90,20 @@ pub fn read_config(path: &Path) -> Result<Vec<DeviceSpec>> {
         std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     let c: ConfigFile = toml::from_str(&text)
         .with_context(|| format!("{} is not a valid config file", path.display()))?;
-    Ok(c.device)
+    // Relative image paths are relative to the config file's directory.
+    let base = std::path::absolute(path)?
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default();
+    Ok(c.device
+        .into_iter()
+        .map(|mut d| {
+            if d.image.is_relative() {
+                d.image = base.join(&d.image);
+            }
+            d
+        })
+        .collect())
 }
 
 fn s(v: &Value, k: &str) -> String {

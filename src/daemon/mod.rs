@@ -119,12 +119,10 @@ pub struct Daemon {
     reactors: RwLock<Vec<Arc<ReactorHandle>>>,
     endpoints: RwLock<Endpoints>,
     state: Option<PathBuf>,
-    /// Serialises state-file writes (they are rare and short).
-    state_lock: Mutex<()>,
+    /// The open state log (after [`Daemon::restore`]); its mutex orders records.
+    log: Mutex<Option<state::StateLog>>,
     idle_tx: Mutex<Sender<String>>,
     idle_rx: Mutex<Option<Receiver<String>>>,
-    /// Wakes the persister thread; `None` until it runs (then writes are inline).
-    persist_tx: Mutex<Option<Sender<()>>>,
     stopping: AtomicBool,
 }
 
@@ -181,10 +179,9 @@ impl Daemon {
             reactors: RwLock::default(),
             endpoints: RwLock::default(),
             state,
-            state_lock: Mutex::new(()),
+            log: Mutex::new(None),
             idle_tx: Mutex::new(tx),
             idle_rx: Mutex::new(Some(rx)),
-            persist_tx: Mutex::new(None),
             stopping: AtomicBool::new(false),
         })
     }
@@ -216,11 +213,10 @@ impl Daemon {
     pub fn export(&self, name: &str) -> Option<Arc<Export>> {
         let t = self.exports.read().ok()?;
         if name.is_empty() {
-            let d = self.default_name.read().ok()?.clone();
-            return match d {
-                Some(n) => t.get(&n).cloned(),
-                None => t.values().next().cloned(),
-            };
+            // Only `serve IMAGE` makes a default export; otherwise the empty name
+            // selects nothing (never "whichever device sorts first").
+            let d = self.default_name.read().ok()?.clone()?;
+            return t.get(&d).cloned();
         }
         t.get(name).cloned()
     }
@@ -296,23 +292,25 @@ impl Daemon {
         if !(is_default && name.is_empty()) {
             check_name(&name)?;
         }
+        if spec.image.is_relative() {
+            return Err(CtlError::Invalid(format!(
+                "image path {} is relative; the daemon needs an absolute path",
+                spec.image.display()
+            )));
+        }
         if self.export(&name).is_some() {
             return Err(CtlError::NameTaken(name));
         }
-        let existed = spec.image.exists();
-        let cleanup = |spec: &DeviceSpec| {
-            if !existed && spec.create.is_some() {
-                let _ = std::fs::remove_file(&spec.image);
-            }
-        };
-        let dev = match Device::open(&params_with(&spec, &name, whole_device_lock)) {
-            Ok(d) => d,
-            Err(source) => {
-                cleanup(&spec);
-                let msg = format!("cannot attach {}", spec.image.display());
-                return Err(CtlError::Device { msg, source });
-            }
-        };
+        // An image created here is removed again by a failed open (Device::open)
+        // or a lost race for the name (below): a failed attach leaves no trace.
+        let dev =
+            Device::open(&params_with(&spec, &name, whole_device_lock)).map_err(|source| {
+                CtlError::Device {
+                    msg: format!("cannot attach {}", spec.image.display()),
+                    source,
+                }
+            })?;
+        let created = dev.created;
         // Record what was asked; `create` has done its job.
         spec.name = Some(name.clone());
         spec.create = None;
@@ -324,13 +322,15 @@ impl Daemon {
             let mut t = self.exports.write().map_err(|_| CtlError::ShuttingDown)?;
             if t.contains_key(&name) {
                 drop(t);
-                cleanup(&spec);
+                if created {
+                    let _ = std::fs::remove_file(&spec.image);
+                }
                 return Err(CtlError::NameTaken(name));
             }
             t.insert(name.clone(), Arc::clone(&export));
         }
         if persist {
-            self.persist();
+            self.record_put(&export);
         }
         Ok(self.info(&export))
     }
@@ -361,7 +361,9 @@ impl Daemon {
         if !dev.read_only {
             let _ = rustix::fs::fdatasync(&dev.file);
         }
-        self.persist();
+        if e.persistent {
+            self.record(|log| log.del(&e.name));
+        }
         Ok(())
     }
 
@@ -425,6 +427,7 @@ impl Daemon {
                 && new.cache == old.cache);
         if unchanged {
             e.set_spec(new);
+            self.record_put(&e);
             return Ok(SetResult {
                 device: self.info(&e),
                 changed: false,
@@ -448,7 +451,7 @@ impl Daemon {
             })?;
         let held = e.quiesce_and_swap(Some(dev));
         e.set_spec(new);
-        self.persist();
+        self.record_put(&e);
         let quiesced_us = u64::try_from(held.as_micros()).unwrap_or(u64::MAX);
         Ok(SetResult {
             device: self.info(&e),
@@ -486,31 +489,45 @@ impl Daemon {
         })
     }
 
-    /// Record the device table in the state file. With the persister running
-    /// (see [`Daemon::run_persister`]) this only wakes it: the reply does not wait
-    /// for the file system (an atomic replace costs a few hundred µs on ext4, far
-    /// more than the attach itself).
-    pub fn persist(&self) {
-        if let Some(tx) = self.persist_tx.lock().ok().and_then(|t| t.clone()) {
-            if tx.send(()).is_ok() {
-                return;
-            }
+    /// Append a record to the state log (before the control reply goes out).
+    fn record(&self, f: impl FnOnce(&mut state::StateLog) -> Result<(), state::StateError>) {
+        let Ok(mut g) = self.log.lock() else { return };
+        let Some(log) = g.as_mut() else {
+            // No log yet (nothing was ever recorded): start one holding the
+            // whole table, which already includes this change.
+            drop(g);
+            self.write_state();
+            return;
+        };
+        if let Err(e) = f(log) {
+            tracing::error!("state file: {e:#}");
         }
-        self.write_state();
+        let live = self.all().iter().filter(|e| e.persistent).count();
+        if log.bloated(live) {
+            drop(g);
+            self.write_state();
+        }
     }
 
-    /// Write the state file now (atomically: a temporary file renamed over it).
+    fn record_put(&self, e: &Export) {
+        if e.persistent {
+            self.record(|log| log.put(&e.spec()));
+        }
+    }
+
+    /// Rewrite the state file from the live table (compaction) and keep it open.
     pub fn write_state(&self) {
         let Some(path) = &self.state else { return };
-        let _g = self.state_lock.lock();
+        let Ok(mut g) = self.log.lock() else { return };
         let specs: Vec<DeviceSpec> = self
             .all()
             .iter()
             .filter(|e| e.persistent)
             .map(|e| e.spec())
             .collect();
-        if let Err(e) = state::write(path, &specs) {
-            tracing::error!("cannot write state file {}: {e:#}", path.display());
+        match state::StateLog::create(path, &specs) {
+            Ok(log) => *g = Some(log),
+            Err(e) => tracing::error!("cannot write state file {}: {e:#}", path.display()),
         }
     }
 
@@ -534,31 +551,10 @@ impl Daemon {
                 Err(e) => tracing::error!("cannot restore device {name:?}: {}", e.body().message),
             }
         }
-    }
-
-    /// Start the thread that writes the state file after changes, coalescing
-    /// bursts (200 attaches in a row cost one or two writes, not 200).
-    pub fn run_persister(self: &Arc<Self>) {
-        let (tx, rx) = channel::<()>();
-        let me = Arc::downgrade(self);
-        let spawned = std::thread::Builder::new()
-            .name("loopd-state".into())
-            .spawn(move || {
-                while rx.recv().is_ok() {
-                    while rx.try_recv().is_ok() {}
-                    let Some(d) = me.upgrade() else { return };
-                    d.write_state();
-                }
-            });
-        match spawned {
-            Ok(_) => {
-                if let Ok(mut t) = self.persist_tx.lock() {
-                    *t = Some(tx);
-                }
-            }
-            Err(e) => {
-                tracing::warn!("cannot start the state thread (state is written inline): {e}")
-            }
+        // Start a fresh log holding exactly what is attached now (once there is
+        // anything to keep).
+        if path.exists() {
+            self.write_state();
         }
     }
 

@@ -125,6 +125,8 @@ pub struct Device {
     pub stats: Arc<Stats>,
     /// Why the cache mode is what it is (for the start-up line).
     pub cache_note: String,
+    /// This open created the image (`create`), so undoing it removes the file.
+    pub created: bool,
 }
 
 fn valid_block_size(bs: u32) -> bool {
@@ -138,6 +140,47 @@ fn open_file(path: &Path, read_only: bool, direct: bool) -> std::io::Result<File
         o.custom_flags(libc::O_DIRECT);
     }
     o.open(path)
+}
+
+/// Create a sparse image of `size` bytes at `path`, atomically: it is sized under
+/// a temporary name and renamed into place only if nothing is there, so a
+/// concurrent opener never sees it half-made. `Ok(false)`: someone else created it.
+fn create_sparse(path: &Path, size: u64) -> Result<bool, DeviceError> {
+    use std::sync::atomic::AtomicU32;
+    static SEQ: AtomicU32 = AtomicU32::new(0);
+    let err = |source| DeviceError::Create {
+        path: path.to_path_buf(),
+        source,
+    };
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+    let tmp = path.with_file_name(format!(".{name}.loopd-create.{}.{seq}", std::process::id()));
+    let f = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .map_err(err)?;
+    if let Err(e) = f.set_len(size) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(err(e));
+    }
+    drop(f);
+    let cwd = rustix::fs::CWD;
+    let r = rustix::fs::renameat_with(cwd, &tmp, cwd, path, rustix::fs::RenameFlags::NOREPLACE);
+    match r {
+        Ok(()) => Ok(true),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            if e == rustix::io::Errno::EXIST {
+                Ok(false)
+            } else {
+                Err(err(e.into()))
+            }
+        }
+    }
 }
 
 fn dup(f: &File, path: &Path) -> Result<File, DeviceError> {
@@ -154,28 +197,32 @@ impl Device {
     }
 
     /// As [`Device::open`], counting into existing `stats` (a reconfiguration).
+    /// An image this call creates is removed again if the open then fails.
     pub fn open_with_stats(p: &DeviceParams, stats: Arc<Stats>) -> Result<Device, DeviceError> {
         if let Some(bs) = p.block_size {
             if !valid_block_size(bs) {
                 return Err(DeviceError::BadBlockSize(bs));
             }
         }
-        if let Some(size) = p.create {
-            if !p.path.exists() {
-                let f = OpenOptions::new()
-                    .write(true)
-                    .create_new(true)
-                    .open(&p.path)
-                    .map_err(|source| DeviceError::Create {
-                        path: p.path.clone(),
-                        source,
-                    })?;
-                f.set_len(size).map_err(|source| DeviceError::Create {
-                    path: p.path.clone(),
-                    source,
-                })?;
+        let created = match p.create {
+            Some(size) if !p.path.exists() => create_sparse(&p.path, size)?,
+            _ => false,
+        };
+        match Self::open_existing(p, stats) {
+            Ok(mut d) => {
+                d.created = created;
+                Ok(d)
+            }
+            Err(e) => {
+                if created {
+                    let _ = std::fs::remove_file(&p.path);
+                }
+                Err(e)
             }
         }
+    }
+
+    fn open_existing(p: &DeviceParams, stats: Arc<Stats>) -> Result<Device, DeviceError> {
         let plain = open_file(&p.path, p.read_only, false).map_err(|source| DeviceError::Open {
             path: p.path.clone(),
             source,
@@ -305,6 +352,7 @@ impl Device {
             },
             stats,
             cache_note,
+            created: false,
         })
     }
 

@@ -257,6 +257,11 @@ impl Conn {
 
     /// Parse what is buffered and keep a receive posted, as far as budget allows.
     pub(super) fn pump(&mut self, io: &mut Io, ci: u32) {
+        if self.export.closing() && !self.read_closed {
+            // Detached: stop reading (cancelling a receive an idle client left
+            // posted); the connection closes once its requests are answered.
+            self.close_reading(io, ci);
+        }
         loop {
             if self.read_closed || self.recv_inflight || self.dead {
                 return;
@@ -292,10 +297,6 @@ impl Conn {
             }
             if self.free_slots.is_empty() || self.bytes_held > BYTES_BUDGET {
                 return; // resumed when a reply has been sent
-            }
-            if self.export.closing() {
-                self.close_reading(io, ci);
-                return;
             }
             if !self.export.enter(&io.waker) {
                 io.parked.push(ci);

@@ -102,6 +102,12 @@ pub enum KernelLoopError {
     NotLoop(PathBuf),
     #[error("LOOP_CLR_FD on {0} failed")]
     Clear(PathBuf, #[source] std::io::Error),
+    #[error(
+        "{0} was removed as soon as loopd closed it: the kernel clears an autoclear device at its last \
+         close, and nothing else had it open; attach without --autoclear and detach it when done, or \
+         let the program that will hold the device set it up"
+    )]
+    AutoclearedAtOnce(PathBuf),
 }
 
 /// What was set up.
@@ -244,6 +250,10 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
                 block_size: lbs,
                 align: a.offset,
             });
+        }
+        drop(loopf);
+        if p.autoclear && sysfs(n, "loop/backing_file").is_none() {
+            return Err(KernelLoopError::AutoclearedAtOnce(dev));
         }
         return Ok(Attached {
             device: dev,

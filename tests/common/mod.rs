@@ -735,7 +735,10 @@ pub fn loopd_bin() -> PathBuf {
 
 /// Builder for a `loopd serve` process.
 pub struct ServerBuilder {
-    image: PathBuf,
+    /// `None`: `loopd serve` without an image (a daemon with no default device).
+    image: Option<PathBuf>,
+    /// Ready when the `control: PATH` line is printed (instead of the URI line).
+    ready_on_control: bool,
     args: Vec<OsString>,
     unix: bool,
     tcp: bool,
@@ -800,7 +803,8 @@ impl ServerBuilder {
             .expect("tempdir");
         let export_name = self.name.clone().unwrap_or_else(|| {
             self.image
-                .file_stem()
+                .as_deref()
+                .and_then(Path::file_stem)
                 .map(|s| s.to_string_lossy().into_owned())
                 .unwrap_or_default()
         });
@@ -812,7 +816,10 @@ impl ServerBuilder {
         let port = self.tcp.then(free_port);
 
         let mut cmd = Command::new(loopd_bin());
-        cmd.arg("serve").arg(&self.image);
+        cmd.arg("serve");
+        if let Some(img) = &self.image {
+            cmd.arg(img);
+        }
         if let Some(s) = &socket {
             cmd.arg("--socket").arg(s);
         }
@@ -870,11 +877,19 @@ impl ServerBuilder {
             port,
             stderr: stderr_buf,
             stdout_lines,
+            control: None,
             _dir: dir,
         };
 
-        let want_unix = server.socket.as_ref().map(|_| server.uri());
-        let want_tcp = server.port.map(|_| server.tcp_uri());
+        let (want_unix, want_tcp) = if self.ready_on_control {
+            // The control line is printed last, after every URI line.
+            (Some("control: ".to_string()), None)
+        } else {
+            (
+                server.socket.as_ref().map(|_| server.uri()),
+                server.port.map(|_| server.tcp_uri()),
+            )
+        };
         let mut seen_unix = want_unix.is_none();
         let mut seen_tcp = want_tcp.is_none();
         let deadline = Instant::now() + READY_TIMEOUT;
@@ -914,6 +929,15 @@ impl ServerBuilder {
                 }
             }
         }
+        if self.ready_on_control {
+            let line = server
+                .stdout_lines
+                .lock()
+                .unwrap()
+                .iter()
+                .find_map(|l| l.strip_prefix("control: ").map(PathBuf::from));
+            server.control = line;
+        }
         server
     }
 }
@@ -929,6 +953,9 @@ pub struct Server {
     port: Option<u16>,
     stderr: Arc<Mutex<Vec<u8>>>,
     stdout_lines: Arc<Mutex<Vec<String>>>,
+    /// The control socket, as printed on the `control: PATH` ready line
+    /// (daemon mode, see [`Server::daemon`]).
+    control: Option<PathBuf>,
     _dir: tempfile::TempDir,
 }
 
@@ -949,7 +976,23 @@ impl Server {
     /// Starts configuring a server for `image`.
     pub fn builder(image: &Path) -> ServerBuilder {
         ServerBuilder {
-            image: image.to_path_buf(),
+            image: Some(image.to_path_buf()),
+            ready_on_control: false,
+            args: Vec::new(),
+            unix: true,
+            tcp: false,
+            name: None,
+            socket_path: None,
+        }
+    }
+
+    /// Starts configuring `loopd serve` without an image (a daemon that starts
+    /// with no default device; devices come from --config, the state file or
+    /// `loopd attach`).  It counts as ready once it printed `control: PATH`.
+    pub fn daemon() -> ServerBuilder {
+        ServerBuilder {
+            image: None,
+            ready_on_control: true,
             args: Vec::new(),
             unix: true,
             tcp: false,
@@ -1334,4 +1377,390 @@ pub fn tempdir() -> tempfile::TempDir {
         .prefix("loopd-e2e")
         .tempdir()
         .expect("tempdir")
+}
+
+// ---------------------------------------------------------------------------
+// The control plane: `loopd attach/detach/list/status/set/resize`
+// ---------------------------------------------------------------------------
+
+/// Runs `loopd ARGS --control CONTROL` (a client command) to completion.
+pub fn loopd_ctl(control: &Path, args: &[&str]) -> Out {
+    let mut c = Command::new(loopd_bin());
+    c.args(args).arg("--control").arg(control);
+    c.env_remove("LOOPD_CONTROL").stdin(Stdio::null());
+    run_cmd_timeout(c, Duration::from_secs(60))
+}
+
+/// The machine code a failed client command ends its message with, e.g.
+/// `busy` for "loopd: error: … (busy)".
+pub fn error_code(out: &Out) -> Option<String> {
+    let line = out.stderr.lines().rev().find(|l| !l.trim().is_empty())?;
+    let line = line.trim_end();
+    let inner = line.strip_suffix(')')?;
+    let open = inner.rfind('(')?;
+    Some(inner[open + 1..].to_string())
+}
+
+/// Asserts a client command failed with a non-zero exit status and the
+/// machine code `code` at the end of its error message.
+#[track_caller]
+pub fn assert_ctl_error(out: &Out, code: &str) {
+    assert!(
+        !out.success(),
+        "expected failure with ({code}), but the command succeeded:\n{out}"
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "expected exit status 1 for a daemon error:\n{out}"
+    );
+    assert!(
+        out.stderr.contains("loopd: error:"),
+        "error message missing on stderr:\n{out}"
+    );
+    assert_eq!(
+        error_code(out).as_deref(),
+        Some(code),
+        "wrong error code:\n{out}"
+    );
+}
+
+impl Server {
+    /// The control socket (daemon mode only).
+    pub fn control(&self) -> &Path {
+        self.control
+            .as_deref()
+            .expect("no control line seen (start the server with Server::daemon())")
+    }
+
+    /// Runs a client command against this daemon (whatever its exit status).
+    pub fn ctl(&self, args: &[&str]) -> Out {
+        loopd_ctl(self.control(), args)
+    }
+
+    /// Runs a client command and panics unless it exited 0.
+    #[track_caller]
+    pub fn ctl_ok(&self, args: &[&str]) -> Out {
+        let out = self.ctl(args);
+        if !out.success() {
+            panic!("loopd client command failed:\n{out}");
+        }
+        out
+    }
+
+    /// Runs a client command and asserts it failed with `code`.
+    #[track_caller]
+    pub fn ctl_err(&self, args: &[&str], code: &str) -> Out {
+        let out = self.ctl(args);
+        assert_ctl_error(&out, code);
+        out
+    }
+
+    /// Runs a client command with `--json` and parses its output.
+    #[track_caller]
+    pub fn ctl_json(&self, args: &[&str]) -> Json {
+        let mut a = args.to_vec();
+        a.push("--json");
+        let out = self.ctl_ok(&a);
+        Json::parse(&out.stdout)
+    }
+
+    /// `loopd list --json`: the devices.
+    #[track_caller]
+    pub fn list_json(&self) -> Vec<Json> {
+        self.ctl_json(&["list"]).arr().to_vec()
+    }
+
+    /// The device named `name` in `loopd list --json`, if any.
+    #[track_caller]
+    pub fn device(&self, name: &str) -> Option<Json> {
+        self.list_json()
+            .into_iter()
+            .find(|d| d.at("name").str() == name)
+    }
+
+    /// Names of all devices, in listing order.
+    #[track_caller]
+    pub fn device_names(&self) -> Vec<String> {
+        self.list_json()
+            .iter()
+            .map(|d| d.at("name").str().to_string())
+            .collect()
+    }
+
+    /// Polls `list` until `name` has `n` clients (panics after `timeout`).
+    #[track_caller]
+    pub fn wait_clients(&self, name: &str, n: u64, timeout: Duration) {
+        let start = Instant::now();
+        loop {
+            let d = self.device(name);
+            let got = d.as_ref().map(|d| d.at("clients").u64());
+            if got == Some(n) {
+                return;
+            }
+            assert!(
+                start.elapsed() < timeout,
+                "device {name:?} did not reach {n} client(s) within {timeout:?} (now {got:?})"
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Polls `list` until `name` is gone; returns how long it took, or `None`
+    /// if it was still there after `timeout`.
+    pub fn wait_gone(&self, name: &str, timeout: Duration) -> Option<Duration> {
+        let start = Instant::now();
+        loop {
+            if self.device(name).is_none() {
+                return Some(start.elapsed());
+            }
+            if start.elapsed() > timeout {
+                return None;
+            }
+            thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    /// All stdout lines printed so far.
+    pub fn stdout_lines(&self) -> Vec<String> {
+        self.stdout_lines.lock().unwrap().clone()
+    }
+}
+
+/// A raw connection to the control socket: one JSON line per request.
+pub struct ControlConn {
+    r: BufReader<UnixStream>,
+    w: UnixStream,
+}
+
+impl ControlConn {
+    pub fn connect(path: &Path) -> ControlConn {
+        let s = UnixStream::connect(path)
+            .unwrap_or_else(|e| panic!("connect control socket {}: {e}", path.display()));
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        s.set_write_timeout(Some(Duration::from_secs(30))).unwrap();
+        ControlConn {
+            w: s.try_clone().expect("clone control stream"),
+            r: BufReader::new(s),
+        }
+    }
+
+    /// Sends raw bytes (no newline is added).
+    pub fn send_raw(&mut self, data: &[u8]) {
+        self.w.write_all(data).expect("write control request");
+    }
+
+    /// Reads one reply line and parses it.
+    pub fn read_reply(&mut self) -> Json {
+        let mut line = String::new();
+        let n = self
+            .r
+            .read_line(&mut line)
+            .expect("read control reply (timed out?)");
+        assert!(n > 0, "the daemon closed the control connection");
+        assert!(line.ends_with('\n'), "reply line not terminated: {line:?}");
+        Json::parse(line.trim_end())
+    }
+
+    /// Sends one request line and returns the parsed reply.
+    pub fn request(&mut self, line: &str) -> Json {
+        self.send_raw(format!("{line}\n").as_bytes());
+        self.read_reply()
+    }
+
+    /// Sends a request that must succeed; returns its `result`.
+    #[track_caller]
+    pub fn ok(&mut self, line: &str) -> Json {
+        let r = self.request(line);
+        assert_eq!(r.at("v").u64(), 1, "reply to {line}: {r:?}");
+        assert_eq!(r.at("ok"), &Json::Bool(true), "reply to {line}: {r:?}");
+        assert!(r.get("error").is_none(), "reply to {line}: {r:?}");
+        r.at("result").clone()
+    }
+
+    /// Sends a request that must fail with `code`; returns the error message.
+    #[track_caller]
+    pub fn err(&mut self, line: &str, code: &str) -> String {
+        let r = self.request(line);
+        assert_reply_error(&r, code, line)
+    }
+}
+
+/// Asserts a control reply is `{"v":1,"ok":false,"error":{"code":CODE,"message":…}}`.
+#[track_caller]
+pub fn assert_reply_error(r: &Json, code: &str, ctx: &str) -> String {
+    assert_eq!(r.at("v").u64(), 1, "reply to {ctx}: {r:?}");
+    assert_eq!(r.at("ok"), &Json::Bool(false), "reply to {ctx}: {r:?}");
+    assert!(r.get("result").is_none(), "reply to {ctx}: {r:?}");
+    let e = r.at("error");
+    assert_eq!(e.at("code").str(), code, "reply to {ctx}: {r:?}");
+    let msg = e.at("message").str().to_string();
+    assert!(!msg.is_empty(), "empty error message in reply to {ctx}");
+    msg
+}
+
+/// `nbdinfo --size URI`.
+#[track_caller]
+pub fn nbd_size(uri: &str) -> u64 {
+    let out = run("nbdinfo", ["--size", uri]);
+    out.stdout
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("nbdinfo --size printed {:?}", out.stdout))
+}
+
+/// `nbdinfo --json URI`: the first export's object.
+#[track_caller]
+pub fn nbd_info(uri: &str) -> Json {
+    let out = run("nbdinfo", ["--json", uri]);
+    let doc = Json::parse(&out.stdout);
+    doc.at("exports").arr()[0].clone()
+}
+
+impl Json {
+    /// Any JSON number as `f64` (fio prints some as floats).
+    pub fn f64(&self) -> f64 {
+        match self {
+            Json::Num(n) => n
+                .parse::<f64>()
+                .unwrap_or_else(|_| panic!("not a number: {n}")),
+            other => panic!("not a number: {other:?}"),
+        }
+    }
+
+    pub fn is_null(&self) -> bool {
+        matches!(self, Json::Null)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Kernel loop devices (`loopd kernel …`)
+// ---------------------------------------------------------------------------
+
+/// The loop number of `/dev/loopN`.
+pub fn loop_number(dev: &Path) -> u32 {
+    dev.to_str()
+        .and_then(|s| s.strip_prefix("/dev/loop"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{} is not /dev/loopN", dev.display()))
+}
+
+/// `/sys/block/loopN/REL`, trimmed; `None` if it does not exist.
+pub fn loop_sysfs(dev: &Path, rel: &str) -> Option<String> {
+    fs::read_to_string(format!("/sys/block/loop{}/{rel}", loop_number(dev)))
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
+/// A kernel loop device this test attached.  Dropping it detaches the
+/// device — but only while it is still backed by this test's image, so a
+/// device number reused by someone else is never touched.
+pub struct KernelLoop {
+    pub dev: PathBuf,
+    pub image: PathBuf,
+}
+
+impl KernelLoop {
+    /// `loopd kernel attach IMAGE ARGS`: asserts success and returns a guard.
+    /// The guard is created as soon as a device path is printed, before any
+    /// other assertion, so a device is never leaked.
+    #[track_caller]
+    pub fn attach(image: &Path, args: &[&str]) -> (KernelLoop, Out) {
+        let mut c = Command::new(loopd_bin());
+        c.arg("kernel").arg("attach").arg(image).args(args);
+        c.stdin(Stdio::null());
+        let out = run_cmd_timeout(c, Duration::from_secs(30));
+        let guard = if args.contains(&"--json") {
+            out.stdout
+                .lines()
+                .find_map(|l| {
+                    let l = l.trim();
+                    let rest = l.strip_prefix("\"device\":")?;
+                    Some(
+                        rest.trim()
+                            .trim_end_matches(',')
+                            .trim_matches('"')
+                            .to_string(),
+                    )
+                })
+                .map(PathBuf::from)
+        } else {
+            out.stdout
+                .lines()
+                .next()
+                .filter(|l| l.starts_with("/dev/loop"))
+                .map(|l| PathBuf::from(l.trim()))
+        }
+        .map(|dev| KernelLoop {
+            dev,
+            image: image.to_path_buf(),
+        });
+        match guard {
+            Some(g) if out.success() => (g, out),
+            Some(g) => {
+                drop(g);
+                panic!("loopd kernel attach printed a device but failed:\n{out}")
+            }
+            None => panic!("loopd kernel attach failed:\n{out}"),
+        }
+    }
+
+    /// Whether the device is (still) backed by this guard's image.
+    pub fn is_ours(&self) -> bool {
+        let Some(b) = loop_sysfs(&self.dev, "loop/backing_file") else {
+            return false;
+        };
+        let want = fs::canonicalize(&self.image).unwrap_or_else(|_| self.image.clone());
+        Path::new(&b) == want || Path::new(&b) == self.image
+    }
+
+    pub fn sysfs(&self, rel: &str) -> Option<String> {
+        loop_sysfs(&self.dev, rel)
+    }
+
+    /// Size of the block device in bytes (sysfs `size` is in 512-byte sectors).
+    pub fn size(&self) -> u64 {
+        let sectors: u64 = self
+            .sysfs("size")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no sysfs size for {}", self.dev.display()));
+        sectors * 512
+    }
+
+    /// Waits (up to 5 s) until the device is no longer backed by our image
+    /// (another test may already have reused the number for its own image).
+    pub fn wait_detached(&self) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(5) {
+            if !self.is_ours() {
+                return true;
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+}
+
+impl Drop for KernelLoop {
+    fn drop(&mut self) {
+        if !self.is_ours() {
+            return;
+        }
+        let out = loopd_run([
+            OsStr::new("kernel"),
+            OsStr::new("detach"),
+            self.dev.as_os_str(),
+        ]);
+        if !out.success() && self.is_ours() {
+            // Fall back to losetup (the device is still ours).
+            let _ = run_status("losetup", [OsStr::new("-d"), self.dev.as_os_str()]);
+        }
+        if !self.wait_detached() {
+            eprintln!(
+                "warning: {} is still attached to {} after detach",
+                self.dev.display(),
+                self.image.display()
+            );
+        }
+    }
 }

@@ -1,0 +1,481 @@
+//! `loopd kernel attach/detach/list`: kernel loop devices set up in one
+//! LOOP_CONFIGURE.  Needs root and /dev/loop-control.  Images live in a
+//! private directory under /var/tmp (a disk filesystem, so direct I/O is
+//! available).  Every device a test attaches is detached by a guard
+//! ([`KernelLoop`]) even when the test fails; devices this suite did not
+//! create are never touched.
+
+mod common;
+
+use common::*;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+fn p(path: &Path) -> &str {
+    path.to_str().expect("utf-8 path")
+}
+
+/// Skips nothing: these tests need root; fail clearly if it is missing.
+fn require_root() {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    assert_eq!(uid, 0, "the kernel loop tests must run as root");
+    assert!(
+        Path::new("/dev/loop-control").exists(),
+        "/dev/loop-control missing (is the loop module loaded?)"
+    );
+}
+
+/// A private directory for images on a disk filesystem.
+fn image_dir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("loopd-kloop")
+        .tempdir_in("/var/tmp")
+        .expect("tempdir in /var/tmp")
+}
+
+/// `len` bytes at a 4096-aligned address (for O_DIRECT), filled from `data`.
+struct Aligned {
+    buf: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl Aligned {
+    fn new(len: usize) -> Aligned {
+        let buf = vec![0u8; len + 4096];
+        let start = buf.as_ptr().align_offset(4096);
+        Aligned { buf, start, len }
+    }
+
+    fn from(data: &[u8]) -> Aligned {
+        let mut a = Aligned::new(data.len());
+        a.as_mut().copy_from_slice(data);
+        a
+    }
+
+    fn as_ref(&self) -> &[u8] {
+        &self.buf[self.start..self.start + self.len]
+    }
+
+    fn as_mut(&mut self) -> &mut [u8] {
+        &mut self.buf[self.start..self.start + self.len]
+    }
+}
+
+fn open_direct(dev: &Path, write: bool) -> std::io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(write)
+        .custom_flags(libc::O_DIRECT)
+        .open(dev)
+}
+
+/// Writes `data` at `off` on the device with O_DIRECT, then fsync.
+#[track_caller]
+fn direct_write(dev: &Path, off: u64, data: &[u8]) {
+    let f = open_direct(dev, true).unwrap_or_else(|e| panic!("open {}: {e}", dev.display()));
+    f.write_all_at(Aligned::from(data).as_ref(), off)
+        .unwrap_or_else(|e| {
+            panic!(
+                "O_DIRECT write {}+{} on {}: {e}",
+                off,
+                data.len(),
+                dev.display()
+            )
+        });
+    f.sync_all().expect("fsync loop device");
+}
+
+/// Reads `len` bytes at `off` from the device with O_DIRECT.
+#[track_caller]
+fn direct_read(dev: &Path, off: u64, len: usize) -> Vec<u8> {
+    let f = open_direct(dev, false).unwrap_or_else(|e| panic!("open {}: {e}", dev.display()));
+    let mut a = Aligned::new(len);
+    f.read_exact_at(a.as_mut(), off)
+        .unwrap_or_else(|e| panic!("O_DIRECT read {off}+{len} on {}: {e}", dev.display()));
+    a.as_ref().to_vec()
+}
+
+/// `loopd kernel list --json`, only the entries backed by `image`.
+fn listed(image: &Path) -> Vec<Json> {
+    let out = loopd_run(["kernel", "list", "--json"]).assert_success();
+    let want = canon(image);
+    Json::parse(&out.stdout)
+        .arr()
+        .iter()
+        .filter(|e| Path::new(e.at("backing_file").str()) == want)
+        .cloned()
+        .collect()
+}
+
+fn canon(p: &Path) -> PathBuf {
+    std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
+}
+
+/// Default attach: one device path on stdout, direct I/O on (sysfs
+/// `loop/dio` = 1) on this disk filesystem, the image's size; reads return
+/// the image's bytes and O_DIRECT writes (Rust and `dd oflag=direct`) land in
+/// the image at the same offsets; detach removes the device.
+#[test]
+fn attach_default_direct_io_and_data_path() {
+    require_root();
+    let dir = image_dir();
+    let img = dir.path().join("k1.img");
+    create_pattern_image(&img, 8 * MIB, 5);
+
+    let (dev, out) = KernelLoop::attach(&img, &[]);
+    assert_eq!(
+        out.stdout.lines().collect::<Vec<_>>(),
+        vec![p(&dev.dev)],
+        "attach prints the device only"
+    );
+    assert!(
+        !out.stderr.contains("did not enable direct I/O"),
+        "direct I/O should be on by default here:\n{out}"
+    );
+    assert_eq!(
+        dev.sysfs("loop/dio").as_deref(),
+        Some("1"),
+        "sysfs loop/dio"
+    );
+    assert_eq!(
+        dev.sysfs("loop/backing_file").map(PathBuf::from),
+        Some(canon(&img))
+    );
+    assert_eq!(dev.size(), 8 * MIB, "device size");
+    assert_eq!(dev.sysfs("ro").as_deref(), Some("0"));
+    assert_eq!(dev.sysfs("loop/offset").as_deref(), Some("0"));
+    let lbs: u64 = dev
+        .sysfs("queue/logical_block_size")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        lbs.is_power_of_two() && (512..=4096).contains(&lbs),
+        "logical block size {lbs}"
+    );
+
+    // Reads: the image's bytes.
+    assert_bytes_eq(
+        &direct_read(&dev.dev, 3 * MIB, 64 * 1024),
+        &pattern_bytes(5, 3 * MIB, 64 * 1024),
+        3 * MIB,
+        "O_DIRECT read through the loop device",
+    );
+    // Writes land at the same offset in the image.
+    let data = pattern_bytes(6, 0, 64 * 1024);
+    direct_write(&dev.dev, MIB, &data);
+    assert_bytes_eq(
+        &read_range(&img, MIB, 64 * KIB),
+        &data,
+        MIB,
+        "image after O_DIRECT write",
+    );
+    assert_file_pattern(&img, MIB - 4096, 4096, 5, "bytes before the write");
+    assert_file_pattern(&img, MIB + 64 * KIB, 4096, 5, "bytes after the write");
+
+    // dd with oflag=direct.
+    let src = dir.path().join("ee.bin");
+    create_filled_image(&src, 8192, 0xee);
+    let out = run(
+        "dd",
+        [
+            format!("if={}", p(&src)),
+            format!("of={}", p(&dev.dev)),
+            "bs=4096".into(),
+            "seek=1024".into(), // 4 MiB
+            "count=2".into(),
+            "oflag=direct".into(),
+            "conv=notrunc,fsync".into(),
+        ],
+    );
+    assert!(out.stderr.contains("8192 bytes"), "dd:\n{out}");
+    assert_file_filled(&img, 4 * MIB, 8192, 0xee, "image after dd oflag=direct");
+    assert_file_pattern(&img, 4 * MIB + 8192, 4096, 5, "bytes after the dd write");
+    assert_eq!(file_len(&img), 8 * MIB, "the image did not grow");
+
+    // Detach.
+    loopd_run(["kernel", "detach", p(&dev.dev)]).assert_success();
+    assert!(dev.wait_detached(), "{} still attached", dev.dev.display());
+    assert!(listed(&img).is_empty(), "still listed after detach");
+}
+
+/// `--block-size 4096`: the logical block size is 4096 (sysfs and --json),
+/// direct I/O stays on, 4096-aligned O_DIRECT I/O works and 512-byte
+/// O_DIRECT I/O is refused.
+#[test]
+fn attach_block_size_4096() {
+    require_root();
+    let dir = image_dir();
+    let img = dir.path().join("k4k.img");
+    create_pattern_image(&img, 4 * MIB, 8);
+
+    let (dev, out) = KernelLoop::attach(&img, &["--block-size", "4096", "--json"]);
+    let j = Json::parse(&out.stdout);
+    assert_eq!(j.at("device").str(), p(&dev.dev));
+    assert_eq!(j.at("block_size").u64(), 4096, "{}", out.stdout);
+    assert!(j.at("direct_io").bool(), "{}", out.stdout);
+    assert!(j.at("attempts").u64() >= 1);
+    assert_eq!(
+        dev.sysfs("queue/logical_block_size").as_deref(),
+        Some("4096")
+    );
+    assert_eq!(dev.sysfs("loop/dio").as_deref(), Some("1"));
+
+    direct_write(&dev.dev, 8192, &[0x4b; 4096]);
+    assert_file_filled(&img, 8192, 4096, 0x4b, "4096-byte write");
+    assert_file_pattern(&img, 4096, 4096, 8, "block before");
+    assert_file_pattern(&img, 12288, 4096, 8, "block after");
+
+    // 512-byte O_DIRECT I/O does not fit the 4096 logical block size.
+    let f = open_direct(&dev.dev, true).unwrap();
+    let a = Aligned::from(&[0x11; 512]);
+    let e = f
+        .write_at(a.as_ref(), 512)
+        .expect_err("512-byte O_DIRECT write on a 4096-byte-block device");
+    assert_eq!(e.raw_os_error(), Some(libc::EINVAL), "{e}");
+    drop(f);
+    assert_file_pattern(&img, 0, 4096, 8, "refused write changed nothing");
+
+    let l = listed(&img);
+    assert_eq!(l.len(), 1);
+    assert_eq!(l[0].at("block_size").u64(), 4096);
+    assert!(l[0].at("direct_io").bool());
+}
+
+/// `--offset` and `--size-limit`: the device is the window; writes land in
+/// the image at offset + position; nothing outside the window changes; the
+/// device ends at the size limit.
+#[test]
+fn attach_offset_and_size_limit() {
+    require_root();
+    let dir = image_dir();
+    let img = dir.path().join("kwin.img");
+    create_pattern_image(&img, 8 * MIB, 12);
+
+    let (dev, _) = KernelLoop::attach(&img, &["--offset", "1M", "--size-limit", "2M"]);
+    assert_eq!(dev.size(), 2 * MIB, "window size");
+    assert_eq!(dev.sysfs("loop/offset").as_deref(), Some("1048576"));
+    assert_eq!(dev.sysfs("loop/sizelimit").as_deref(), Some("2097152"));
+    assert_eq!(dev.sysfs("loop/dio").as_deref(), Some("1"));
+
+    assert_bytes_eq(
+        &direct_read(&dev.dev, 0, 8192),
+        &pattern_bytes(12, MIB, 8192),
+        MIB,
+        "device byte 0 is image byte 1M",
+    );
+    direct_write(&dev.dev, 0, &[0xab; 4096]);
+    direct_write(&dev.dev, 2 * MIB - 4096, &[0xcd; 4096]);
+    assert_file_filled(&img, MIB, 4096, 0xab, "first block of the window");
+    assert_file_filled(&img, 3 * MIB - 4096, 4096, 0xcd, "last block of the window");
+    assert_file_pattern(&img, 0, MIB, 12, "before the window");
+    assert_file_pattern(&img, MIB + 4096, 4096, 12, "inside the window");
+    assert_file_pattern(&img, 3 * MIB, 5 * MIB, 12, "after the window");
+
+    // Past the end of the window: nothing is written.
+    let f = open_direct(&dev.dev, true).unwrap();
+    let a = Aligned::from(&[0xff; 4096]);
+    match f.write_at(a.as_ref(), 2 * MIB) {
+        Ok(n) => assert_eq!(n, 0, "write past the end of the device"),
+        Err(e) => assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}"),
+    }
+    drop(f);
+    assert_file_pattern(&img, 3 * MIB, 4096, 12, "after the window, again");
+
+    let l = listed(&img);
+    assert_eq!(l.len(), 1);
+    assert_eq!(l[0].at("device").str(), p(&dev.dev));
+    assert_eq!(l[0].at("offset").u64(), MIB);
+    assert_eq!(l[0].at("size_limit").u64(), 2 * MIB);
+}
+
+/// `--read-only`: sysfs `ro` is 1, opening for writing and `dd` fail, reads
+/// work, and the image is unchanged.
+#[test]
+fn attach_read_only_refuses_writes() {
+    require_root();
+    let dir = image_dir();
+    let img = dir.path().join("kro.img");
+    create_pattern_image(&img, 2 * MIB, 14);
+
+    let (dev, _) = KernelLoop::attach(&img, &["--read-only"]);
+    assert_eq!(dev.sysfs("ro").as_deref(), Some("1"));
+    // The kernel may refuse the open or (as Linux does for root) the write.
+    match open_direct(&dev.dev, true) {
+        Err(e) => assert!(
+            matches!(e.raw_os_error(), Some(libc::EROFS) | Some(libc::EACCES)),
+            "{e}"
+        ),
+        Ok(f) => {
+            let a = Aligned::from(&[0x5a; 4096]);
+            let e = f
+                .write_at(a.as_ref(), 0)
+                .expect_err("write to a read-only loop device");
+            assert!(
+                matches!(e.raw_os_error(), Some(libc::EPERM) | Some(libc::EROFS)),
+                "{e}"
+            );
+        }
+    }
+    let src = dir.path().join("zz.bin");
+    create_filled_image(&src, 4096, 0x5a);
+    let out = run_status(
+        "dd",
+        [
+            format!("if={}", p(&src)),
+            format!("of={}", p(&dev.dev)),
+            "bs=4096".into(),
+            "count=1".into(),
+            "oflag=direct".into(),
+            "conv=notrunc".into(),
+        ],
+    );
+    assert!(
+        !out.success(),
+        "dd to a read-only loop device succeeded:\n{out}"
+    );
+    assert_bytes_eq(
+        &direct_read(&dev.dev, 0, 4096),
+        &pattern_bytes(14, 0, 4096),
+        0,
+        "read from the read-only device",
+    );
+    assert_file_pattern(&img, 0, 2 * MIB, 14, "read-only image unchanged");
+    let l = listed(&img);
+    assert_eq!(l.len(), 1);
+    assert!(l[0].at("read_only").bool());
+}
+
+/// `kernel list` (table and JSON) shows each device with its settings;
+/// `--direct-io off|on` is honoured; `kernel detach` removes exactly the
+/// device named.
+#[test]
+fn list_direct_io_modes_and_detach() {
+    require_root();
+    let dir = image_dir();
+    let on = dir.path().join("kon.img");
+    let off = dir.path().join("koff.img");
+    create_sparse_image(&on, 2 * MIB);
+    create_sparse_image(&off, 3 * MIB);
+
+    let (d_on, _) = KernelLoop::attach(&on, &["--direct-io", "on"]);
+    let (d_off, out) = KernelLoop::attach(&off, &["--direct-io", "off", "--json"]);
+    assert!(!Json::parse(&out.stdout).at("direct_io").bool());
+    assert_eq!(d_on.sysfs("loop/dio").as_deref(), Some("1"));
+    assert_eq!(d_off.sysfs("loop/dio").as_deref(), Some("0"));
+    assert_ne!(d_on.dev, d_off.dev);
+    // Writes through the buffered device still land in the image.
+    direct_write(&d_off.dev, 4096, &[0x0f; 4096]);
+    assert_file_filled(&off, 4096, 4096, 0x0f, "write through a dio=0 device");
+
+    let table = loopd_run(["kernel", "list"]).assert_success().stdout;
+    let header: Vec<&str> = table.lines().next().unwrap().split_whitespace().collect();
+    assert_eq!(
+        header,
+        vec![
+            "DEVICE",
+            "OFFSET",
+            "SIZELIMIT",
+            "BLOCK",
+            "DIO",
+            "RO",
+            "AUTOCLEAR",
+            "BACKING"
+        ]
+    );
+    for (d, img, dio) in [(&d_on, &on, "1"), (&d_off, &off, "0")] {
+        let row: Vec<&str> = table
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(p(&d.dev)))
+            .unwrap_or_else(|| panic!("{} not in kernel list:\n{table}", d.dev.display()))
+            .split_whitespace()
+            .collect();
+        assert_eq!(row[4], dio, "DIO column:\n{table}");
+        assert_eq!(row[5], "0", "RO column:\n{table}");
+        assert_eq!(Path::new(row[7]), canon(img), "BACKING column:\n{table}");
+    }
+    let l_on = listed(&on);
+    assert_eq!(l_on.len(), 1);
+    assert_eq!(l_on[0].at("device").str(), p(&d_on.dev));
+    assert!(l_on[0].at("direct_io").bool());
+    assert!(!l_on[0].at("read_only").bool());
+    assert!(!l_on[0].at("autoclear").bool());
+    let l_off = listed(&off);
+    assert_eq!(l_off.len(), 1);
+    assert!(!l_off[0].at("direct_io").bool());
+
+    // Detach one: the other stays.
+    let out = loopd_run(["kernel", "detach", p(&d_on.dev)]).assert_success();
+    assert!(out.stdout.is_empty(), "{out}");
+    assert!(d_on.wait_detached());
+    assert!(listed(&on).is_empty(), "detached device still listed");
+    assert_eq!(listed(&off).len(), 1, "the other device was touched");
+    assert_eq!(d_off.sysfs("loop/dio").as_deref(), Some("0"));
+    loopd_run(["kernel", "detach", p(&d_off.dev)]).assert_success();
+    assert!(d_off.wait_detached());
+    assert!(listed(&off).is_empty());
+}
+
+/// `--partscan` sets the partscan flag (sysfs and list --json).
+#[test]
+fn attach_partscan_flag() {
+    require_root();
+    let dir = image_dir();
+    let img = dir.path().join("kps.img");
+    create_sparse_image(&img, 2 * MIB);
+    let (dev, _) = KernelLoop::attach(&img, &["--partscan"]);
+    assert_eq!(dev.sysfs("loop/partscan").as_deref(), Some("1"));
+    let l = listed(&img);
+    assert_eq!(l.len(), 1);
+    assert!(l[0].at("partscan").bool());
+    assert!(!l[0].at("autoclear").bool());
+}
+
+/// `--autoclear`: the kernel clears such a device at its last close. When loopd's
+/// own close is the last one (nothing else holds the device), the device is gone
+/// at once, and loopd says so with an error instead of printing a dead device.
+#[test]
+fn attach_autoclear_without_a_holder_is_reported() {
+    require_root();
+    let dir = image_dir();
+    let img = dir.path().join("kac.img");
+    create_sparse_image(&img, 2 * MIB);
+    let out = loopd_run(["kernel", "attach", p(&img), "--autoclear"]);
+    assert!(!out.success(), "{out}");
+    assert!(out.stderr.contains("autoclear"), "{out}");
+    assert!(out.stdout.is_empty(), "no device printed:\n{out}");
+    assert!(listed(&img).is_empty(), "a device was left behind");
+}
+
+/// Failed attaches leave no device behind; detach refuses what is not a
+/// loop device.
+#[test]
+fn attach_and_detach_errors() {
+    require_root();
+    let dir = image_dir();
+    let img = dir.path().join("kerr.img");
+    create_sparse_image(&img, MIB);
+    let missing = dir.path().join("missing.img");
+
+    let out = loopd_run(["kernel", "attach", p(&img), "--block-size", "1000"]);
+    assert!(!out.success(), "{out}");
+    assert!(out.stderr.contains("block size 1000"), "{out}");
+    assert!(out.stdout.is_empty(), "no device printed:\n{out}");
+    assert!(listed(&img).is_empty(), "a device was left behind");
+
+    let out = loopd_run(["kernel", "attach", p(&missing)]);
+    assert!(!out.success(), "{out}");
+    assert!(out.stderr.contains("missing.img"), "{out}");
+    assert!(!missing.exists());
+
+    let out = loopd_run(["kernel", "detach", "/dev/null"]);
+    assert!(!out.success(), "{out}");
+    assert!(out.stderr.contains("not a loop device"), "{out}");
+    let out = loopd_run(["kernel", "detach", p(&img)]);
+    assert!(!out.success(), "{out}");
+    assert!(out.stderr.contains("not a loop device"), "{out}");
+    assert!(listed(&img).is_empty());
+}
