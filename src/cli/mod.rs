@@ -215,7 +215,7 @@ pub fn print_status(v: &Value, json: bool) -> Result<()> {
     println!("autoclear: {}", yn(v, "autoclear"));
     println!("clients: {}", s(v, "clients"));
     println!("in_flight: {}", s(v, "in_flight"));
-    for group in ["requests", "paths", "errors"] {
+    for group in ["requests", "bytes", "paths", "errors"] {
         let parts: Vec<String> = v[group]
             .as_object()
             .into_iter()

@@ -64,6 +64,8 @@ pub struct DeviceStatus {
     pub info: DeviceInfo,
     pub in_flight: u64,
     pub requests: BTreeMap<String, u64>,
+    /// Bytes covered, by command (read, write, trim, write_zeroes, cache).
+    pub bytes: BTreeMap<String, u64>,
     pub bytes_read: u64,
     pub bytes_written: u64,
     /// How reads and writes reached the file.
@@ -101,6 +103,16 @@ impl DeviceStatus {
             info: DeviceInfo::of(e, ep),
             in_flight: e.in_flight(),
             requests: requests.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            bytes: [
+                ("read", g(&s.bytes_read)),
+                ("write", g(&s.bytes_written)),
+                ("trim", g(&s.bytes_trimmed)),
+                ("write_zeroes", g(&s.bytes_zeroed)),
+                ("cache", g(&s.bytes_cached)),
+            ]
+            .iter()
+            .map(|(k, v)| (k.to_string(), *v))
+            .collect(),
             bytes_read: g(&s.bytes_read),
             bytes_written: g(&s.bytes_written),
             paths: paths.iter().map(|(k, v)| (k.to_string(), *v)).collect(),

@@ -28,6 +28,9 @@ pub struct Stats {
     pub block_status: AtomicU64,
     pub bytes_read: AtomicU64,
     pub bytes_written: AtomicU64,
+    pub bytes_trimmed: AtomicU64,
+    pub bytes_zeroed: AtomicU64,
+    pub bytes_cached: AtomicU64,
     pub direct: AtomicU64,
     pub bounced: AtomicU64,
     pub buffered: AtomicU64,
@@ -79,9 +82,18 @@ impl Stats {
                 &self.writes
             }
             Command::Flush => &self.flushes,
-            Command::Trim => &self.trims,
-            Command::WriteZeroes => &self.write_zeroes,
-            Command::Cache => &self.caches,
+            Command::Trim => {
+                self.bytes_trimmed.fetch_add(bytes, Relaxed);
+                &self.trims
+            }
+            Command::WriteZeroes => {
+                self.bytes_zeroed.fetch_add(bytes, Relaxed);
+                &self.write_zeroes
+            }
+            Command::Cache => {
+                self.bytes_cached.fetch_add(bytes, Relaxed);
+                &self.caches
+            }
             Command::BlockStatus => &self.block_status,
             Command::Disc => return,
         };
