@@ -68,6 +68,7 @@ impl CtlError {
                 | DeviceError::UnalignedOffset { .. }
                 | DeviceError::BadSizeLimit(..)
                 | DeviceError::Empty
+                | DeviceError::TooLarge { .. }
                 | DeviceError::NotAFile { .. } => ErrorCode::Invalid,
                 DeviceError::DirectRefused { .. } => ErrorCode::DirectRefused,
                 DeviceError::Create { .. }

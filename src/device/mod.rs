@@ -88,6 +88,8 @@ pub enum DeviceError {
     BadSizeLimit(u64, u32),
     #[error("the export would be empty")]
     Empty,
+    #[error("a window of {size} bytes at offset {offset} reaches past the largest possible file")]
+    TooLarge { offset: u64, size: u64 },
     #[error("cannot stat {path}")]
     Stat {
         path: PathBuf,
@@ -330,6 +332,17 @@ impl Device {
         };
         if size == 0 {
             return Err(DeviceError::Empty);
+        }
+        // Files cannot reach past i64::MAX (off_t): refuse windows that would, so
+        // no offset arithmetic on the data path can overflow.
+        if p.offset
+            .checked_add(size)
+            .is_none_or(|end| end > i64::MAX as u64 - (1 << 20))
+        {
+            return Err(DeviceError::TooLarge {
+                offset: p.offset,
+                size,
+            });
         }
         let dio_align = if direct { align.offset.max(1) } else { 1 };
         Ok(Device {
