@@ -21,4 +21,8 @@ cargo test --release --no-fail-fast
 echo "== fuzz smoke (every parser of untrusted bytes, ${FUZZ_SECONDS:-20}s each)"
 scripts/fuzz-smoke.sh "${FUZZ_SECONDS:-20}"
 
+echo "== bench smoke (bench/run --quick: every benchmark case runs; no speed is checked)"
+bench/install-deps.sh
+bench/run --quick
+
 echo "== all checks passed"
