@@ -75,6 +75,9 @@ struct ServeArgs {
     /// Benchmark switch: one lock for the whole device instead of byte ranges.
     #[arg(long, hide = true)]
     whole_device_lock: bool,
+    /// Benchmark switch: buffered reads never try the page cache inline.
+    #[arg(long, hide = true)]
+    no_inline_reads: bool,
 }
 
 /// Where client commands find the server.
@@ -278,7 +281,13 @@ fn serve(a: ServeArgs) -> Result<()> {
         let mut spec = a.dev.spec(image);
         spec.autoclear = false;
         let info = d
-            .attach_default(spec, a.whole_device_lock)
+            .attach_default(
+                spec,
+                daemon::Tuning {
+                    whole_device_lock: a.whole_device_lock,
+                    no_inline_reads: a.no_inline_reads,
+                },
+            )
             .map_err(|e| anyhow::anyhow!(e.body().message))?;
         let e = d.export(&info.name).context("device vanished")?;
         let (dev, _) = e.current();

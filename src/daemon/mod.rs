@@ -127,11 +127,20 @@ pub struct Daemon {
     stopping: AtomicBool,
 }
 
-fn params_of(spec: &DeviceSpec, name: &str) -> DeviceParams {
-    params_with(spec, name, false)
+/// Switches for benchmarks (not part of a device's configuration).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Tuning {
+    /// One lock for the whole device instead of byte ranges (seed 001's baseline).
+    pub whole_device_lock: bool,
+    /// No inline page-cache reads in buffered mode (seed 004's baseline).
+    pub no_inline_reads: bool,
 }
 
-fn params_with(spec: &DeviceSpec, name: &str, whole_device_lock: bool) -> DeviceParams {
+fn params_of(spec: &DeviceSpec, name: &str) -> DeviceParams {
+    params_with(spec, name, Tuning::default())
+}
+
+fn params_with(spec: &DeviceSpec, name: &str, tuning: Tuning) -> DeviceParams {
     DeviceParams {
         path: spec.image.clone(),
         name: name.to_owned(),
@@ -141,7 +150,8 @@ fn params_with(spec: &DeviceSpec, name: &str, whole_device_lock: bool) -> Device
         cache: spec.cache,
         read_only: spec.read_only,
         create: spec.create,
-        whole_device_lock,
+        whole_device_lock: tuning.whole_device_lock,
+        no_inline_reads: tuning.no_inline_reads,
     }
 }
 
@@ -264,17 +274,13 @@ impl Daemon {
     /// `persist`: record the device in the state file (devices from the command
     /// line or the config file are not recorded: they come back from there).
     pub fn attach(&self, spec: DeviceSpec, persist: bool) -> Result<DeviceInfo, CtlError> {
-        self.attach_inner(spec, persist, false, false)
+        self.attach_inner(spec, persist, Tuning::default(), false)
     }
 
     /// Attach the device `loopd serve IMAGE` names: it is the default export (so
-    /// its name may be empty) and may use one device-wide lock (a benchmark switch).
-    pub fn attach_default(
-        &self,
-        spec: DeviceSpec,
-        whole_device_lock: bool,
-    ) -> Result<DeviceInfo, CtlError> {
-        let info = self.attach_inner(spec, false, whole_device_lock, true)?;
+    /// its name may be empty) and may carry benchmark switches.
+    pub fn attach_default(&self, spec: DeviceSpec, tuning: Tuning) -> Result<DeviceInfo, CtlError> {
+        let info = self.attach_inner(spec, false, tuning, true)?;
         self.set_default(&info.name);
         Ok(info)
     }
@@ -283,7 +289,7 @@ impl Daemon {
         &self,
         mut spec: DeviceSpec,
         persist: bool,
-        whole_device_lock: bool,
+        tuning: Tuning,
         is_default: bool,
     ) -> Result<DeviceInfo, CtlError> {
         if self.stopping.load(Ordering::SeqCst) {
@@ -304,13 +310,12 @@ impl Daemon {
         }
         // An image created here is removed again by a failed open (Device::open)
         // or a lost race for the name (below): a failed attach leaves no trace.
-        let dev =
-            Device::open(&params_with(&spec, &name, whole_device_lock)).map_err(|source| {
-                CtlError::Device {
-                    msg: format!("cannot attach {}", spec.image.display()),
-                    source,
-                }
-            })?;
+        let dev = Device::open(&params_with(&spec, &name, tuning)).map_err(|source| {
+            CtlError::Device {
+                msg: format!("cannot attach {}", spec.image.display()),
+                source,
+            }
+        })?;
         let created = dev.created;
         // Record what was asked; `create` has done its job.
         spec.name = Some(name.clone());

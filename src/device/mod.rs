@@ -48,6 +48,8 @@ pub struct DeviceParams {
     pub create: Option<u64>,
     /// Benchmark switch: one lock for the whole device instead of ranges.
     pub whole_device_lock: bool,
+    /// Benchmark switch: buffered reads never try the page cache inline.
+    pub no_inline_reads: bool,
 }
 
 #[derive(Debug, Error)]
@@ -129,6 +131,8 @@ pub struct Device {
     pub cache_note: String,
     /// This open created the image (`create`), so undoing it removes the file.
     pub created: bool,
+    /// Buffered reads try `preadv2(RWF_NOWAIT)` inline first (seed 004).
+    pub inline_reads: bool,
 }
 
 fn valid_block_size(bs: u32) -> bool {
@@ -366,6 +370,7 @@ impl Device {
             stats,
             cache_note,
             created: false,
+            inline_reads: !p.no_inline_reads,
         })
     }
 

@@ -451,7 +451,7 @@ impl Conn {
         }
         dev.stats.command(task.cmd, u64::from(task.len));
         if matches!(task.cmd, Command::Read | Command::Write) {
-            if task.cmd == Command::Read && task.path == Path::Buffered {
+            if task.cmd == Command::Read && task.path == Path::Buffered && dev.inline_reads {
                 // Seed 004: try the page cache inline before going async.
                 let len32 = task.len;
                 let len = len32 as usize;
