@@ -174,6 +174,11 @@ impl RangeLock {
         }
     }
 
+    /// Whether this is the benchmark's one-lock-per-device variant.
+    pub fn is_whole_device(&self) -> bool {
+        self.whole_device
+    }
+
     /// Number of ranges held now (for stats and tests).
     pub fn held(&self) -> usize {
         self.state().held.len()

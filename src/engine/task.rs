@@ -178,6 +178,11 @@ impl Task {
                         t.lock_mode = Mode::Exclusive;
                     }
                 }
+                // The benchmark's baseline (seed 001): one device-wide lock that
+                // every write holds exclusively, as an inode lock would.
+                if cmd == Command::Write && dev.lock.is_whole_device() {
+                    t.lock_mode = Mode::Exclusive;
+                }
                 if cmd == Command::Write && dev.extends_file(t.lock_end) {
                     t.lock_mode = Mode::Exclusive;
                     // The whole span is written, so the file reaches its end.
