@@ -122,6 +122,10 @@ pub struct Daemon {
     state: Option<PathBuf>,
     /// The open state log (after [`Daemon::restore`]); its mutex orders records.
     log: Mutex<Option<state::StateLog>>,
+    /// Serialises attaches that may create their image, from the name check to
+    /// publication: of racing `create` attaches exactly one creates, opens and
+    /// publishes, and a loser never removes a file another attach serves.
+    create_lock: Mutex<()>,
     idle_tx: Mutex<Sender<String>>,
     idle_rx: Mutex<Option<Receiver<String>>>,
     stopping: AtomicBool,
@@ -191,6 +195,7 @@ impl Daemon {
             endpoints: RwLock::default(),
             state,
             log: Mutex::new(None),
+            create_lock: Mutex::new(()),
             idle_tx: Mutex::new(tx),
             idle_rx: Mutex::new(Some(rx)),
             stopping: AtomicBool::new(false),
@@ -299,6 +304,9 @@ impl Daemon {
         if !(is_default && name.is_empty()) {
             check_name(&name)?;
         }
+        let _creating = spec
+            .create
+            .map(|_| self.create_lock.lock().unwrap_or_else(|p| p.into_inner()));
         if spec.image.is_relative() {
             return Err(CtlError::Invalid(format!(
                 "image path {} is relative; the daemon needs an absolute path",
@@ -327,8 +335,11 @@ impl Daemon {
         {
             let mut t = self.exports.write().map_err(|_| CtlError::ShuttingDown)?;
             if t.contains_key(&name) {
+                // Lost the name to an attach without `create` (those do not take
+                // create_lock). Remove the image we made unless some export serves it.
+                let in_use = t.values().any(|e| e.current().0.path == spec.image);
                 drop(t);
-                if created {
+                if created && !in_use {
                     let _ = std::fs::remove_file(&spec.image);
                 }
                 return Err(CtlError::NameTaken(name));
