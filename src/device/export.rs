@@ -10,8 +10,8 @@
 //!   [`Wake`]), and the control thread waits until `in_flight` — requests between
 //!   [`Export::enter`] and [`Export::leave`], i.e. with file I/O pending on the old
 //!   configuration — drains to zero. Only this export's requests wait; nothing
-//!   else is touched. A change the data path does not see (a note, autoclear)
-//!   never freezes.
+//!   else is touched. A `set` that changes nothing the data path sees never
+//!   freezes (see `Daemon::set`).
 //! - `closing` marks a detach in progress: connections stop reading and close
 //!   once their requests are answered.
 //! - Locks: `current` (RwLock, read on connect and on epoch change only),
@@ -153,13 +153,6 @@ impl Export {
             w.wake();
         }
         held
-    }
-
-    /// Install a configuration no request can observe differently (nothing the
-    /// data path reads changes), without freezing.
-    pub fn swap_unfrozen(&self, dev: Device) {
-        *self.current.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(dev);
-        self.epoch.fetch_add(1, SeqCst);
     }
 
     pub fn clients(&self) -> u32 {

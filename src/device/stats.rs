@@ -37,7 +37,6 @@ pub struct Stats {
     pub inline_cached: AtomicU64,
     /// Errors sent to clients, indexed like [`errno_index`].
     pub errors: [AtomicU64; 8],
-    pub in_flight: AtomicU64,
     /// Bit per errno index: whether a backing-file error of that kind was logged.
     pub logged_errors: AtomicU64,
     /// Time from a request's header to its reply being queued.
