@@ -422,7 +422,7 @@ impl Conn {
 
     /// Start a planned request: take its range, then run its first operation.
     pub(super) fn dispatch(&mut self, io: &mut Io, ci: u32, si: u16) {
-        let dev = Arc::clone(&self.dev);
+        let dev = &self.dev;
         let slot = &mut self.slots[si as usize];
         let Some(task) = slot.task.as_mut() else {
             return;
