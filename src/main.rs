@@ -72,12 +72,22 @@ struct ServeArgs {
     /// Reactor threads, each with its own io_uring [default: one per core].
     #[arg(long, value_name = "N", default_value = "0")]
     reactors: usize,
+    /// Longest a reactor busy-polls for the next request before sleeping, in
+    /// microseconds. The window adapts: it opens only while requests keep arriving
+    /// soon after the reactor goes idle (a client at low queue depth) and closes
+    /// when they don't, so an idle server never spins. It trades some CPU for
+    /// latency where waking a sleeping CPU is slow (virtual machines). 0 = never poll.
+    #[arg(long, value_name = "US", default_value_t = loopd::engine::poll::DEFAULT_MAX_US)]
+    poll_us: u64,
     /// Benchmark switch: one lock for the whole device instead of byte ranges.
     #[arg(long, hide = true)]
     whole_device_lock: bool,
     /// Benchmark switch: buffered reads never try the page cache inline.
     #[arg(long, hide = true)]
     no_inline_reads: bool,
+    /// Benchmark switch: buffered writes always go through the ring.
+    #[arg(long, hide = true)]
+    no_inline_writes: bool,
 }
 
 /// Where client commands find the server.
@@ -265,6 +275,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         socket: a.socket.clone(),
         listen: a.listen.clone(),
         reactors: a.reactors,
+        poll: std::time::Duration::from_micros(a.poll_us),
         control: None,
     };
     let nbd = server::nbd_socket_path(&opts0);
@@ -286,6 +297,7 @@ fn serve(a: ServeArgs) -> Result<()> {
                 daemon::Tuning {
                     whole_device_lock: a.whole_device_lock,
                     no_inline_reads: a.no_inline_reads,
+                    no_inline_writes: a.no_inline_writes,
                 },
             )
             .map_err(|e| anyhow::anyhow!(e.body().message))?;

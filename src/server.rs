@@ -53,6 +53,8 @@ pub struct ServeOptions {
     pub listen: Vec<String>,
     /// Reactor threads (0 = one per core).
     pub reactors: usize,
+    /// Longest adaptive busy-poll before a reactor sleeps (zero: never poll).
+    pub poll: std::time::Duration,
     /// Control socket; `None` = no control socket.
     pub control: Option<PathBuf>,
 }
@@ -150,7 +152,9 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
     } else {
         opts.reactors
     };
-    let reactors: Vec<Arc<ReactorHandle>> = (0..n).map(reactor::spawn).collect::<Result<_, _>>()?;
+    let reactors: Vec<Arc<ReactorHandle>> = (0..n)
+        .map(|i| reactor::spawn(i, opts.poll))
+        .collect::<Result<_, _>>()?;
     daemon.set_reactors(reactors.clone());
     let reactors = Arc::new(reactors);
     daemon.run_janitor();

@@ -322,10 +322,16 @@ fn attach_list_status_detach() {
     );
     assert!(st.at("bytes_read").u64() >= 4096, "bytes_read: {st:?}");
     let paths = st.at("paths");
-    let path_total: u64 = ["direct", "bounced", "buffered", "inline_cached"]
-        .iter()
-        .map(|k| paths.at(k).u64())
-        .sum();
+    let path_total: u64 = [
+        "direct",
+        "bounced",
+        "buffered",
+        "inline_cached",
+        "inline_written",
+    ]
+    .iter()
+    .map(|k| paths.at(k).u64())
+    .sum();
     assert!(path_total >= 2, "reads and writes took some path: {st:?}");
     match st.at("errors") {
         Json::Obj(m) => {

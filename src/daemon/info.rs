@@ -92,6 +92,7 @@ impl DeviceStatus {
             ("bounced", g(&s.bounced)),
             ("buffered", g(&s.buffered)),
             ("inline_cached", g(&s.inline_cached)),
+            ("inline_written", g(&s.inline_written)),
         ];
         let errors = ERRNO_NAMES
             .iter()

@@ -138,6 +138,8 @@ pub struct Tuning {
     pub whole_device_lock: bool,
     /// No inline page-cache reads in buffered mode (seed 004's baseline).
     pub no_inline_reads: bool,
+    /// Buffered writes always through the ring (the inline-write baseline).
+    pub no_inline_writes: bool,
 }
 
 fn params_of(spec: &DeviceSpec, name: &str) -> DeviceParams {
@@ -156,6 +158,7 @@ fn params_with(spec: &DeviceSpec, name: &str, tuning: Tuning) -> DeviceParams {
         create: spec.create,
         whole_device_lock: tuning.whole_device_lock,
         no_inline_reads: tuning.no_inline_reads,
+        no_inline_writes: tuning.no_inline_writes,
     }
 }
 

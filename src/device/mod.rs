@@ -50,6 +50,8 @@ pub struct DeviceParams {
     pub whole_device_lock: bool,
     /// Benchmark switch: buffered reads never try the page cache inline.
     pub no_inline_reads: bool,
+    /// Benchmark switch: buffered writes always go through the ring.
+    pub no_inline_writes: bool,
 }
 
 #[derive(Debug, Error)]
@@ -133,6 +135,8 @@ pub struct Device {
     pub created: bool,
     /// Buffered reads try `preadv2(RWF_NOWAIT)` inline first (seed 004).
     pub inline_reads: bool,
+    /// Small whole-page buffered writes are copied into the page cache inline.
+    pub inline_writes: bool,
 }
 
 fn valid_block_size(bs: u32) -> bool {
@@ -371,6 +375,7 @@ impl Device {
             cache_note,
             created: false,
             inline_reads: !p.no_inline_reads,
+            inline_writes: !p.no_inline_writes,
         })
     }
 

@@ -15,6 +15,8 @@ pub enum Path {
     Buffered,
     /// A buffered read served inline from the page cache (`RWF_NOWAIT`).
     InlineCached,
+    /// A small whole-page buffered write copied into the page cache inline.
+    InlineWritten,
 }
 
 #[derive(Default, Debug)]
@@ -35,6 +37,7 @@ pub struct Stats {
     pub bounced: AtomicU64,
     pub buffered: AtomicU64,
     pub inline_cached: AtomicU64,
+    pub inline_written: AtomicU64,
     /// Errors sent to clients, indexed like [`errno_index`].
     pub errors: [AtomicU64; 8],
     /// Bit per errno index: whether a backing-file error of that kind was logged.
@@ -105,6 +108,7 @@ impl Stats {
             Path::Bounced => &self.bounced,
             Path::Buffered => &self.buffered,
             Path::InlineCached => &self.inline_cached,
+            Path::InlineWritten => &self.inline_written,
         };
         c.fetch_add(1, Relaxed);
     }
@@ -125,7 +129,7 @@ impl Stats {
         }
         format!(
             "reads={} writes={} flushes={} trims={} write_zeroes={} bytes_read={} bytes_written={} \
-             direct={} bounced={} buffered={} inline_cached={} errors:{}",
+             direct={} bounced={} buffered={} inline_cached={} inline_written={} errors:{}",
             g(&self.reads),
             g(&self.writes),
             g(&self.flushes),
@@ -137,6 +141,7 @@ impl Stats {
             g(&self.bounced),
             g(&self.buffered),
             g(&self.inline_cached),
+            g(&self.inline_written),
             if errs.is_empty() {
                 " none".to_string()
             } else {

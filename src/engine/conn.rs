@@ -10,6 +10,7 @@
 use super::buffer::AlignedBuf;
 use super::ops;
 use super::reactor::{Io, TAG_CANCEL, TAG_FILE, TAG_RECV, TAG_SEND, ud};
+use super::sync;
 use super::task::{Next, Task};
 use crate::device::export::Export;
 use crate::device::range_lock::{Place, Ticket};
@@ -473,6 +474,15 @@ impl Conn {
                     Err(_) => {}
                 }
             }
+            if task.cmd == Command::Write && dev.inline_writes && task.inline_write_ok() {
+                // The filesystem cannot take this write without blocking (ext4 has
+                // no RWF_NOWAIT buffered writes), so the ring would hand it to a
+                // worker thread: two wake-ups for a page-cache copy of microseconds.
+                dev.stats.path(Path::InlineWritten);
+                let r = sync::drive(task, &mut io.pool);
+                self.advance(io, ci, si, Next::Done(r));
+                return;
+            }
             dev.stats.path(task.path);
         }
         let next = task.start();
@@ -484,6 +494,7 @@ impl Conn {
             Next::Submit(op) => {
                 self.slots[si as usize].state = SlotState::Io;
                 self.file_ops += 1;
+                io.file_ops += 1;
                 io.push(ops::sqe(op, ud(TAG_FILE, ci, si)));
             }
             Next::Done(r) => {
@@ -501,6 +512,7 @@ impl Conn {
 
     pub(super) fn on_file(&mut self, io: &mut Io, ci: u32, si: u16, res: i32) {
         self.file_ops = self.file_ops.saturating_sub(1);
+        io.file_ops = io.file_ops.saturating_sub(1);
         let Some(task) = self.slots[si as usize].task.as_mut() else {
             return;
         };

@@ -6,6 +6,7 @@ pub mod align;
 pub mod buffer;
 pub mod conn;
 pub mod ops;
+pub mod poll;
 pub mod reactor;
 pub mod sync;
 pub mod task;

@@ -16,6 +16,7 @@
 
 use super::buffer::Pool;
 use super::conn::Conn;
+use super::poll::AdaptivePoll;
 use crate::device::export::Export;
 use crate::device::range_lock::Wake;
 use io_uring::{IoUring, opcode, squeue, types};
@@ -138,7 +139,7 @@ impl ReactorHandle {
 }
 
 /// Start a reactor thread.
-pub fn spawn(id: usize) -> Result<Arc<ReactorHandle>, ReactorError> {
+pub fn spawn(id: usize, poll_max: Duration) -> Result<Arc<ReactorHandle>, ReactorError> {
     // Blocking: io_uring polls it; a non-blocking eventfd could complete the
     // wake-up read with EAGAIN instead of waiting.
     let efd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)
@@ -170,7 +171,7 @@ pub fn spawn(id: usize) -> Result<Arc<ReactorHandle>, ReactorError> {
                     return;
                 }
             };
-            let mut r = Reactor::new(ring, rx, waker, h2);
+            let mut r = Reactor::new(ring, rx, waker, h2, poll_max);
             if let Err(e) = r.run() {
                 tracing::error!("reactor {id} stopped: {e:#}");
             }
@@ -199,6 +200,7 @@ fn new_ring() -> Result<IoUring, std::io::Error> {
         .setup_cqsize(RING_ENTRIES * 4)
         .setup_single_issuer()
         .setup_defer_taskrun()
+        .setup_taskrun_flag()
         .build(RING_ENTRIES);
     if let Ok(r) = tuned {
         return Ok(r);
@@ -206,6 +208,7 @@ fn new_ring() -> Result<IoUring, std::io::Error> {
     let coop = IoUring::builder()
         .setup_cqsize(RING_ENTRIES * 4)
         .setup_coop_taskrun()
+        .setup_taskrun_flag()
         .build(RING_ENTRIES);
     if let Ok(r) = coop {
         return Ok(r);
@@ -225,6 +228,8 @@ pub(super) struct Io {
     pub parked: Vec<u32>,
     pub waker: Arc<dyn Wake>,
     cqes: Vec<(u64, i32)>,
+    /// File operations in flight on this ring (all connections).
+    pub file_ops: u32,
 }
 
 impl Io {
@@ -270,6 +275,7 @@ struct Reactor {
     control_gen: u64,
     timer: Box<types::Timespec>,
     timer_armed: bool,
+    poll: AdaptivePoll,
 }
 
 impl Reactor {
@@ -278,6 +284,7 @@ impl Reactor {
         rx: Receiver<Msg>,
         waker: Arc<EventWaker>,
         handle: Arc<ReactorHandle>,
+        poll_max: Duration,
     ) -> Reactor {
         let waker_dyn: Arc<dyn Wake> = waker.clone();
         Reactor {
@@ -288,6 +295,7 @@ impl Reactor {
                 parked: Vec::new(),
                 waker: waker_dyn,
                 cqes: Vec::new(),
+                file_ops: 0,
             },
             control_gen: CONTROL_GEN.load(Ordering::SeqCst),
             rx,
@@ -301,6 +309,7 @@ impl Reactor {
             stopping: None,
             timer: Box::new(types::Timespec::new().sec(1)),
             timer_armed: false,
+            poll: AdaptivePoll::new(poll_max),
         }
     }
 
@@ -318,11 +327,23 @@ impl Reactor {
         self.arm_wake();
         loop {
             // Completions reaped while submitting are already queued: don't sleep.
-            let want = usize::from(self.io.cqes.is_empty());
+            let mut want = usize::from(self.io.cqes.is_empty());
+            // Poll only for clients: with file I/O in flight the next event is most
+            // likely the disk's interrupt, and a spinning vCPU can slow the very
+            // device emulation it waits for.
+            let for_clients = self.io.file_ops == 0;
+            if want == 1 && for_clients && self.poll.window > Duration::ZERO && self.poll_briefly()
+            {
+                want = 0;
+            }
+            let blocked = (want == 1 && for_clients).then(Instant::now);
             match self.io.ring.submit_and_wait(want) {
                 Ok(_) => {}
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY)) => {}
                 Err(e) => return Err(ReactorError::Enter(e)),
+            }
+            if let Some(t) = blocked {
+                self.poll.blocked(t.elapsed());
             }
             self.io.reap();
             let mut batch = std::mem::take(&mut self.io.cqes);
@@ -354,6 +375,39 @@ impl Reactor {
                             .user_data(ud(TAG_TIMER, 0, 0)),
                     );
                 }
+            }
+        }
+    }
+
+    /// Spin for up to the poll window, watching for completions or deferred task
+    /// work (which `IORING_SETUP_TASKRUN_FLAG` flags in the shared ring, so no
+    /// system call is needed to look). Yields the CPU each round, so a runnable
+    /// client on the same CPU is not starved. Whether something turned up.
+    fn poll_briefly(&mut self) -> bool {
+        /// A `sched_yield` that took this long ran another task.
+        const YIELDED: Duration = Duration::from_micros(10);
+        // What this batch queued (replies above all) goes out before the wait.
+        if !self.io.ring.submission().is_empty() {
+            match self.io.ring.submit() {
+                Ok(_) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY)) => {}
+                Err(_) => return true, // let the blocking enter report it
+            }
+        }
+        let deadline = Instant::now() + self.poll.window;
+        loop {
+            if self.io.ring.submission().taskrun() || !self.io.ring.completion().is_empty() {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            std::thread::yield_now();
+            if now.elapsed() > YIELDED {
+                // Another task had this CPU: polling would take time from it.
+                self.poll.contended();
+                return false;
             }
         }
     }

@@ -84,6 +84,11 @@ enum Phase {
 
 /// Largest chunk the zero-fill fallback writes at once.
 const ZERO_CHUNK: usize = 1 << 20;
+/// Largest buffered write copied inline; larger ones go to the ring, whose workers
+/// copy them in parallel with the reactor.
+pub const INLINE_WRITE_MAX: usize = 64 << 10;
+/// Page size assumed for "whole pages" (the smallest Linux page size).
+const PAGE: u64 = 4096;
 
 /// The file I/O of one request. See the module documentation.
 pub struct Task {
@@ -229,6 +234,20 @@ impl Task {
         if let Some(b) = self.edge.take() {
             pool.put(b);
         }
+    }
+
+    /// Whether this write may be copied into the page cache on the reactor thread:
+    /// buffered, not FUA, small, and whole pages (so the kernel never has to read a
+    /// page from disk before writing part of it). What it may still block on is the
+    /// filesystem's journal and dirty-page throttling, which would throttle the
+    /// write wherever it ran.
+    pub fn inline_write_ok(&self) -> bool {
+        self.cmd == Command::Write
+            && self.path == Path::Buffered
+            && !self.dsync()
+            && self.span_len <= INLINE_WRITE_MAX
+            && self.span_start % PAGE == 0
+            && (self.span_len as u64) % PAGE == 0
     }
 
     /// A read already satisfied (inline from the page cache) up to `n` bytes.
