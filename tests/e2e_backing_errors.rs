@@ -56,7 +56,10 @@ impl Drop for TinyFs {
     }
 }
 
-fn full_disk(cache: &str) {
+/// Writes of `chunk` bytes until the disk is full. In buffered mode 64 KiB writes
+/// take the inline path (copied into the page cache on the reactor thread), 1 MiB
+/// writes the ring.
+fn full_disk(cache: &str, chunk: u64) {
     let fs = TinyFs::new(8);
     let image: &Path = &fs.path("big.img");
     // 64 MiB sparse image on an 8 MiB filesystem: writes run out of space.
@@ -65,11 +68,12 @@ fn full_disk(cache: &str) {
     let out = nbdsh(&format!(
         r#"
 h = connect({uri})
-buf = b"\x5a" * (1 << 20)
+chunk = {chunk}
+buf = b"\x5a" * chunk
 got = None
-for i in range(48):
+for i in range((48 << 20) // chunk):
     try:
-        h.pwrite(buf, i << 20)
+        h.pwrite(buf, i * chunk)
     except nbd.Error as e:
         got = e.errnum
         break
@@ -77,7 +81,7 @@ assert got == errno.ENOSPC, "expected ENOSPC from a full disk, got %r" % (got,)
 # The connection and the data written before the failure are still fine.
 assert h.pread(4096, 0) == b"\x5a" * 4096
 h.flush()
-print("ENOSPC after", i, "MiB")
+print("ENOSPC after", i, "writes")
 "#,
         uri = py_str(&srv.uri())
     ));
@@ -96,16 +100,27 @@ print("ENOSPC after", i, "MiB")
         log.contains("ENOSPC="),
         "the exit summary counts the errors:\n{log}"
     );
+    if cache == "buffered" && chunk <= 64 << 10 {
+        assert!(
+            log.contains("inline_written=") && !log.contains("inline_written=0 "),
+            "the writes took the inline path:\n{log}"
+        );
+    }
 }
 
 #[test]
 fn full_disk_gives_enospc_and_the_server_goes_on_direct() {
-    full_disk("direct");
+    full_disk("direct", 1 << 20);
 }
 
 #[test]
 fn full_disk_gives_enospc_and_the_server_goes_on_buffered() {
-    full_disk("buffered");
+    full_disk("buffered", 1 << 20);
+}
+
+#[test]
+fn full_disk_gives_enospc_and_the_server_goes_on_buffered_inline_writes() {
+    full_disk("buffered", 64 << 10);
 }
 
 /// A file truncated under the server: reads past the new end are zeros, writes

@@ -50,7 +50,7 @@ fn check_paths(poll: &str) {
     let (mut c, _, _) = RawClient::handshake(srv.socket(), "b");
     let mut want = read_file(&img);
     let mut put = |c: &mut RawClient, h: u64, off: u64, len: usize, fua: bool| {
-        let data = pattern_bytes(h as u8, off, len);
+        let data = pattern_bytes(u8::try_from(h).unwrap(), off, len);
         let err = if fua {
             fua_write(c, h, off, &data)
         } else {
@@ -72,7 +72,10 @@ fn check_paths(poll: &str) {
     put(&mut c, 5, MIB, 128 * 1024, false);
     let (inline, ring, _) = paths(&srv, "b");
     assert_eq!(inline, 2, "no other write went inline");
-    assert_eq!(ring, 3, "partial, FUA and large writes went through the ring");
+    assert_eq!(
+        ring, 3,
+        "partial, FUA and large writes went through the ring"
+    );
 
     // Everything reads back, the pages just written inline from the cache.
     let back = c.read(6, 0, u32::try_from(want.len()).unwrap());
