@@ -27,20 +27,6 @@ fn paths(srv: &Server, name: &str) -> (u64, u64, u64) {
     )
 }
 
-fn fua_write(c: &mut RawClient, handle: u64, off: u64, data: &[u8]) -> u32 {
-    c.send_request(
-        FUA,
-        NBD_CMD_WRITE,
-        handle,
-        off,
-        u32::try_from(data.len()).unwrap(),
-    );
-    c.send(data);
-    let (err, h) = c.read_simple_reply();
-    assert_eq!(h, handle, "reply handle mismatch");
-    err
-}
-
 fn check_paths(poll: &str) {
     let dir = tempdir();
     let srv = Server::daemon().args(["--poll-us", poll]).start();
@@ -51,11 +37,7 @@ fn check_paths(poll: &str) {
     let mut want = read_file(&img);
     let mut put = |c: &mut RawClient, h: u64, off: u64, len: usize, fua: bool| {
         let data = pattern_bytes(u8::try_from(h).unwrap(), off, len);
-        let err = if fua {
-            fua_write(c, h, off, &data)
-        } else {
-            c.write(h, off, &data)
-        };
+        let err = c.write_flags(if fua { FUA } else { 0 }, h, off, &data);
         assert_eq!(err, 0, "write {off}+{len} (fua {fua}) failed");
         let o = usize::try_from(off).unwrap();
         want[o..o + len].copy_from_slice(&data);

@@ -1332,8 +1332,13 @@ impl RawClient {
 
     /// NBD_CMD_WRITE; returns the NBD error value (0 = success).
     pub fn write(&mut self, handle: u64, off: u64, data: &[u8]) -> u32 {
+        self.write_flags(0, handle, off, data)
+    }
+
+    /// NBD_CMD_WRITE with command flags (e.g. FUA); returns the NBD error value.
+    pub fn write_flags(&mut self, flags: u16, handle: u64, off: u64, data: &[u8]) -> u32 {
         self.send_request(
-            0,
+            flags,
             NBD_CMD_WRITE,
             handle,
             off,
