@@ -52,7 +52,8 @@ impl AdaptivePoll {
             return;
         }
         if waited <= self.max * 2 {
-            self.window = (self.window * 2).clamp(START, self.max);
+            // Not `clamp`: a maximum below START is allowed (it then is the window).
+            self.window = (self.window * 2).max(START).min(self.max);
         } else {
             self.window /= 2;
             if self.window < START {
@@ -102,6 +103,18 @@ mod tests {
             p.blocked(Duration::from_millis(5));
         }
         assert_eq!(p.window, Duration::ZERO);
+    }
+
+    #[test]
+    fn a_maximum_below_the_start_window_is_the_window() {
+        for us in 1..=4 {
+            let max = Duration::from_micros(us);
+            let mut p = AdaptivePoll::new(max);
+            p.blocked(Duration::ZERO);
+            assert_eq!(p.window, max);
+            p.blocked(Duration::ZERO);
+            assert_eq!(p.window, max);
+        }
     }
 
     #[test]

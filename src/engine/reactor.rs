@@ -13,6 +13,13 @@
 //!   reactor waits for every in-flight operation before dropping anything.
 //! - The only lock taken is the device's range lock, and only to decide; a request
 //!   that must wait is parked and retried when a release wakes this reactor.
+//! - What the thread may block on: the ring (waiting for completions), and in
+//!   buffered mode the two inline page-cache paths — `RWF_NOWAIT` reads, which do
+//!   not block, and small whole-page writes, which copy into the page cache and can
+//!   wait for the filesystem's journal, dirty-page throttling or a page fault, and
+//!   then stall every connection on this reactor (direct-mode ones included).
+//! - Before sleeping it may busy-poll (see [`super::poll`]) for up to `--poll-us`,
+//!   never while file I/O is in flight and never after a large batch.
 
 use super::buffer::Pool;
 use super::conn::Conn;
@@ -324,7 +331,10 @@ impl Reactor {
     }
 
     fn run(&mut self) -> Result<(), ReactorError> {
+        /// Completions in one batch from which deferred work may have been left over.
+        const LARGE_BATCH: usize = 16;
         self.arm_wake();
+        let mut last_batch = 0;
         loop {
             // Completions reaped while submitting are already queued: don't sleep.
             let mut want = usize::from(self.io.cqes.is_empty());
@@ -332,8 +342,10 @@ impl Reactor {
             // likely the disk's interrupt, and a spinning vCPU can slow the very
             // device emulation it waits for.
             let for_clients = self.io.file_ops == 0;
-            if want == 1 && for_clients && self.poll.window > Duration::ZERO && self.poll_briefly()
-            {
+            // After a large batch the kernel may hold deferred work it did not run
+            // (it caps the work per enter) without flagging it: enter at once.
+            let may_poll = for_clients && last_batch < LARGE_BATCH;
+            if want == 1 && may_poll && self.poll.window > Duration::ZERO && self.poll_briefly() {
                 want = 0;
             }
             let blocked = (want == 1 && for_clients).then(Instant::now);
@@ -347,6 +359,7 @@ impl Reactor {
             }
             self.io.reap();
             let mut batch = std::mem::take(&mut self.io.cqes);
+            last_batch = batch.len();
             for &(u, res) in &batch {
                 self.on_cqe(u, res);
             }

@@ -87,8 +87,6 @@ const ZERO_CHUNK: usize = 1 << 20;
 /// Largest buffered write copied inline; larger ones go to the ring, whose workers
 /// copy them in parallel with the reactor.
 pub const INLINE_WRITE_MAX: usize = 64 << 10;
-/// Page size assumed for "whole pages" (the smallest Linux page size).
-const PAGE: u64 = 4096;
 
 /// The file I/O of one request. See the module documentation.
 pub struct Task {
@@ -118,6 +116,12 @@ pub struct Task {
     align_len: usize,
     /// File offset just past this write, if it may grow the file.
     grows_to: Option<u64>,
+}
+
+/// The system's page size (for "whole pages": on 16K/64K-page kernels a 4 KiB write
+/// is a partial page, which may need a read first).
+fn page_size() -> u64 {
+    rustix::param::page_size() as u64
 }
 
 fn align_down(x: u64, a: u64) -> u64 {
@@ -246,8 +250,8 @@ impl Task {
             && self.path == Path::Buffered
             && !self.dsync()
             && self.span_len <= INLINE_WRITE_MAX
-            && self.span_start % PAGE == 0
-            && (self.span_len as u64) % PAGE == 0
+            && self.span_start % page_size() == 0
+            && (self.span_len as u64) % page_size() == 0
     }
 
     /// A read already satisfied (inline from the page cache) up to `n` bytes.
