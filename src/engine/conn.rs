@@ -474,7 +474,7 @@ impl Conn {
                     Err(_) => {}
                 }
             }
-            if task.cmd == Command::Write && dev.inline_writes && task.inline_write_ok() {
+            if dev.inline_writes && task.inline_write_ok() {
                 // The filesystem cannot take this write without blocking (ext4 has
                 // no RWF_NOWAIT buffered writes), so the ring would hand it to a
                 // worker thread: two wake-ups for a page-cache copy of microseconds.

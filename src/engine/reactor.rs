@@ -199,6 +199,12 @@ pub fn spawn(id: usize, poll_max: Duration) -> Result<Arc<ReactorHandle>, Reacto
     Ok(handle)
 }
 
+/// An `io_uring_enter` error that only means "try again" (a signal, or the
+/// completion queue full until it is reaped).
+fn retryable(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY))
+}
+
 /// A ring with the cheapest completion delivery this kernel offers: single
 /// issuer + deferred task work (6.1), else cooperative task running (5.19), else
 /// plain.
@@ -250,8 +256,7 @@ impl Io {
                 return;
             }
             if let Err(err) = self.ring.submit() {
-                let code = err.raw_os_error();
-                if code != Some(libc::EBUSY) && code != Some(libc::EINTR) {
+                if !retryable(&err) {
                     tracing::error!("io_uring submit failed: {err}");
                 }
                 self.reap();
@@ -351,7 +356,7 @@ impl Reactor {
             let blocked = (want == 1 && for_clients).then(Instant::now);
             match self.io.ring.submit_and_wait(want) {
                 Ok(_) => {}
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY)) => {}
+                Err(e) if retryable(&e) => {}
                 Err(e) => return Err(ReactorError::Enter(e)),
             }
             if let Some(t) = blocked {
@@ -400,12 +405,11 @@ impl Reactor {
         /// A `sched_yield` that took this long ran another task.
         const YIELDED: Duration = Duration::from_micros(10);
         // What this batch queued (replies above all) goes out before the wait.
-        if !self.io.ring.submission().is_empty() {
-            match self.io.ring.submit() {
-                Ok(_) => {}
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY)) => {}
-                Err(_) => return true, // let the blocking enter report it
-            }
+        if !self.io.ring.submission().is_empty()
+            && let Err(e) = self.io.ring.submit()
+            && !retryable(&e)
+        {
+            return true; // let the blocking enter report it
         }
         let deadline = Instant::now() + self.poll.window;
         loop {

@@ -242,16 +242,17 @@ impl Task {
 
     /// Whether this write may be copied into the page cache on the reactor thread:
     /// buffered, not FUA, small, and whole pages (so the kernel never has to read a
-    /// page from disk before writing part of it). What it may still block on is the
-    /// filesystem's journal and dirty-page throttling, which would throttle the
-    /// write wherever it ran.
+    /// page from disk before writing part of it). It may still block on the
+    /// filesystem's journal, dirty-page throttling or a page fault, stalling the
+    /// reactor's other connections meanwhile (see the reactor's contract).
     pub fn inline_write_ok(&self) -> bool {
+        let page = page_size();
         self.cmd == Command::Write
             && self.path == Path::Buffered
             && !self.dsync()
             && self.span_len <= INLINE_WRITE_MAX
-            && self.span_start % page_size() == 0
-            && (self.span_len as u64) % page_size() == 0
+            && self.span_start % page == 0
+            && (self.span_len as u64) % page == 0
     }
 
     /// A read already satisfied (inline from the page cache) up to `n` bytes.
