@@ -88,6 +88,9 @@ struct ServeArgs {
     /// Benchmark switch: buffered writes always go through the ring.
     #[arg(long, hide = true)]
     no_inline_writes: bool,
+    /// Benchmark switch: large buffered reads are copied, never spliced.
+    #[arg(long, hide = true)]
+    no_splice: bool,
 }
 
 /// Where client commands find the server.
@@ -298,6 +301,7 @@ fn serve(a: ServeArgs) -> Result<()> {
                     whole_device_lock: a.whole_device_lock,
                     no_inline_reads: a.no_inline_reads,
                     no_inline_writes: a.no_inline_writes,
+                    no_splice: a.no_splice,
                 },
             )
             .map_err(|e| anyhow::anyhow!(e.body().message))?;

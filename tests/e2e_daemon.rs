@@ -328,6 +328,7 @@ fn attach_list_status_detach() {
         "buffered",
         "inline_cached",
         "inline_written",
+        "spliced",
     ]
     .iter()
     .map(|k| paths.at(k).u64())

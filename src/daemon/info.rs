@@ -93,6 +93,7 @@ impl DeviceStatus {
             ("buffered", g(&s.buffered)),
             ("inline_cached", g(&s.inline_cached)),
             ("inline_written", g(&s.inline_written)),
+            ("spliced", g(&s.spliced)),
         ];
         let errors = ERRNO_NAMES
             .iter()

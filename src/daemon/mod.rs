@@ -140,6 +140,8 @@ pub struct Tuning {
     pub no_inline_reads: bool,
     /// Buffered writes always through the ring (the inline-write baseline).
     pub no_inline_writes: bool,
+    /// Large buffered reads copied, never spliced (the splice baseline).
+    pub no_splice: bool,
 }
 
 fn params_of(spec: &DeviceSpec, name: &str) -> DeviceParams {
@@ -159,6 +161,7 @@ fn params_with(spec: &DeviceSpec, name: &str, tuning: Tuning) -> DeviceParams {
         whole_device_lock: tuning.whole_device_lock,
         no_inline_reads: tuning.no_inline_reads,
         no_inline_writes: tuning.no_inline_writes,
+        no_splice: tuning.no_splice,
     }
 }
 

@@ -52,6 +52,8 @@ pub struct DeviceParams {
     pub no_inline_reads: bool,
     /// Benchmark switch: buffered writes always go through the ring.
     pub no_inline_writes: bool,
+    /// Benchmark switch: large buffered reads are copied, never spliced.
+    pub no_splice: bool,
 }
 
 #[derive(Debug, Error)]
@@ -137,6 +139,8 @@ pub struct Device {
     pub inline_reads: bool,
     /// Small whole-page buffered writes are copied into the page cache inline.
     pub inline_writes: bool,
+    /// Large buffered reads are spliced from the page cache to the socket.
+    pub splice_reads: bool,
 }
 
 fn valid_block_size(bs: u32) -> bool {
@@ -376,6 +380,7 @@ impl Device {
             created: false,
             inline_reads: !p.no_inline_reads,
             inline_writes: !p.no_inline_writes,
+            splice_reads: !p.no_splice,
         })
     }
 

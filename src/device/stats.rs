@@ -17,6 +17,8 @@ pub enum Path {
     InlineCached,
     /// A small whole-page buffered write copied into the page cache inline.
     InlineWritten,
+    /// A large buffered read spliced from the page cache to the socket.
+    Spliced,
 }
 
 #[derive(Default, Debug)]
@@ -38,6 +40,7 @@ pub struct Stats {
     pub buffered: AtomicU64,
     pub inline_cached: AtomicU64,
     pub inline_written: AtomicU64,
+    pub spliced: AtomicU64,
     /// Errors sent to clients, indexed like [`errno_index`].
     pub errors: [AtomicU64; 8],
     /// Bit per errno index: whether a backing-file error of that kind was logged.
@@ -109,6 +112,7 @@ impl Stats {
             Path::Buffered => &self.buffered,
             Path::InlineCached => &self.inline_cached,
             Path::InlineWritten => &self.inline_written,
+            Path::Spliced => &self.spliced,
         };
         c.fetch_add(1, Relaxed);
     }
@@ -129,7 +133,7 @@ impl Stats {
         }
         format!(
             "reads={} writes={} flushes={} trims={} write_zeroes={} bytes_read={} bytes_written={} \
-             direct={} bounced={} buffered={} inline_cached={} inline_written={} errors:{}",
+             direct={} bounced={} buffered={} inline_cached={} inline_written={} spliced={} errors:{}",
             g(&self.reads),
             g(&self.writes),
             g(&self.flushes),
@@ -142,6 +146,7 @@ impl Stats {
             g(&self.buffered),
             g(&self.inline_cached),
             g(&self.inline_written),
+            g(&self.spliced),
             if errs.is_empty() {
                 " none".to_string()
             } else {

@@ -3,13 +3,15 @@
 //! A connection has a fixed table of request slots (never reallocated, so reply
 //! headers inside it have stable addresses while a `sendmsg` refers to them), a
 //! receive buffer for request headers, and a queue of slots whose replies wait to
-//! be sent. At most one receive and one send are in flight per connection, which
-//! keeps the byte streams in order; file operations of different slots run
-//! concurrently and complete in any order.
+//! be sent. At most one receive and one send (a `sendmsg` of queued replies, or the
+//! splice of one spliced read's reply out of its pipe) are in flight per
+//! connection, which keeps the byte streams in order; file operations of different
+//! slots run concurrently and complete in any order.
 
 use super::buffer::AlignedBuf;
 use super::ops;
 use super::reactor::{Io, TAG_CANCEL, TAG_FILE, TAG_RECV, TAG_SEND, ud};
+use super::splice::{MAX_PIPES, Pipe, PipePool, SPLICE_MIN, part_len};
 use super::sync;
 use super::task::{Next, Task};
 use crate::device::export::Export;
@@ -62,6 +64,12 @@ pub struct Slot {
     pub entered: bool,
     /// When the request's header was parsed (for the latency histogram).
     pub started: Option<std::time::Instant>,
+    /// A spliced read: the pipes holding its reply, in order (the header and the
+    /// first `part` data bytes in the first, the rest in the second).
+    pub pipes: [Option<Pipe>; MAX_PIPES],
+    pub part: usize,
+    /// Data bytes spliced into the pipes so far.
+    pub piped: usize,
 }
 
 impl Slot {
@@ -78,6 +86,9 @@ impl Slot {
             extra: None,
             entered: false,
             started: None,
+            pipes: [None, None],
+            part: 0,
+            piped: 0,
         }
     }
 
@@ -94,6 +105,35 @@ impl Slot {
 
     pub fn reply_len(&self) -> usize {
         self.hdr_len + self.data_len
+    }
+
+    /// Whether the reply is spliced out of pipes rather than sent from memory.
+    pub fn spliced(&self) -> bool {
+        self.pipes[0].is_some()
+    }
+
+    /// The pipe holding reply byte `at` of a spliced reply, and how many reply
+    /// bytes it holds from there on.
+    fn pipe_at(&self, at: usize) -> Option<(&Pipe, usize)> {
+        let mut end = self.hdr_len;
+        for (i, p) in self.pipes.iter().enumerate() {
+            end += part_len(self.data_len, self.part, i);
+            if at < end {
+                return p.as_ref().map(|p| (p, end - at));
+            }
+        }
+        None
+    }
+
+    /// Close the pipes (dropping whatever they hold), or with `pool` return them
+    /// to it (they must be empty: the whole reply was sent).
+    fn drop_pipes(&mut self, mut pool: Option<&mut PipePool>) {
+        for p in self.pipes.iter_mut().filter_map(Option::take) {
+            if let Some(pool) = pool.as_deref_mut() {
+                pool.put(p);
+            }
+        }
+        self.piped = 0;
     }
 }
 
@@ -451,6 +491,17 @@ impl Conn {
             }
         }
         dev.stats.command(task.cmd, u64::from(task.len));
+        let splice = task.cmd == Command::Read
+            && task.path == Path::Buffered
+            && dev.splice_reads
+            && task.len as usize >= SPLICE_MIN;
+        if splice && self.start_splice(io, ci, si) {
+            return;
+        }
+        let dev = &self.dev;
+        let Some(task) = self.slots[si as usize].task.as_mut() else {
+            return;
+        };
         if matches!(task.cmd, Command::Read | Command::Write) {
             if task.cmd == Command::Read && task.path == Path::Buffered && dev.inline_reads {
                 // Seed 004: try the page cache inline before going async.
@@ -489,6 +540,104 @@ impl Conn {
         self.advance(io, ci, si, next);
     }
 
+    /// Answer the read in `si` from pipes: write its reply header into the first,
+    /// then splice the data from the file behind it. False (nothing started) when
+    /// the read needs more pipes than a reply may use, no pipe can be had, or the
+    /// header write fails; the caller copies instead.
+    fn start_splice(&mut self, io: &mut Io, ci: u32, si: u16) -> bool {
+        let slot = &mut self.slots[si as usize];
+        let Some(task) = slot.task.as_ref() else {
+            return false;
+        };
+        let Some(part) = io.pipes.part_bytes() else {
+            return false;
+        };
+        let len = task.len as usize;
+        if len.div_ceil(part) > MAX_PIPES {
+            return false;
+        }
+        slot.part = part;
+        for i in 0..len.div_ceil(part) {
+            match io.pipes.take() {
+                Some(p) => slot.pipes[i] = Some(p),
+                None => {
+                    slot.drop_pipes(Some(&mut io.pipes));
+                    return false;
+                }
+            }
+        }
+        // The success header; should the read fail, the pipes are dropped and an
+        // error reply sent the ordinary way instead.
+        let n = wire::reply_header(
+            &mut slot.hdr,
+            true,
+            self.structured,
+            slot.cookie,
+            task.offset,
+            Ok(task.len),
+        );
+        let written = match &slot.pipes[0] {
+            Some(p) => rustix::io::write(&p.w, &slot.hdr[..n]),
+            None => Ok(0),
+        };
+        if !matches!(written, Ok(w) if w == n) {
+            slot.drop_pipes(None);
+            return false;
+        }
+        self.dev.stats.path(Path::Spliced);
+        self.splice_in(io, ci, si);
+        true
+    }
+
+    /// Splice the next part of slot `si`'s read from the file into its pipe.
+    fn splice_in(&mut self, io: &mut Io, ci: u32, si: u16) {
+        let slot = &mut self.slots[si as usize];
+        let Some(task) = slot.task.as_ref() else {
+            return;
+        };
+        let i = slot.piped / slot.part;
+        let Some(pipe) = slot.pipes.get(i).and_then(Option::as_ref) else {
+            return;
+        };
+        let left = (i * slot.part + part_len(task.len as usize, slot.part, i)) - slot.piped;
+        let off = self.dev.file_offset(task.offset) + slot.piped as u64;
+        let file = types::Fd(self.dev.plain.as_raw_fd());
+        let off = i64::try_from(off).unwrap_or(i64::MAX);
+        let left = u32::try_from(left).unwrap_or(0);
+        let e = opcode::Splice::new(file, off, types::Fd(pipe.w.as_raw_fd()), -1, left)
+            .build()
+            .user_data(ud(TAG_FILE, ci, si));
+        slot.state = SlotState::Io;
+        self.file_ops += 1;
+        io.file_ops += 1;
+        io.push(e);
+    }
+
+    /// A splice into slot `si`'s pipes completed with `res`.
+    fn on_splice_in(&mut self, io: &mut Io, ci: u32, si: u16, res: i32) {
+        let slot = &mut self.slots[si as usize];
+        let len = slot.task.as_ref().map_or(0, |t| t.len);
+        if res > 0 {
+            slot.piped += res as usize;
+            if slot.piped < len as usize {
+                self.splice_in(io, ci, si);
+            } else {
+                self.finish(io, ci, si, true, Ok(len));
+            }
+            return;
+        }
+        // End of file before the end of the read (the rest reads as zeros), an
+        // error, or a file that cannot splice: drop what the pipes hold and copy
+        // instead; that path zero-fills, and reports errors the usual way.
+        slot.drop_pipes(None);
+        let Some(task) = slot.task.as_mut() else {
+            return;
+        };
+        self.dev.stats.path(Path::Buffered);
+        let next = task.start();
+        self.advance(io, ci, si, next);
+    }
+
     fn advance(&mut self, io: &mut Io, ci: u32, si: u16, next: Next) {
         match next {
             Next::Submit(op) => {
@@ -513,15 +662,19 @@ impl Conn {
     pub(super) fn on_file(&mut self, io: &mut Io, ci: u32, si: u16, res: i32) {
         self.file_ops = self.file_ops.saturating_sub(1);
         io.file_ops = io.file_ops.saturating_sub(1);
-        let Some(task) = self.slots[si as usize].task.as_mut() else {
-            return;
-        };
-        let next = task.complete(res, &mut io.pool);
         if self.dead {
             // Nobody to answer: stop here (the range is released with the slot).
             self.release_slot(io, si);
             return;
         }
+        if self.slots[si as usize].spliced() {
+            self.on_splice_in(io, ci, si, res);
+            return;
+        }
+        let Some(task) = self.slots[si as usize].task.as_mut() else {
+            return;
+        };
+        let next = task.complete(res, &mut io.pool);
         self.advance(io, ci, si, next);
     }
 
@@ -607,11 +760,27 @@ impl Conn {
         }
         let mut n_iov = 0;
         let mut skip = self.front_sent;
-        for &si in self.sendq.iter() {
+        for (k, &si) in self.sendq.iter().enumerate() {
             if n_iov + 2 > MAX_IOV {
                 break;
             }
             let s = &self.slots[si as usize];
+            if s.spliced() {
+                if k > 0 {
+                    break; // sent on its own, after the replies before it
+                }
+                let Some((pipe, left)) = s.pipe_at(skip) else {
+                    break;
+                };
+                let left = u32::try_from(left).unwrap_or(0);
+                let sock = types::Fd(self.sock.as_raw_fd());
+                let e = opcode::Splice::new(types::Fd(pipe.r.as_raw_fd()), -1, sock, -1, left)
+                    .build()
+                    .user_data(ud(TAG_SEND, ci, 0));
+                self.send_inflight = true;
+                io.push(e);
+                return;
+            }
             for (ptr, len) in [(s.hdr.as_ptr(), s.hdr_len), (s.data_ptr(), s.data_len)] {
                 if skip >= len {
                     skip -= len;
@@ -626,6 +795,9 @@ impl Conn {
                 skip = 0;
                 n_iov += 1;
             }
+        }
+        if n_iov == 0 {
+            return; // nothing sendable (cannot happen: a queued reply has a header)
         }
         self.msg.msg_iov = self.iov.as_mut_ptr();
         self.msg.msg_iovlen = n_iov;
@@ -661,6 +833,7 @@ impl Conn {
             }
             n -= len;
             self.sendq.pop_front();
+            self.slots[si as usize].drop_pipes(Some(&mut io.pipes)); // sent: empty
             self.release_slot(io, si);
         }
     }
@@ -683,6 +856,7 @@ impl Conn {
         if let Some(e) = slot.extra.take() {
             io.pool.put(e);
         }
+        slot.drop_pipes(None); // closed with whatever they still hold
         slot.state = SlotState::Free;
         slot.data_len = 0;
         slot.hdr_len = 0;

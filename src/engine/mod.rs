@@ -8,5 +8,6 @@ pub mod conn;
 pub mod ops;
 pub mod poll;
 pub mod reactor;
+pub mod splice;
 pub mod sync;
 pub mod task;

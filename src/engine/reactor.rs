@@ -13,6 +13,9 @@
 //!   reactor waits for every in-flight operation before dropping anything.
 //! - The only lock taken is the device's range lock, and only to decide; a request
 //!   that must wait is parked and retried when a release wakes this reactor.
+//! - Large buffered reads are spliced (see [`super::splice`]): their file → pipe
+//!   and pipe → socket operations run on the kernel's io_uring workers, which may
+//!   block there, never this thread.
 //! - What the thread may block on: the ring (waiting for completions), and in
 //!   buffered mode the two inline page-cache paths — `RWF_NOWAIT` reads, which do
 //!   not block, and small whole-page writes, which copy into the page cache and can
@@ -24,6 +27,7 @@
 use super::buffer::Pool;
 use super::conn::Conn;
 use super::poll::AdaptivePoll;
+use super::splice::PipePool;
 use crate::device::export::Export;
 use crate::device::range_lock::Wake;
 use io_uring::{IoUring, opcode, squeue, types};
@@ -236,6 +240,8 @@ fn new_ring() -> Result<IoUring, std::io::Error> {
 pub(super) struct Io {
     ring: IoUring,
     pub pool: Pool,
+    /// Pipes for spliced read replies.
+    pub pipes: PipePool,
     pub lock_waiters: Vec<(u32, u16)>,
     /// Connections that stopped reading because their export is frozen.
     pub parked: Vec<u32>,
@@ -303,6 +309,7 @@ impl Reactor {
             io: Io {
                 ring,
                 pool: Pool::default(),
+                pipes: PipePool::default(),
                 lock_waiters: Vec::new(),
                 parked: Vec::new(),
                 waker: waker_dyn,

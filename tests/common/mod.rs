@@ -776,6 +776,13 @@ impl ServerBuilder {
         self.args(c.args())
     }
 
+    /// Also wait for the `control: PATH` line (printed after the URI lines), so
+    /// that [`Server::ctl`] works on a server started with an image.
+    pub fn with_control(mut self) -> Self {
+        self.ready_on_control = true;
+        self
+    }
+
     /// Sets `--name` (the empty string is allowed).
     pub fn name(mut self, n: &str) -> Self {
         self.name = Some(n.to_string());
