@@ -114,6 +114,7 @@ pub fn nbd_socket_path(opts: &ServeOptions) -> Option<PathBuf> {
 /// Serve the daemon's exports until SIGINT or SIGTERM.
 /// Prints one line per endpoint with its URI on stdout once ready.
 pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError> {
+    raise_open_file_limit();
     let mut listeners = Vec::new();
     let socket = nbd_socket_path(opts);
     if let Some(p) = &socket {
@@ -238,6 +239,7 @@ fn accept_loop(
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                         Err(e) => {
                             tracing::warn!("accept failed: {e}");
+                            std::thread::sleep(ACCEPT_ERROR_PAUSE);
                             break;
                         }
                     },
@@ -249,6 +251,7 @@ fn accept_loop(
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                         Err(e) => {
                             tracing::warn!("accept failed: {e}");
+                            std::thread::sleep(ACCEPT_ERROR_PAUSE);
                             break;
                         }
                     },
@@ -259,19 +262,42 @@ fn accept_loop(
     }
 }
 
-/// Socket send buffer asked for (the kernel books twice this). The default
+/// Every connection, backing file and spliced read holds descriptors; the common
+/// soft limit of 1024 is low for a server. Raise it to the hard limit (failure
+/// leaves it as it was).
+fn raise_open_file_limit() {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut lim = getrlimit(Resource::Nofile);
+    if lim.current < lim.maximum {
+        lim.current = lim.maximum;
+        let _ = setrlimit(Resource::Nofile, lim);
+    }
+}
+
+/// After an accept error other than "no connection waiting" (out of descriptors,
+/// say), the listener stays readable: pause instead of spinning on it.
+const ACCEPT_ERROR_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Unix socket send buffer asked for (the kernel books twice this). The default
 /// (`net.core.wmem_default`, 208 KiB) holds a fifth of a 1 MiB reply, so the
 /// sender stalls and is woken several times per reply while the client reads; a
 /// buffer that holds a few replies lets it run on. For spliced replies the queued
 /// data are page-cache pages, not copies.
 const SEND_BUFFER: usize = 2 << 20;
 
-/// Raise the connection's send buffer: as far as `net.core.wmem_max` allows, then
+/// Raise a Unix socket's send buffer: as far as `net.core.wmem_max` allows, then
 /// past it where the daemon may (`CAP_NET_ADMIN`). A refusal leaves the default.
+/// TCP sockets are left alone: setting a size turns off the kernel's autotuning,
+/// which grows their buffers further where the path needs it.
 fn widen_send_buffer(sock: &OwnedFd) {
+    use rustix::net::AddressFamily;
     use rustix::net::sockopt::{
-        set_socket_send_buffer_size, set_socket_send_buffer_size_force, socket_send_buffer_size,
+        set_socket_send_buffer_size, set_socket_send_buffer_size_force, socket_domain,
+        socket_send_buffer_size,
     };
+    if !socket_domain(sock).is_ok_and(|d| d == AddressFamily::UNIX) {
+        return;
+    }
     let _ = set_socket_send_buffer_size(sock, SEND_BUFFER);
     if socket_send_buffer_size(sock).is_ok_and(|n| n < 2 * SEND_BUFFER) {
         let _ = set_socket_send_buffer_size_force(sock, SEND_BUFFER);

@@ -125,6 +125,14 @@ fn spliced_reads_see_acknowledged_writes_and_zeros_past_the_end() {
     want[8192..8192 + 4096].copy_from_slice(&b);
     assert_bytes_eq(&c.read(4, MIB, 1 << 20), &want, MIB, "after the overwrite");
 
+    let spliced_before = spliced(&srv, "b");
+    assert!(spliced_before >= 2, "the 1 MiB reads were spliced");
+    let copied_before = srv
+        .ctl_json(&["status", "b"])
+        .at("paths")
+        .at("buffered")
+        .u64();
+
     // Shrink the file under the server: what lies past its end reads as zeros.
     let keep = 4 * MIB + 100 * 1024;
     std::fs::File::options()
@@ -141,6 +149,22 @@ fn spliced_reads_see_acknowledged_writes_and_zeros_past_the_end() {
     );
     let got = c.read(6, 6 * MIB, 1 << 20);
     assert!(got.iter().all(|&x| x == 0), "wholly past the end: zeros");
+    // Both met the end of the file while splicing and were copied instead.
+    assert_eq!(
+        spliced(&srv, "b"),
+        spliced_before,
+        "no reply spliced past the end"
+    );
+    let copied = srv
+        .ctl_json(&["status", "b"])
+        .at("paths")
+        .at("buffered")
+        .u64();
+    assert_eq!(
+        copied,
+        copied_before + 2,
+        "both fell back to the copying path"
+    );
 }
 
 #[test]

@@ -125,13 +125,11 @@ impl Slot {
         None
     }
 
-    /// Close the pipes (dropping whatever they hold), or with `pool` return them
-    /// to it (they must be empty: the whole reply was sent).
-    fn drop_pipes(&mut self, mut pool: Option<&mut PipePool>) {
+    /// Give the pipes back to `pool`: for reuse if the whole reply was `sent`
+    /// (they are empty), else closed with whatever they hold.
+    fn drop_pipes(&mut self, pool: &mut PipePool, sent: bool) {
         for p in self.pipes.iter_mut().filter_map(Option::take) {
-            if let Some(pool) = pool.as_deref_mut() {
-                pool.put(p);
-            }
+            if sent { pool.put(p) } else { pool.discard(p) }
         }
         self.piped = 0;
     }
@@ -553,7 +551,8 @@ impl Conn {
             return false;
         };
         let len = task.len as usize;
-        if len.div_ceil(part) > MAX_PIPES {
+        let n = len.div_ceil(part);
+        if n > MAX_PIPES || !io.pipes.can_take(n) {
             return false;
         }
         slot.part = part;
@@ -561,7 +560,7 @@ impl Conn {
             match io.pipes.take() {
                 Some(p) => slot.pipes[i] = Some(p),
                 None => {
-                    slot.drop_pipes(Some(&mut io.pipes));
+                    slot.drop_pipes(&mut io.pipes, false);
                     return false;
                 }
             }
@@ -581,10 +580,13 @@ impl Conn {
             None => Ok(0),
         };
         if !matches!(written, Ok(w) if w == n) {
-            slot.drop_pipes(None);
+            slot.drop_pipes(&mut io.pipes, false);
             return false;
         }
-        self.dev.stats.path(Path::Spliced);
+        // The data never passes through memory of ours: lend the buffer out.
+        if let Some(t) = slot.task.as_mut() {
+            t.recycle(&mut io.pool);
+        }
         self.splice_in(io, ci, si);
         true
     }
@@ -622,6 +624,7 @@ impl Conn {
             if slot.piped < len as usize {
                 self.splice_in(io, ci, si);
             } else {
+                self.dev.stats.path(Path::Spliced);
                 self.finish(io, ci, si, true, Ok(len));
             }
             return;
@@ -629,10 +632,11 @@ impl Conn {
         // End of file before the end of the read (the rest reads as zeros), an
         // error, or a file that cannot splice: drop what the pipes hold and copy
         // instead; that path zero-fills, and reports errors the usual way.
-        slot.drop_pipes(None);
+        slot.drop_pipes(&mut io.pipes, false);
         let Some(task) = slot.task.as_mut() else {
             return;
         };
+        task.rebuffer(&mut io.pool);
         self.dev.stats.path(Path::Buffered);
         let next = task.start();
         self.advance(io, ci, si, next);
@@ -812,6 +816,17 @@ impl Conn {
 
     pub(super) fn on_send(&mut self, io: &mut Io, ci: u32, res: i32) {
         self.send_inflight = false;
+        if res == 0 {
+            // Nothing sent although something was asked: a splice whose page went
+            // bad (a page-cache page that could not be confirmed) says so with 0,
+            // and would say it again forever. Give up on the connection.
+            tracing::warn!(
+                "closing a connection to {:?}: a reply could not be sent",
+                self.dev.name
+            );
+            self.kill(io, ci);
+            return;
+        }
         if res < 0 {
             if res != -libc::EPIPE && res != -libc::ECONNRESET {
                 tracing::debug!(
@@ -833,7 +848,7 @@ impl Conn {
             }
             n -= len;
             self.sendq.pop_front();
-            self.slots[si as usize].drop_pipes(Some(&mut io.pipes)); // sent: empty
+            self.slots[si as usize].drop_pipes(&mut io.pipes, true);
             self.release_slot(io, si);
         }
     }
@@ -856,7 +871,7 @@ impl Conn {
         if let Some(e) = slot.extra.take() {
             io.pool.put(e);
         }
-        slot.drop_pipes(None); // closed with whatever they still hold
+        slot.drop_pipes(&mut io.pipes, false);
         slot.state = SlotState::Free;
         slot.data_len = 0;
         slot.hdr_len = 0;

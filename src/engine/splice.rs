@@ -5,11 +5,17 @@
 //! Contract:
 //! - A [`Pipe`] belongs to one request slot from the moment the reply header is
 //!   written into it until its last byte has been spliced into the socket; then it
-//!   goes back to the reactor's [`PipePool`], empty. A slot dropped earlier (error,
-//!   dead socket) closes its pipe, discarding whatever the pipe holds.
-//! - Both ends are non-blocking, and a reply is only spliced into a pipe with room
-//!   for all of it ([`PipePool::fits`]), so nothing waits for pipe space: the header
-//!   write on the reactor never blocks.
+//!   goes back to the reactor's [`PipePool`], empty ([`PipePool::put`]). A slot
+//!   dropped earlier (error, dead socket) hands it to [`PipePool::discard`], which
+//!   closes it with whatever it holds. Never close a pipe an operation in flight
+//!   refers to: io_uring resolves a splice's source descriptor when the kernel's
+//!   worker runs it, not when it is submitted.
+//! - Both ends are non-blocking, and a reply is only spliced into pipes with room
+//!   for all of it ([`PipePool::part_bytes`]), so nothing waits for pipe space: the
+//!   header write on the reactor never blocks.
+//! - A reactor has at most [`MAX_IN_USE`] pipes out and [`MAX_IDLE`] idle: pipes cost
+//!   two descriptors each and, for unprivileged users, count against
+//!   `fs.pipe-user-pages-soft`. Past the budget reads are copied.
 //! - The pages are the page cache's, not copies. A write to the same range that
 //!   lands after the read finished but before the client has taken the reply off
 //!   the socket shows in that reply. The client has not received the reply then, so
@@ -29,8 +35,12 @@ pub const MAX_PIPES: usize = 2;
 /// `fs.pipe-max-size` (1 MiB by default); the smaller pipes then carry a
 /// megabyte read in two parts.
 const PIPE_BYTES: [usize; 2] = [2 << 20, 1 << 20];
+/// Pipes a reactor may have out at once (16 spliced 1 MiB reads in flight).
+pub const MAX_IN_USE: usize = 32;
 /// Idle pipes kept for reuse per reactor.
-const MAX_IDLE: usize = 64;
+pub const MAX_IDLE: usize = 8;
+/// Smallest useful pipe, in page buffers (a header, one page, one to spare).
+const MIN_SLOTS: usize = 3;
 
 /// One pipe: reply bytes are written or spliced into `w` and spliced out of `r`.
 pub struct Pipe {
@@ -42,9 +52,11 @@ pub struct Pipe {
 #[derive(Default)]
 pub struct PipePool {
     idle: Vec<Pipe>,
+    /// Pipes handed out and not yet returned or discarded.
+    in_use: usize,
     /// Page buffers per pipe (0 until the first pipe has been made).
     slots: usize,
-    /// Pipes cannot be made (the first attempt failed): never try again.
+    /// Pipes cannot be made or sized (the first attempt failed): never try again.
     unavailable: bool,
 }
 
@@ -61,19 +73,36 @@ impl PipePool {
         (part > 0).then_some(part)
     }
 
-    /// A pipe from the pool, or a new one.
+    /// Whether `n` more pipes may be taken now.
+    pub fn can_take(&self, n: usize) -> bool {
+        self.in_use + n <= MAX_IN_USE
+    }
+
+    /// A pipe from the pool, or a new one (`None` past the budget).
     pub fn take(&mut self) -> Option<Pipe> {
-        match self.idle.pop() {
-            Some(p) => Some(p),
-            None => self.make(),
+        if !self.can_take(1) {
+            return None;
         }
+        let p = match self.idle.pop() {
+            Some(p) => p,
+            None => self.make()?,
+        };
+        self.in_use += 1;
+        Some(p)
     }
 
     /// Return a pipe whose contents have all been spliced out.
     pub fn put(&mut self, p: Pipe) {
+        self.in_use = self.in_use.saturating_sub(1);
         if self.idle.len() < MAX_IDLE {
             self.idle.push(p);
         }
+    }
+
+    /// Close a pipe that may still hold data.
+    pub fn discard(&mut self, p: Pipe) {
+        self.in_use = self.in_use.saturating_sub(1);
+        drop(p);
     }
 
     fn make(&mut self) -> Option<Pipe> {
@@ -96,13 +125,17 @@ impl PipePool {
             .or_else(|| fcntl_getpipe_size(&w).ok())
             .unwrap_or(0);
         let slots = bytes / page();
-        if self.slots != 0 && slots < self.slots {
-            // Later pipes must hold what the first did (the limit is per user
-            // and may run out); without that, this one is of no use.
-            return None;
-        }
         if self.slots == 0 {
+            if slots < MIN_SLOTS {
+                self.unavailable = true;
+                tracing::debug!("pipes hold {bytes} bytes: too small to splice; reads are copied");
+                return None;
+            }
             self.slots = slots;
+        } else if slots < self.slots {
+            // Later pipes must hold what the first did (an unprivileged user's
+            // pipe quota may run out); this one is of no use.
+            return None;
         }
         Some(Pipe { r, w })
     }
@@ -149,15 +182,20 @@ mod tests {
     }
 
     #[test]
-    fn pool_reuses_pipes() {
+    fn pool_reuses_pipes_within_its_budget() {
         let mut pool = PipePool::default();
         let _ = pool.part_bytes();
         assert_eq!(pool.idle.len(), 1, "sizing made the first pipe");
-        let a = pool.take().expect("idle pipe");
-        let b = pool.take().expect("new pipe");
+        let mut out: Vec<Pipe> = (0..MAX_IN_USE).map_while(|_| pool.take()).collect();
+        assert_eq!(out.len(), MAX_IN_USE);
         assert!(pool.idle.is_empty());
-        pool.put(a);
-        pool.put(b);
-        assert_eq!(pool.idle.len(), 2);
+        assert!(pool.take().is_none(), "no pipe past the budget");
+        pool.discard(out.pop().expect("a pipe"));
+        assert!(pool.idle.is_empty(), "a discarded pipe is closed, not kept");
+        assert!(pool.take().is_some(), "room again after a discard");
+        for p in out {
+            pool.put(p);
+        }
+        assert_eq!(pool.idle.len(), MAX_IDLE, "idle pipes are capped");
     }
 }

@@ -230,6 +230,14 @@ impl Task {
         }
     }
 
+    /// Take a buffer for the span again after [`Task::recycle`] (a spliced read
+    /// that falls back to copying).
+    pub fn rebuffer(&mut self, pool: &mut Pool) {
+        if self.buf.is_none() && matches!(self.cmd, Command::Read | Command::Write) {
+            self.buf = Some(pool.get(self.span_len));
+        }
+    }
+
     /// Give the buffers back to the pool.
     pub fn recycle(&mut self, pool: &mut Pool) {
         if let Some(b) = self.buf.take() {
