@@ -550,13 +550,12 @@ impl Conn {
         let Some(part) = io.pipes.part_bytes() else {
             return false;
         };
-        let len = task.len as usize;
-        let n = len.div_ceil(part);
-        if n > MAX_PIPES || !io.pipes.can_take(n) {
+        let parts = (task.len as usize).div_ceil(part);
+        if parts > MAX_PIPES || !io.pipes.can_take(parts) {
             return false;
         }
         slot.part = part;
-        for i in 0..len.div_ceil(part) {
+        for i in 0..parts {
             match io.pipes.take() {
                 Some(p) => slot.pipes[i] = Some(p),
                 None => {
