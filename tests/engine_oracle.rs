@@ -196,7 +196,7 @@ fn run_task(
         match next {
             Next::Done(r) => return r,
             Next::Submit(fop) => {
-                let entry = ops::sqe(fop, 0x10ad);
+                let entry = ops::sqe(fop).user_data(0x10ad);
                 // SAFETY: the entry points into buffers owned by `task`, which is
                 // neither moved nor touched until the completion below is reaped.
                 unsafe {

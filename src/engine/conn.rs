@@ -20,7 +20,7 @@ use crate::device::stats::Path;
 use crate::device::{Device, status};
 use crate::nbd::proto::*;
 use crate::nbd::wire::{self, Command, ExportView, MAX_REPLY_HEADER, NbdErrno};
-use io_uring::{opcode, types};
+use io_uring::{opcode, squeue, types};
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
@@ -605,13 +605,17 @@ impl Conn {
         let file = types::Fd(self.dev.plain.as_raw_fd());
         let off = i64::try_from(off).unwrap_or(i64::MAX);
         let left = u32::try_from(left).unwrap_or(0);
-        let e = opcode::Splice::new(file, off, types::Fd(pipe.w.as_raw_fd()), -1, left)
-            .build()
-            .user_data(ud(TAG_FILE, ci, si));
-        slot.state = SlotState::Io;
+        let e = opcode::Splice::new(file, off, types::Fd(pipe.w.as_raw_fd()), -1, left).build();
+        self.submit_file_op(io, ci, si, e);
+    }
+
+    /// Submit `e`, a file operation of slot `si`, counted in flight (per connection
+    /// and per ring) until its completion reaches [`Conn::on_file`].
+    fn submit_file_op(&mut self, io: &mut Io, ci: u32, si: u16, e: squeue::Entry) {
+        self.slots[si as usize].state = SlotState::Io;
         self.file_ops += 1;
         io.file_ops += 1;
-        io.push(e);
+        io.push(e.user_data(ud(TAG_FILE, ci, si)));
     }
 
     /// A splice into slot `si`'s pipes completed with `res`.
@@ -643,12 +647,7 @@ impl Conn {
 
     fn advance(&mut self, io: &mut Io, ci: u32, si: u16, next: Next) {
         match next {
-            Next::Submit(op) => {
-                self.slots[si as usize].state = SlotState::Io;
-                self.file_ops += 1;
-                io.file_ops += 1;
-                io.push(ops::sqe(op, ud(TAG_FILE, ci, si)));
-            }
+            Next::Submit(op) => self.submit_file_op(io, ci, si, ops::sqe(op)),
             Next::Done(r) => {
                 let task = self.slots[si as usize].task.as_ref();
                 let is_read = task.is_some_and(|t| t.cmd == Command::Read);

@@ -3,9 +3,9 @@
 use super::task::FileOp;
 use io_uring::{opcode, squeue, types};
 
-/// Build the SQE for `op`, tagged with `user_data`.
-pub fn sqe(op: FileOp, user_data: u64) -> squeue::Entry {
-    let e = match op {
+/// Build the SQE for `op` (the caller tags it with its `user_data`).
+pub fn sqe(op: FileOp) -> squeue::Entry {
+    match op {
         FileOp::Read { fd, buf, len, off } => opcode::Read::new(types::Fd(fd), buf, len)
             .offset(off)
             .build(),
@@ -34,8 +34,7 @@ pub fn sqe(op: FileOp, user_data: u64) -> squeue::Entry {
                 .offset(off)
                 .build()
         }
-    };
-    e.user_data(user_data)
+    }
 }
 
 fn len_i64(len: u64) -> libc::off_t {
