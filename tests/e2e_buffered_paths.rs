@@ -9,13 +9,8 @@
 mod common;
 
 use common::*;
-use std::path::Path;
 
 const FUA: u16 = 1 << 0;
-
-fn p(path: &Path) -> &str {
-    path.to_str().expect("utf-8 path")
-}
 
 fn paths(srv: &Server, name: &str) -> (u64, u64, u64) {
     let st = srv.ctl_json(&["status", name]);
@@ -32,7 +27,14 @@ fn check_paths(poll: &str) {
     let srv = Server::daemon().args(["--poll-us", poll]).start();
     let img = dir.path().join("buf.img");
     create_pattern_image(&img, 4 * MIB, 3);
-    srv.ctl_ok(&["attach", p(&img), "--name", "b", "--cache", "buffered"]);
+    srv.ctl_ok(&[
+        "attach",
+        path_str(&img),
+        "--name",
+        "b",
+        "--cache",
+        "buffered",
+    ]);
     let (mut c, _, _) = RawClient::handshake(srv.socket(), "b");
     let mut want = read_file(&img);
     let mut put = |c: &mut RawClient, h: u64, off: u64, len: usize, fua: bool| {

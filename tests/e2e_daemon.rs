@@ -13,10 +13,6 @@ use std::sync::{Arc, Barrier};
 use std::thread;
 use std::time::{Duration, Instant};
 
-fn p(path: &Path) -> &str {
-    path.to_str().expect("utf-8 path")
-}
-
 /// A Unix NBD URI for export `name` on the daemon's socket.
 fn uri(srv: &Server, name: &str) -> String {
     srv.uri_for_name(name)
@@ -143,7 +139,7 @@ fn serve_without_image_defaults() {
     assert!(!state.exists(), "no state file before the first attach");
     let img = dir.path().join("first.img");
     create_sparse_image(&img, 4 * MIB);
-    srv.ctl_ok(&["attach", p(&img)]);
+    srv.ctl_ok(&["attach", path_str(&img)]);
     assert_state_names(&state, &["first"]);
 
     // LOOPD_CONTROL instead of --control.
@@ -191,7 +187,7 @@ fn explicit_control_and_state_paths() {
 
     let img = dir.path().join("x.img");
     create_sparse_image(&img, MIB);
-    let out = srv.ctl_ok(&["attach", p(&img), "--name", "xdev"]);
+    let out = srv.ctl_ok(&["attach", path_str(&img), "--name", "xdev"]);
     assert_eq!(out.stdout.lines().next(), Some("xdev"));
     assert_state_names(&state, &["xdev"]);
     assert!(
@@ -235,7 +231,7 @@ fn attach_list_status_detach() {
     let img = dir.path().join("pat.img");
     create_pattern_image(&img, 8 * MIB, 7);
 
-    let out = srv.ctl_ok(&["attach", p(&img), "--name", "disk1"]);
+    let out = srv.ctl_ok(&["attach", path_str(&img), "--name", "disk1"]);
     let lines: Vec<&str> = out.stdout.lines().collect();
     assert_eq!(
         lines,
@@ -289,11 +285,11 @@ fn attach_list_status_detach() {
     assert!(["512", "1024", "2048", "4096"].contains(&r[4]), "{table}");
     assert_eq!(r[5], "auto", "{table}");
     assert_eq!(&r[7..10], &["no", "no", "0"], "{table}");
-    assert_eq!(r[10], p(&img), "{table}");
+    assert_eq!(r[10], path_str(&img), "{table}");
 
     // list --json.
     let d = srv.device("disk1").expect("disk1 listed");
-    assert_eq!(d.at("image").str(), p(&img));
+    assert_eq!(d.at("image").str(), path_str(&img));
     assert_eq!(d.at("size").u64(), 8 * MIB);
     assert_eq!(d.at("offset").u64(), 0);
     assert!(d.at("size_limit").is_null());
@@ -369,7 +365,7 @@ fn attach_list_status_detach() {
     // A second device with every option, attached with --json.
     let ro = srv.ctl_json(&[
         "attach",
-        p(&img),
+        path_str(&img),
         "--name",
         "win",
         "--offset",
@@ -441,7 +437,7 @@ fn failed_attach_leaves_no_trace() {
     create_pattern_image(&keep, 2 * MIB, 3);
     let other = dir.path().join("other.img");
     create_sparse_image(&other, 4 * MIB);
-    srv.ctl_ok(&["attach", p(&keep), "--name", "keep"]);
+    srv.ctl_ok(&["attach", path_str(&keep), "--name", "keep"]);
     assert_state_names(&state, &["keep"]);
     let list_before = srv.ctl_ok(&["list", "--json"]).stdout;
     let state_before = std::fs::read_to_string(&state).expect("state file");
@@ -461,58 +457,66 @@ fn failed_attach_leaves_no_trace() {
     let new2 = dir.path().join("new2.img");
     let new3 = dir.path().join("new3.img");
     let cases: Vec<(&str, Vec<&str>, &str)> = vec![
-        ("missing file", vec![p(&missing)], "io"),
-        ("directory", vec![p(&a_dir)], "io"),
+        ("missing file", vec![path_str(&missing)], "io"),
+        ("directory", vec![path_str(&a_dir)], "io"),
         (
             "block size 1000",
-            vec![p(&other), "--block-size", "1000"],
+            vec![path_str(&other), "--block-size", "1000"],
             "invalid",
         ),
         (
             "block size 8192",
-            vec![p(&other), "--block-size", "8192"],
+            vec![path_str(&other), "--block-size", "8192"],
             "invalid",
         ),
         (
             "unaligned offset",
-            vec![p(&other), "--offset", "100"],
+            vec![path_str(&other), "--offset", "100"],
             "invalid",
         ),
         (
             "offset past the end",
-            vec![p(&other), "--offset", "8M"],
+            vec![path_str(&other), "--offset", "8M"],
             "invalid",
         ),
         (
             "size limit 0",
-            vec![p(&other), "--size-limit", "0"],
+            vec![path_str(&other), "--size-limit", "0"],
             "invalid",
         ),
         (
             "name taken",
-            vec![p(&other), "--name", "keep"],
+            vec![path_str(&other), "--name", "keep"],
             "name_taken",
         ),
         (
             "name taken (default name from the file stem)",
-            vec![p(&keep)],
+            vec![path_str(&keep)],
             "name_taken",
         ),
-        ("name with '/'", vec![p(&other), "--name", "a/b"], "invalid"),
-        ("empty name", vec![p(&other), "--name", ""], "invalid"),
+        (
+            "name with '/'",
+            vec![path_str(&other), "--name", "a/b"],
+            "invalid",
+        ),
+        (
+            "empty name",
+            vec![path_str(&other), "--name", ""],
+            "invalid",
+        ),
         (
             "--create then bad block size",
-            vec![p(&new1), "--create", "4M", "--block-size", "1000"],
+            vec![path_str(&new1), "--create", "4M", "--block-size", "1000"],
             "invalid",
         ),
         (
             "--create then offset past the end",
-            vec![p(&new2), "--create", "1M", "--offset", "2M"],
+            vec![path_str(&new2), "--create", "1M", "--offset", "2M"],
             "invalid",
         ),
         (
             "--create with a taken name",
-            vec![p(&new3), "--create", "1M", "--name", "keep"],
+            vec![path_str(&new3), "--create", "1M", "--name", "keep"],
             "name_taken",
         ),
     ];
@@ -558,12 +562,19 @@ fn failed_attach_leaves_no_trace() {
 
     // --create that succeeds: a sparse file of that size.
     let made = dir.path().join("made.img");
-    let d = srv.ctl_json(&["attach", p(&made), "--create", "3M"]);
+    let d = srv.ctl_json(&["attach", path_str(&made), "--create", "3M"]);
     assert_eq!(d.at("name").str(), "made");
     assert_eq!(d.at("size").u64(), 3 * MIB);
     assert_eq!(file_len(&made), 3 * MIB);
     // --create on an existing file neither truncates nor resizes it.
-    let d = srv.ctl_json(&["attach", p(&keep), "--name", "keep2", "--create", "1G"]);
+    let d = srv.ctl_json(&[
+        "attach",
+        path_str(&keep),
+        "--name",
+        "keep2",
+        "--create",
+        "1G",
+    ]);
     assert_eq!(d.at("size").u64(), 2 * MIB);
     assert_eq!(file_len(&keep), 2 * MIB);
     assert_file_pattern(&keep, 0, 2 * MIB, 3, "--create on an existing image");
@@ -584,7 +595,7 @@ fn concurrent_create_same_name_keeps_winner_image() {
         let name = format!("race{round}");
         let req = format!(
             r#"{{"v":1,"op":"attach","image":"{}","name":"{name}","create":1048576}}"#,
-            p(&img)
+            path_str(&img)
         );
         let barrier = Arc::new(Barrier::new(RACERS));
         let handles: Vec<_> = (0..RACERS)
@@ -661,7 +672,7 @@ fn detach_refuses_while_clients_connected() {
     let srv = Server::daemon().start();
     let img = dir.path().join("busy.img");
     create_pattern_image(&img, 4 * MIB, 11);
-    srv.ctl_ok(&["attach", p(&img)]);
+    srv.ctl_ok(&["attach", path_str(&img)]);
 
     let (mut c, _, _) = RawClient::handshake(srv.socket(), "busy");
     srv.wait_clients("busy", 1, Duration::from_secs(5));
@@ -706,7 +717,7 @@ fn python_client(dir: &Path, uri: &str) -> (ChildGuard, std::path::PathBuf) {
     let script = format!(
         "import nbd, time\nh = nbd.NBD()\nh.connect_uri({})\nopen({}, 'w').close()\ntime.sleep(30)\n",
         py_str(uri),
-        py_str(p(&hold))
+        py_str(path_str(&hold))
     );
     // /usr/bin first: the system python has the nbd module.
     let mut py = Command::new(which("python3").unwrap_or_else(|| panic!("python3 not found")));
@@ -757,7 +768,7 @@ fn detach_force_disconnects_active_client() {
     let srv = Server::daemon().start();
     let img = dir.path().join("act.img");
     create_sparse_image(&img, 4 * MIB);
-    srv.ctl_ok(&["attach", p(&img)]);
+    srv.ctl_ok(&["attach", path_str(&img)]);
     qemu_io(&uri(&srv, "act"), &["write -P 0x42 0 64k", "flush"]);
 
     let (c, _, _) = RawClient::handshake(srv.socket(), "act");
@@ -796,7 +807,7 @@ fn detach_force_disconnects_idle_clients() {
     let srv = Server::daemon().start();
     let img = dir.path().join("idle.img");
     create_sparse_image(&img, 4 * MIB);
-    srv.ctl_ok(&["attach", p(&img)]);
+    srv.ctl_ok(&["attach", path_str(&img)]);
 
     let (mut c, _, _) = RawClient::handshake(srv.socket(), "idle");
     assert_eq!(c.write(1, 0, &[0x66; 4096]), 0);
@@ -858,7 +869,14 @@ fn set_reconfigures_live() {
     let srv = Server::daemon().start();
     let img = dir.path().join("cfg.img");
     create_pattern_image(&img, 8 * MIB, 21);
-    srv.ctl_ok(&["attach", p(&img), "--name", "cfg", "--block-size", "512"]);
+    srv.ctl_ok(&[
+        "attach",
+        path_str(&img),
+        "--name",
+        "cfg",
+        "--block-size",
+        "512",
+    ]);
     let u = uri(&srv, "cfg");
 
     // No effective change.
@@ -987,14 +1005,14 @@ fn resize_follows_file_size() {
     let srv = Server::daemon().start();
     let img = dir.path().join("grow.img");
     create_sparse_image(&img, 4 * MIB);
-    srv.ctl_ok(&["attach", p(&img)]);
+    srv.ctl_ok(&["attach", path_str(&img)]);
     let u = uri(&srv, "grow");
     assert_eq!(nbd_size(&u), 4 * MIB);
 
     let r = srv.ctl_json(&["resize", "grow"]);
     assert!(!r.at("changed").bool(), "nothing to re-read yet: {r:?}");
 
-    run("truncate", ["-s", "12M", p(&img)]);
+    run("truncate", ["-s", "12M", path_str(&img)]);
     let r = srv.ctl_json(&["resize", "grow"]);
     assert!(r.at("changed").bool(), "{r:?}");
     assert_eq!(r.at("size").u64(), 12 * MIB);
@@ -1006,7 +1024,7 @@ fn resize_follows_file_size() {
     let out = srv.ctl_ok(&["resize", "grow"]);
     assert_eq!(out.stdout.trim(), "grow: nothing to change");
 
-    run("truncate", ["-s", "6M", p(&img)]);
+    run("truncate", ["-s", "6M", path_str(&img)]);
     let r = srv.ctl_json(&["resize", "grow"]);
     assert!(r.at("changed").bool());
     assert_eq!(nbd_size(&u), 6 * MIB);
@@ -1027,9 +1045,9 @@ fn autoclear_after_last_client() {
     create_sparse_image(&img, 2 * MIB);
     let keep_img = dir.path().join("stay.img");
     create_sparse_image(&keep_img, 2 * MIB);
-    let d = srv.ctl_json(&["attach", p(&img), "--autoclear"]);
+    let d = srv.ctl_json(&["attach", path_str(&img), "--autoclear"]);
     assert!(d.at("autoclear").bool());
-    srv.ctl_ok(&["attach", p(&keep_img)]);
+    srv.ctl_ok(&["attach", path_str(&keep_img)]);
     let table = srv.ctl_ok(&["list"]).stdout;
     let ac_row = table.lines().find(|l| l.starts_with("ac ")).unwrap();
     assert_eq!(ac_row.split_whitespace().nth(8), Some("yes"), "{table}");
@@ -1091,10 +1109,10 @@ fn state_survives_kill9() {
 
     let mut srv = Server::daemon().socket_path(&sock).start();
     assert_eq!(srv.control(), dir.path().join("nbd.ctl"));
-    srv.ctl_ok(&["attach", p(&a)]);
+    srv.ctl_ok(&["attach", path_str(&a)]);
     srv.ctl_ok(&[
         "attach",
-        p(&b),
+        path_str(&b),
         "--name",
         "b-win",
         "--offset",
@@ -1106,8 +1124,8 @@ fn state_survives_kill9() {
         "--cache",
         "buffered",
     ]);
-    srv.ctl_ok(&["attach", p(&c), "--read-only"]);
-    srv.ctl_ok(&["attach", p(&c), "--name", "temp"]);
+    srv.ctl_ok(&["attach", path_str(&c), "--read-only"]);
+    srv.ctl_ok(&["attach", path_str(&c), "--name", "temp"]);
     srv.ctl_ok(&["detach", "temp"]);
     qemu_io(
         &uri(&srv, "alpha"),
@@ -1173,7 +1191,10 @@ fn acknowledged_attach_survives_immediate_kill9() {
         let img = dir.path().join(format!("k{i:02}.img"));
         create_sparse_image(&img, MIB);
         let mut c = ControlConn::connect(srv.control());
-        c.ok(&format!(r#"{{"v":1,"op":"attach","image":"{}"}}"#, p(&img)));
+        c.ok(&format!(
+            r#"{{"v":1,"op":"attach","image":"{}"}}"#,
+            path_str(&img)
+        ));
         srv.kill9();
         want.push(format!("k{i:02}"));
     }
@@ -1206,7 +1227,7 @@ fn config_with_200_devices() {
     for i in 0..N {
         let img = imgs.join(format!("d{i:03}.img"));
         create_sparse_image(&img, MIB);
-        toml.push_str(&format!("[[device]]\nimage = \"{}\"\n", p(&img)));
+        toml.push_str(&format!("[[device]]\nimage = \"{}\"\n", path_str(&img)));
         match i % 4 {
             // Default name: the file stem.
             0 => {}
@@ -1253,7 +1274,7 @@ fn config_with_200_devices() {
     assert!(by_name("vol-3").at("autoclear").bool());
     assert_eq!(
         by_name("vol-199").at("image").str(),
-        p(&imgs.join("d199.img"))
+        path_str(&imgs.join("d199.img"))
     );
 
     // They serve: the window of vol-1 starts at byte 4096 of d001.img.
@@ -1287,7 +1308,7 @@ fn no_default_device_without_image() {
         &cfg,
         format!(
             "[[device]]\nimage = \"{0}\"\nname = \"zz\"\n[[device]]\nimage = \"{0}\"\nname = \"bb\"\n",
-            p(&img)
+            path_str(&img)
         ),
     )
     .unwrap();
@@ -1314,25 +1335,31 @@ fn config_errors_fail_startup() {
     let cases = [
         (
             "unknown field",
-            format!("[[device]]\nimage = \"{}\"\ncolour = \"red\"\n", p(&img)),
+            format!(
+                "[[device]]\nimage = \"{}\"\ncolour = \"red\"\n",
+                path_str(&img)
+            ),
         ),
         ("not TOML", "[[device]\nimage = ".to_string()),
         (
             "duplicate name",
             format!(
                 "[[device]]\nimage = \"{0}\"\nname = \"x\"\n[[device]]\nimage = \"{0}\"\nname = \"x\"\n",
-                p(&img)
+                path_str(&img)
             ),
         ),
         (
             "bad block size",
-            format!("[[device]]\nimage = \"{}\"\nblock_size = 1000\n", p(&img)),
+            format!(
+                "[[device]]\nimage = \"{}\"\nblock_size = 1000\n",
+                path_str(&img)
+            ),
         ),
         (
             "missing image",
             format!(
                 "[[device]]\nimage = \"{}\"\n",
-                p(&dir.path().join("nope.img"))
+                path_str(&dir.path().join("nope.img"))
             ),
         ),
     ];
@@ -1349,7 +1376,7 @@ fn config_errors_fail_startup() {
         let out = run_cmd_timeout(c, Duration::from_secs(20));
         assert!(!out.success(), "{what}: serve must fail:\n{out}");
         assert!(
-            out.stderr.contains(p(&cfg)),
+            out.stderr.contains(path_str(&cfg)),
             "{what}: the error names the config file:\n{out}"
         );
         assert!(
@@ -1407,7 +1434,7 @@ fn raw_control_protocol() {
     create_sparse_image(&img, 2 * MIB);
     let attach = format!(
         r#"{{"v":1,"op":"attach","image":"{}","name":"raw","block_size":4096,"read_only":true}}"#,
-        p(&img)
+        path_str(&img)
     );
     let r = c.ok(&attach);
     assert_eq!(r.at("name").str(), "raw");
@@ -1418,7 +1445,7 @@ fn raw_control_protocol() {
     c.err(
         &format!(
             r#"{{"v":1,"op":"attach","image":"{}","name":"bs","block_size":1000}}"#,
-            p(&img)
+            path_str(&img)
         ),
         "invalid",
     );
@@ -1462,8 +1489,8 @@ fn set_on_one_device_does_not_stall_another() {
     let other = dir.path().join("other.img");
     create_sparse_image(&loaded, 64 * MIB);
     create_sparse_image(&other, 16 * MIB);
-    srv.ctl_ok(&["attach", p(&loaded)]);
-    srv.ctl_ok(&["attach", p(&other)]);
+    srv.ctl_ok(&["attach", path_str(&loaded)]);
+    srv.ctl_ok(&["attach", path_str(&other)]);
     // A client on the reconfigured device too, so its freezes are real.
     let (mut oc, _, _) = RawClient::handshake(srv.socket(), "other");
 

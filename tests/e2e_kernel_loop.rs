@@ -12,10 +12,6 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-fn p(path: &Path) -> &str {
-    path.to_str().expect("utf-8 path")
-}
-
 /// Skips nothing: these tests need root; fail clearly if it is missing.
 fn require_root() {
     // SAFETY: geteuid has no preconditions and cannot fail.
@@ -128,7 +124,7 @@ fn attach_default_direct_io_and_data_path() {
     let (dev, out) = KernelLoop::attach(&img, &[]);
     assert_eq!(
         out.stdout.lines().collect::<Vec<_>>(),
-        vec![p(&dev.dev)],
+        vec![path_str(&dev.dev)],
         "attach prints the device only"
     );
     assert!(
@@ -182,8 +178,8 @@ fn attach_default_direct_io_and_data_path() {
     let out = run(
         "dd",
         [
-            format!("if={}", p(&src)),
-            format!("of={}", p(&dev.dev)),
+            format!("if={}", path_str(&src)),
+            format!("of={}", path_str(&dev.dev)),
             "bs=4096".into(),
             "seek=1024".into(), // 4 MiB
             "count=2".into(),
@@ -197,7 +193,7 @@ fn attach_default_direct_io_and_data_path() {
     assert_eq!(file_len(&img), 8 * MIB, "the image did not grow");
 
     // Detach.
-    loopd_run(["kernel", "detach", p(&dev.dev)]).assert_success();
+    loopd_run(["kernel", "detach", path_str(&dev.dev)]).assert_success();
     assert!(dev.wait_detached(), "{} still attached", dev.dev.display());
     assert!(listed(&img).is_empty(), "still listed after detach");
 }
@@ -214,7 +210,7 @@ fn attach_block_size_4096() {
 
     let (dev, out) = KernelLoop::attach(&img, &["--block-size", "4096", "--json"]);
     let j = Json::parse(&out.stdout);
-    assert_eq!(j.at("device").str(), p(&dev.dev));
+    assert_eq!(j.at("device").str(), path_str(&dev.dev));
     assert_eq!(j.at("block_size").u64(), 4096, "{}", out.stdout);
     assert!(j.at("direct_io").bool(), "{}", out.stdout);
     assert!(j.at("attempts").u64() >= 1);
@@ -287,7 +283,7 @@ fn attach_offset_and_size_limit() {
 
     let l = listed(&img);
     assert_eq!(l.len(), 1);
-    assert_eq!(l[0].at("device").str(), p(&dev.dev));
+    assert_eq!(l[0].at("device").str(), path_str(&dev.dev));
     assert_eq!(l[0].at("offset").u64(), MIB);
     assert_eq!(l[0].at("size_limit").u64(), 2 * MIB);
 }
@@ -325,8 +321,8 @@ fn attach_read_only_refuses_writes() {
     let out = run_status(
         "dd",
         [
-            format!("if={}", p(&src)),
-            format!("of={}", p(&dev.dev)),
+            format!("if={}", path_str(&src)),
+            format!("of={}", path_str(&dev.dev)),
             "bs=4096".into(),
             "count=1".into(),
             "oflag=direct".into(),
@@ -389,7 +385,7 @@ fn list_direct_io_modes_and_detach() {
     for (d, img, dio) in [(&d_on, &on, "1"), (&d_off, &off, "0")] {
         let row: Vec<&str> = table
             .lines()
-            .find(|l| l.split_whitespace().next() == Some(p(&d.dev)))
+            .find(|l| l.split_whitespace().next() == Some(path_str(&d.dev)))
             .unwrap_or_else(|| panic!("{} not in kernel list:\n{table}", d.dev.display()))
             .split_whitespace()
             .collect();
@@ -399,7 +395,7 @@ fn list_direct_io_modes_and_detach() {
     }
     let l_on = listed(&on);
     assert_eq!(l_on.len(), 1);
-    assert_eq!(l_on[0].at("device").str(), p(&d_on.dev));
+    assert_eq!(l_on[0].at("device").str(), path_str(&d_on.dev));
     assert!(l_on[0].at("direct_io").bool());
     assert!(!l_on[0].at("read_only").bool());
     assert!(!l_on[0].at("autoclear").bool());
@@ -408,13 +404,13 @@ fn list_direct_io_modes_and_detach() {
     assert!(!l_off[0].at("direct_io").bool());
 
     // Detach one: the other stays.
-    let out = loopd_run(["kernel", "detach", p(&d_on.dev)]).assert_success();
+    let out = loopd_run(["kernel", "detach", path_str(&d_on.dev)]).assert_success();
     assert!(out.stdout.is_empty(), "{out}");
     assert!(d_on.wait_detached());
     assert!(listed(&on).is_empty(), "detached device still listed");
     assert_eq!(listed(&off).len(), 1, "the other device was touched");
     assert_eq!(d_off.sysfs("loop/dio").as_deref(), Some("0"));
-    loopd_run(["kernel", "detach", p(&d_off.dev)]).assert_success();
+    loopd_run(["kernel", "detach", path_str(&d_off.dev)]).assert_success();
     assert!(d_off.wait_detached());
     assert!(listed(&off).is_empty());
 }
@@ -443,7 +439,7 @@ fn attach_autoclear_without_a_holder_is_reported() {
     let dir = image_dir();
     let img = dir.path().join("kac.img");
     create_sparse_image(&img, 2 * MIB);
-    let out = loopd_run(["kernel", "attach", p(&img), "--autoclear"]);
+    let out = loopd_run(["kernel", "attach", path_str(&img), "--autoclear"]);
     assert!(!out.success(), "{out}");
     assert!(out.stderr.contains("autoclear"), "{out}");
     assert!(out.stdout.is_empty(), "no device printed:\n{out}");
@@ -460,13 +456,13 @@ fn attach_and_detach_errors() {
     create_sparse_image(&img, MIB);
     let missing = dir.path().join("missing.img");
 
-    let out = loopd_run(["kernel", "attach", p(&img), "--block-size", "1000"]);
+    let out = loopd_run(["kernel", "attach", path_str(&img), "--block-size", "1000"]);
     assert!(!out.success(), "{out}");
     assert!(out.stderr.contains("block size 1000"), "{out}");
     assert!(out.stdout.is_empty(), "no device printed:\n{out}");
     assert!(listed(&img).is_empty(), "a device was left behind");
 
-    let out = loopd_run(["kernel", "attach", p(&missing)]);
+    let out = loopd_run(["kernel", "attach", path_str(&missing)]);
     assert!(!out.success(), "{out}");
     assert!(out.stderr.contains("missing.img"), "{out}");
     assert!(!missing.exists());
@@ -474,7 +470,7 @@ fn attach_and_detach_errors() {
     let out = loopd_run(["kernel", "detach", "/dev/null"]);
     assert!(!out.success(), "{out}");
     assert!(out.stderr.contains("not a loop device"), "{out}");
-    let out = loopd_run(["kernel", "detach", p(&img)]);
+    let out = loopd_run(["kernel", "detach", path_str(&img)]);
     assert!(!out.success(), "{out}");
     assert!(out.stderr.contains("not a loop device"), "{out}");
     assert!(listed(&img).is_empty());

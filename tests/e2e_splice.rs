@@ -8,19 +8,7 @@
 mod common;
 
 use common::*;
-use std::path::Path;
 use std::time::{Duration, Instant};
-
-fn p(path: &Path) -> &str {
-    path.to_str().expect("utf-8 path")
-}
-
-fn spliced(srv: &Server, name: &str) -> u64 {
-    srv.ctl_json(&["status", name])
-        .at("paths")
-        .at("spliced")
-        .u64()
-}
 
 /// `loopd serve` of an 8 MiB pattern image as buffered device `b`.
 fn setup(extra: &[&str]) -> (tempfile::TempDir, Server, std::path::PathBuf) {
@@ -66,7 +54,7 @@ fn pipelined_reads(extra: &[&str]) -> u64 {
             assert_bytes_eq(&data, &want[o..o + len as usize], off, "pipelined read");
         }
     }
-    spliced(&srv, "b")
+    srv.path_count("b", "spliced")
 }
 
 #[test]
@@ -85,7 +73,7 @@ fn no_splice_switch_copies_every_read() {
 #[test]
 fn spliced_reads_with_structured_replies() {
     let (_dir, srv, img) = setup(&[]);
-    let uri = format!("nbd+unix:///b?socket={}", p(srv.socket()));
+    let uri = format!("nbd+unix:///b?socket={}", path_str(srv.socket()));
     let out = nbdsh(&format!(
         r#"
 h = connect({uri})
@@ -106,10 +94,10 @@ for i, b in enumerate(bufs):
 print("ok")
 "#,
         uri = py_str(&uri),
-        img = py_str(p(&img)),
+        img = py_str(path_str(&img)),
     ));
     assert!(out.stdout.contains("ok"), "{out}");
-    assert!(spliced(&srv, "b") >= 12, "reads were spliced");
+    assert!(srv.path_count("b", "spliced") >= 12, "reads were spliced");
 }
 
 #[test]
@@ -125,13 +113,9 @@ fn spliced_reads_see_acknowledged_writes_and_zeros_past_the_end() {
     want[8192..8192 + 4096].copy_from_slice(&b);
     assert_bytes_eq(&c.read(4, MIB, 1 << 20), &want, MIB, "after the overwrite");
 
-    let spliced_before = spliced(&srv, "b");
+    let spliced_before = srv.path_count("b", "spliced");
     assert!(spliced_before >= 2, "the 1 MiB reads were spliced");
-    let copied_before = srv
-        .ctl_json(&["status", "b"])
-        .at("paths")
-        .at("buffered")
-        .u64();
+    let copied_before = srv.path_count("b", "buffered");
 
     // Shrink the file under the server: what lies past its end reads as zeros.
     let keep = 4 * MIB + 100 * 1024;
@@ -151,15 +135,11 @@ fn spliced_reads_see_acknowledged_writes_and_zeros_past_the_end() {
     assert!(got.iter().all(|&x| x == 0), "wholly past the end: zeros");
     // Both met the end of the file while splicing and were copied instead.
     assert_eq!(
-        spliced(&srv, "b"),
+        srv.path_count("b", "spliced"),
         spliced_before,
         "no reply spliced past the end"
     );
-    let copied = srv
-        .ctl_json(&["status", "b"])
-        .at("paths")
-        .at("buffered")
-        .u64();
+    let copied = srv.path_count("b", "buffered");
     assert_eq!(
         copied,
         copied_before + 2,

@@ -1384,6 +1384,11 @@ impl RawClient {
 }
 
 /// Temporary directory for a test's images.
+/// A path as the `&str` a command line or script wants (test paths are UTF-8).
+pub fn path_str(path: &Path) -> &str {
+    path.to_str().expect("utf-8 path")
+}
+
 pub fn tempdir() -> tempfile::TempDir {
     tempfile::Builder::new()
         .prefix("loopd-e2e")
@@ -1475,6 +1480,13 @@ impl Server {
         a.push("--json");
         let out = self.ctl_ok(&a);
         Json::parse(&out.stdout)
+    }
+
+    /// One of device `name`'s path counters from `loopd status` (`spliced`,
+    /// `buffered`, `inline_cached`, ...).
+    #[track_caller]
+    pub fn path_count(&self, name: &str, path: &str) -> u64 {
+        self.ctl_json(&["status", name]).at("paths").at(path).u64()
     }
 
     /// `loopd list --json`: the devices.
