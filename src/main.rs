@@ -72,6 +72,16 @@ struct ServeArgs {
     /// Reactor threads, each with its own io_uring [default: one per core].
     #[arg(long, value_name = "N", default_value = "0")]
     reactors: usize,
+    /// Keep each connection on the reactor it started on. By default, while the
+    /// machine's CPUs are busy, a connection moves to the reactor running on the
+    /// CPU its client keeps running on (found by SO_INCOMING_CPU for TCP, and for
+    /// Unix sockets from the connecting process if it is single-threaded): that
+    /// saves a cross-CPU hand-over of every request and reply.
+    #[arg(long)]
+    no_follow: bool,
+    /// Test switch: connections follow their clients even on an idle machine.
+    #[arg(long, hide = true)]
+    follow_idle: bool,
     /// Longest a reactor busy-polls for the next request before sleeping, in
     /// microseconds. The window adapts: it opens only while requests keep arriving
     /// soon after the reactor goes idle (a client at low queue depth) and closes
@@ -278,6 +288,8 @@ fn serve(a: ServeArgs) -> Result<()> {
         socket: a.socket.clone(),
         listen: a.listen.clone(),
         reactors: a.reactors,
+        no_follow: a.no_follow,
+        follow_idle: a.follow_idle,
         poll: std::time::Duration::from_micros(a.poll_us),
         control: None,
     };

@@ -9,6 +9,7 @@
 
 use crate::control::server::{self as control, ControlError};
 use crate::daemon::{Daemon, Endpoints};
+use crate::engine::affinity::Peer;
 use crate::engine::reactor::{self, NewConn, ReactorError, ReactorHandle};
 use crate::nbd::handshake;
 use rustix::event::{PollFd, PollFlags, poll};
@@ -53,6 +54,11 @@ pub struct ServeOptions {
     pub listen: Vec<String>,
     /// Reactor threads (0 = one per core).
     pub reactors: usize,
+    /// Keep each connection on the reactor it started on (never move it to the
+    /// reactor running where its client runs).
+    pub no_follow: bool,
+    /// Move connections after their clients even on an idle machine (tests).
+    pub follow_idle: bool,
     /// Longest adaptive busy-poll before a reactor sleeps (zero: never poll).
     pub poll: std::time::Duration,
     /// Control socket; `None` = no control socket.
@@ -156,6 +162,12 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
     let reactors: Vec<Arc<ReactorHandle>> = (0..n)
         .map(|i| reactor::spawn(i, opts.poll))
         .collect::<Result<_, _>>()?;
+    // Connections follow their clients between reactors (engine::affinity).
+    if n > 1 && !opts.no_follow {
+        for r in &reactors {
+            r.set_peers(reactors.clone(), opts.follow_idle);
+        }
+    }
     daemon.set_reactors(reactors.clone());
     let reactors = Arc::new(reactors);
     daemon.run_janitor();
@@ -329,11 +341,13 @@ fn start_handshake(sock: OwnedFd, daemon: Arc<Daemon>, reactors: Arc<Vec<Arc<Rea
                         return;
                     };
                     widen_send_buffer(&stream.0);
+                    let peer = Peer::of(&stream.0);
                     r.add(NewConn {
                         sock: stream.0,
                         export,
                         structured: neg.structured,
                         meta_context: neg.meta_context,
+                        peer,
                     });
                 }
                 Ok(None) => {}

@@ -70,6 +70,8 @@ pub struct DeviceStatus {
     pub bytes_written: u64,
     /// How reads and writes reached the file.
     pub paths: BTreeMap<String, u64>,
+    /// Connections moved to the reactor on the CPU their client runs on.
+    pub moves: u64,
     pub errors: BTreeMap<String, u64>,
     pub latency: Latency,
 }
@@ -118,6 +120,7 @@ impl DeviceStatus {
             bytes_read: g(&s.bytes_read),
             bytes_written: g(&s.bytes_written),
             paths: paths.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            moves: g(&s.moves),
             errors,
             latency: Latency {
                 p50_us: p50,

@@ -41,6 +41,8 @@ pub struct Stats {
     pub inline_cached: AtomicU64,
     pub inline_written: AtomicU64,
     pub spliced: AtomicU64,
+    /// Connections moved to the reactor on their client's CPU.
+    pub moves: AtomicU64,
     /// Errors sent to clients, indexed like [`errno_index`].
     pub errors: [AtomicU64; 8],
     /// Bit per errno index: whether a backing-file error of that kind was logged.
@@ -133,7 +135,7 @@ impl Stats {
         }
         format!(
             "reads={} writes={} flushes={} trims={} write_zeroes={} bytes_read={} bytes_written={} \
-             direct={} bounced={} buffered={} inline_cached={} inline_written={} spliced={} errors:{}",
+             direct={} bounced={} buffered={} inline_cached={} inline_written={} spliced={} moves={} errors:{}",
             g(&self.reads),
             g(&self.writes),
             g(&self.flushes),
@@ -147,6 +149,7 @@ impl Stats {
             g(&self.inline_cached),
             g(&self.inline_written),
             g(&self.spliced),
+            g(&self.moves),
             if errs.is_empty() {
                 " none".to_string()
             } else {

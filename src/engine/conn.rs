@@ -8,6 +8,7 @@
 //! connection, which keeps the byte streams in order; file operations of different
 //! slots run concurrently and complete in any order.
 
+use super::affinity::{Follow, Peer};
 use super::buffer::AlignedBuf;
 use super::ops;
 use super::reactor::{Io, TAG_CANCEL, TAG_FILE, TAG_RECV, TAG_SEND, ud};
@@ -177,15 +178,30 @@ pub struct Conn {
     pub file_ops: u32,
     /// A cancel for the receive has been submitted.
     pub cancel_sent: bool,
+    /// Where the client runs, and whether to follow it to another reactor.
+    pub peer: Peer,
+    pub follow: Follow,
+    /// A request was read since the reactor last looked where the client runs.
+    pub active: bool,
+    /// Moving to this reactor (an index into the reactor's peers): no more
+    /// requests are read; the move happens once nothing is in flight.
+    pub moving: Option<usize>,
 }
 
 // SAFETY: the raw pointers in `iov`/`msg` point into this connection's own slots
-// and task buffers; the connection moves between threads only before it is
-// handed to its reactor, when no send is in flight.
+// and task buffers and are only dereferenced (by the kernel) while a send is in
+// flight; the connection moves between threads only before it is handed to its
+// first reactor and when it moves to another (`ready_to_move`: nothing in flight).
 unsafe impl Send for Conn {}
 
 impl Conn {
-    pub fn new(sock: OwnedFd, export: Arc<Export>, structured: bool, meta_context: bool) -> Conn {
+    pub fn new(
+        sock: OwnedFd,
+        export: Arc<Export>,
+        structured: bool,
+        meta_context: bool,
+        peer: Peer,
+    ) -> Conn {
         let (dev, epoch) = export.current();
         let view = ExportView {
             size: dev.size,
@@ -224,6 +240,10 @@ impl Conn {
             msg: Box::new(msg),
             file_ops: 0,
             cancel_sent: false,
+            peer,
+            follow: Follow::default(),
+            active: false,
+            moving: None,
         }
     }
 
@@ -245,6 +265,20 @@ impl Conn {
     /// Whether every slot is back in the free list.
     pub fn idle(&self) -> bool {
         self.free_slots.len() == usize::from(SLOTS)
+    }
+
+    /// Whether a moving connection has nothing in flight (no request, receive,
+    /// send or file operation) and may go to its new reactor.
+    pub fn ready_to_move(&self) -> bool {
+        self.moving.is_some()
+            && !self.read_closed
+            && !self.dead
+            && self.recv == RecvState::Header
+            && !self.recv_inflight
+            && !self.send_inflight
+            && self.sendq.is_empty()
+            && self.file_ops == 0
+            && self.idle()
     }
 
     /// Whether the connection has nothing in flight and can be dropped.
@@ -285,6 +319,11 @@ impl Conn {
     /// Stop reading requests; cancel the receive in flight.
     pub(super) fn close_reading(&mut self, io: &mut Io, ci: u32) {
         self.read_closed = true;
+        self.cancel_recv(io, ci);
+    }
+
+    /// Cancel the receive in flight, if any (once).
+    fn cancel_recv(&mut self, io: &mut Io, ci: u32) {
         if self.recv_inflight && !self.cancel_sent {
             self.cancel_sent = true;
             let e = opcode::AsyncCancel::new(ud(TAG_RECV, ci, 0))
@@ -324,6 +363,11 @@ impl Conn {
                     return;
                 }
                 RecvState::Payload { .. } => return,
+                RecvState::Header if self.moving.is_some() => {
+                    // Read no further here: what arrives is the new reactor's.
+                    self.cancel_recv(io, ci);
+                    return;
+                }
                 RecvState::Header => {}
             }
             if self.avail() < REQUEST_LEN {
@@ -358,6 +402,7 @@ impl Conn {
                 }
             };
             self.rstart += REQUEST_LEN;
+            self.active = true;
             let Some(si) = self.free_slots.pop() else {
                 self.export.leave();
                 return;
@@ -416,6 +461,13 @@ impl Conn {
 
     pub(super) fn on_recv(&mut self, io: &mut Io, ci: u32, res: i32) {
         self.recv_inflight = false;
+        if self.moving.is_some() && !self.read_closed {
+            // Our cancel, or a receive that beat it: either way none is pending.
+            self.cancel_sent = false;
+            if res == -libc::ECANCELED {
+                return;
+            }
+        }
         if res <= 0 {
             if res < 0 && res != -libc::ECANCELED && res != -libc::ECONNRESET {
                 tracing::debug!(

@@ -1,9 +1,14 @@
 //! The reactor: one thread, one io_uring, many connections.
 //!
 //! Contract:
-//! - A connection is handed over once ([`ReactorHandle::add`]) and stays on this
-//!   reactor until it closes; its socket I/O and its requests' file I/O all go
-//!   through this reactor's ring. No other thread touches it.
+//! - A connection is handed over ([`ReactorHandle::add`]) and stays on this
+//!   reactor until it closes, or until it moves to the reactor running on the CPU
+//!   its client runs on (see [`super::affinity`]): it stops reading requests,
+//!   cancels its posted receive, and once nothing of it is in flight (no request,
+//!   receive, send or file operation) the whole `Conn`, unparsed bytes included,
+//!   goes to the other reactor's channel. While it lives here its socket I/O and
+//!   its requests' file I/O all go through this reactor's ring, and no other
+//!   thread touches it.
 //! - `user_data` = `tag << 56 | conn << 16 | slot`: the tag says what completed
 //!   (wake-up, receive, send, file op, cancel), `conn` indexes `conns`, `slot` the
 //!   connection's slot table. A connection's index is reused only after every
@@ -24,6 +29,7 @@
 //! - Before sleeping it may busy-poll (see [`super::poll`]) for up to `--poll-us`,
 //!   never while file I/O is in flight and never after a large batch.
 
+use super::affinity::{self, CpuLoad, Peer};
 use super::buffer::Pool;
 use super::conn::Conn;
 use super::poll::AdaptivePoll;
@@ -32,7 +38,7 @@ use crate::device::export::Export;
 use crate::device::range_lock::Wake;
 use io_uring::{IoUring, opcode, squeue, types};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -90,10 +96,17 @@ pub struct NewConn {
     pub export: Arc<Export>,
     pub structured: bool,
     pub meta_context: bool,
+    /// How to find where the client runs.
+    pub peer: Peer,
 }
 
 enum Msg {
     Conn(NewConn),
+    /// A connection moving here from another reactor, nothing of it in flight.
+    Moved(Box<Conn>),
+    /// Every reactor of the server (for moving connections), sent once at start,
+    /// and whether to follow clients on an idle machine too.
+    Peers(Vec<Arc<ReactorHandle>>, bool),
     Shutdown,
 }
 
@@ -117,6 +130,10 @@ pub struct ReactorHandle {
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Connections living on this reactor (for picking the least loaded).
     pub load: std::sync::atomic::AtomicUsize,
+    /// The CPU the reactor thread last ran on (`usize::MAX`: not yet known).
+    cpu: AtomicUsize,
+    /// Takes connections moving in: false once the reactor is stopping.
+    open: AtomicBool,
 }
 
 impl ReactorHandle {
@@ -127,6 +144,41 @@ impl ReactorHandle {
             let _ = tx.send(Msg::Conn(c));
         }
         self.waker.wake();
+    }
+
+    /// Tell the reactor about every reactor of the server, itself included: its
+    /// connections may move to the others (`always`: even on an idle machine).
+    pub fn set_peers(&self, all: Vec<Arc<ReactorHandle>>, always: bool) {
+        if let Ok(tx) = self.tx.lock() {
+            let _ = tx.send(Msg::Peers(all, always));
+        }
+        self.waker.wake();
+    }
+
+    /// Hand over a connection moving from another reactor; it comes back if this
+    /// reactor is stopping (or gone).
+    fn take_moved(&self, c: Box<Conn>) -> Result<(), Box<Conn>> {
+        if !self.open.load(Ordering::SeqCst) {
+            return Err(c);
+        }
+        let Ok(tx) = self.tx.lock() else {
+            return Err(c);
+        };
+        self.load.fetch_add(1, Ordering::Relaxed);
+        match tx.send(Msg::Moved(c)) {
+            Ok(()) => {
+                drop(tx);
+                self.waker.wake();
+                Ok(())
+            }
+            Err(e) => {
+                self.load.fetch_sub(1, Ordering::Relaxed);
+                match e.0 {
+                    Msg::Moved(c) => Err(c),
+                    _ => Ok(()),
+                }
+            }
+        }
     }
 
     /// Wake the reactor (it re-checks parked requests and, if the control
@@ -162,6 +214,8 @@ pub fn spawn(id: usize, poll_max: Duration) -> Result<Arc<ReactorHandle>, Reacto
         waker: Arc::clone(&waker),
         thread: Mutex::new(None),
         load: Default::default(),
+        cpu: AtomicUsize::new(usize::MAX),
+        open: AtomicBool::new(true),
     });
     let h2 = Arc::clone(&handle);
     // The ring is created on the reactor thread: it is that thread's alone
@@ -294,6 +348,13 @@ struct Reactor {
     timer: Box<types::Timespec>,
     timer_armed: bool,
     poll: AdaptivePoll,
+    /// Every reactor of the server (empty until told, or when connections stay).
+    peers: Vec<Arc<ReactorHandle>>,
+    /// When to look next where clients run.
+    next_look: Instant,
+    busy: CpuLoad,
+    /// Follow clients whether or not the machine is busy (tests).
+    follow_idle: bool,
 }
 
 impl Reactor {
@@ -329,6 +390,10 @@ impl Reactor {
             timer: Box::new(types::Timespec::new().sec(1)),
             timer_armed: false,
             poll: AdaptivePoll::new(poll_max),
+            peers: Vec::new(),
+            next_look: Instant::now(),
+            busy: CpuLoad::default(),
+            follow_idle: false,
         }
     }
 
@@ -384,8 +449,18 @@ impl Reactor {
                 self.retry_waiters();
             }
             self.service_dirty();
+            if self.stopping.is_none() && !self.peers.is_empty() {
+                self.handle
+                    .cpu
+                    .store(rustix::thread::sched_getcpu(), Ordering::Relaxed);
+                let now = Instant::now();
+                if now >= self.next_look {
+                    self.next_look = now + affinity::LOOK_EVERY;
+                    self.look(now);
+                }
+            }
             if let Some(since) = self.stopping {
-                if self.conns.iter().all(Option::is_none) {
+                if self.conns.iter().all(Option::is_none) && !self.adopt_stragglers() {
                     return Ok(());
                 }
                 if since.elapsed() > DRAIN_TIMEOUT {
@@ -448,10 +523,7 @@ impl Reactor {
                 self.dirty.extend((0..self.conns.len()).map(conn_id));
             }
             while let Ok(m) = self.rx.try_recv() {
-                match m {
-                    Msg::Conn(c) => self.adopt(c),
-                    Msg::Shutdown => self.begin_stop(),
-                }
+                self.on_msg(m);
             }
             return;
         }
@@ -474,14 +546,100 @@ impl Reactor {
         self.dirty.push(ci);
     }
 
-    fn adopt(&mut self, nc: NewConn) {
-        nc.export.client_connected();
-        let mut c = Box::new(Conn::new(
-            nc.sock,
-            nc.export,
-            nc.structured,
-            nc.meta_context,
-        ));
+    fn on_msg(&mut self, m: Msg) {
+        match m {
+            Msg::Conn(nc) => {
+                nc.export.client_connected();
+                let c = Box::new(Conn::new(
+                    nc.sock,
+                    nc.export,
+                    nc.structured,
+                    nc.meta_context,
+                    nc.peer,
+                ));
+                self.adopt(c);
+            }
+            Msg::Moved(mut c) => {
+                c.moving = None;
+                self.adopt(c);
+            }
+            Msg::Peers(all, always) => {
+                self.peers = all;
+                self.follow_idle = always;
+            }
+            Msg::Shutdown => self.begin_stop(),
+        }
+    }
+
+    /// Stopping with no connection left: take any that moved here meanwhile
+    /// (they drain like the rest). Whether there were any.
+    fn adopt_stragglers(&mut self) -> bool {
+        let mut any = false;
+        while let Ok(m) = self.rx.try_recv() {
+            any |= matches!(m, Msg::Conn(_) | Msg::Moved(_));
+            self.on_msg(m);
+        }
+        any
+    }
+
+    /// Look where each connection's client runs; while the machine is busy, start
+    /// moving those whose client keeps running on another reactor's CPU.
+    fn look(&mut self, now: Instant) {
+        let here = self.handle.cpu.load(Ordering::Relaxed);
+        let busy = self.busy.sample().is_some_and(|b| b >= affinity::BUSY) || self.follow_idle;
+        for (ci, c) in self.conns.iter_mut().enumerate() {
+            let Some(c) = c.as_deref_mut() else {
+                continue;
+            };
+            if c.moving.is_some() || c.read_closed || c.dead {
+                continue;
+            }
+            // Only clients that sent requests are worth a look (and the probe).
+            let client = if busy && std::mem::take(&mut c.active) {
+                c.peer.cpu(&c.sock)
+            } else {
+                None
+            };
+            let Some(to) = c.follow.observe(client, here, now) else {
+                continue;
+            };
+            if let Some(i) = self
+                .peers
+                .iter()
+                .position(|p| p.cpu.load(Ordering::Relaxed) == to)
+            {
+                c.moving = Some(i);
+                self.dirty.push(conn_id(ci));
+            }
+        }
+    }
+
+    /// Hand a moving connection with nothing in flight to its new reactor.
+    fn move_out(&mut self, ci: u32) {
+        let slot = &mut self.conns[ci as usize];
+        let Some(to) = slot.as_ref().and_then(|c| c.moving) else {
+            return;
+        };
+        let Some(c) = slot.take() else {
+            return;
+        };
+        let dev = Arc::clone(&c.dev);
+        match self.peers.get(to).map(|p| p.take_moved(c)) {
+            Some(Ok(())) => {
+                dev.stats.moves.fetch_add(1, Ordering::Relaxed);
+                self.free_conns.push(ci);
+                self.handle.load.fetch_sub(1, Ordering::Relaxed);
+            }
+            Some(Err(mut c)) => {
+                c.moving = None;
+                self.conns[ci as usize] = Some(c);
+                self.dirty.push(ci);
+            }
+            None => {}
+        }
+    }
+
+    fn adopt(&mut self, mut c: Box<Conn>) {
         if self.stopping.is_some() {
             c.read_closed = true;
         }
@@ -503,9 +661,11 @@ impl Reactor {
             return;
         }
         self.stopping = Some(Instant::now());
+        self.handle.open.store(false, Ordering::SeqCst);
         for (ci, c) in self.conns.iter_mut().enumerate() {
             if let Some(c) = c.as_deref_mut() {
                 let ci = conn_id(ci);
+                c.moving = None;
                 c.close_reading(&mut self.io, ci);
                 self.dirty.push(ci);
             }
@@ -561,6 +721,8 @@ impl Reactor {
                 self.conns[ci as usize] = None;
                 self.free_conns.push(ci);
                 self.handle.load.fetch_sub(1, Ordering::Relaxed);
+            } else if c.ready_to_move() {
+                self.move_out(ci);
             }
         }
     }
