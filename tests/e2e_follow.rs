@@ -83,9 +83,16 @@ fn moves(srv: &Server) -> u64 {
     srv.ctl_json(&["status", srv.name()]).at("moves").u64()
 }
 
-fn serve(img: &std::path::Path, extra: &[&str]) -> Server {
+/// A buffered server on a fresh 64 MiB image with two reactors pinned to CPUs 0
+/// and 1, after checking fio and a second CPU are there. Keep the directory alive.
+fn serve(extra: &[&str]) -> (tempfile::TempDir, Server) {
+    require_tool("fio");
+    require_two_cpus();
+    let dir = tempdir();
+    let img = dir.path().join("follow.img");
+    create_sparse_image(&img, 64 * MIB);
     let mut b =
-        Server::builder(img)
+        Server::builder(&img)
             .with_control()
             .tcp()
             .args(["--cache", "buffered", "--reactors", "2"]);
@@ -94,17 +101,12 @@ fn serve(img: &std::path::Path, extra: &[&str]) -> Server {
     }
     let srv = b.start();
     pin_reactors(srv.pid());
-    srv
+    (dir, srv)
 }
 
 #[test]
 fn connections_follow_clients_over_unix_and_tcp() {
-    require_tool("fio");
-    require_two_cpus();
-    let dir = tempdir();
-    let img = dir.path().join("follow.img");
-    create_sparse_image(&img, 64 * MIB);
-    let mut srv = serve(&img, &["--follow-idle"]);
+    let (_dir, mut srv) = serve(&["--follow-idle"]);
 
     fio_on_cpu1("unix", &srv.uri());
     let after_unix = moves(&srv);
@@ -126,12 +128,7 @@ fn connections_follow_clients_over_unix_and_tcp() {
 
 #[test]
 fn no_follow_keeps_connections_in_place() {
-    require_tool("fio");
-    require_two_cpus();
-    let dir = tempdir();
-    let img = dir.path().join("stay.img");
-    create_sparse_image(&img, 64 * MIB);
-    let mut srv = serve(&img, &["--follow-idle", "--no-follow"]);
+    let (_dir, mut srv) = serve(&["--follow-idle", "--no-follow"]);
     fio_on_cpu1("unix, --no-follow", &srv.uri());
     assert_eq!(moves(&srv), 0, "--no-follow: no connection may move");
     srv.stop_ok();

@@ -274,20 +274,19 @@ impl Conn {
             && !self.read_closed
             && !self.dead
             && self.recv == RecvState::Header
-            && !self.recv_inflight
-            && !self.send_inflight
+            && !self.ops_in_flight()
             && self.sendq.is_empty()
-            && self.file_ops == 0
             && self.idle()
     }
 
     /// Whether the connection has nothing in flight and can be dropped.
     pub fn finished(&self) -> bool {
-        self.read_closed
-            && !self.recv_inflight
-            && !self.send_inflight
-            && self.file_ops == 0
-            && self.idle()
+        self.read_closed && !self.ops_in_flight() && self.idle()
+    }
+
+    /// Whether a receive, send or file operation of this connection is in the ring.
+    pub fn ops_in_flight(&self) -> bool {
+        self.recv_inflight || self.send_inflight || self.file_ops > 0
     }
 }
 

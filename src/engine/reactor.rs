@@ -130,7 +130,7 @@ pub struct ReactorHandle {
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Connections living on this reactor (for picking the least loaded).
     pub load: std::sync::atomic::AtomicUsize,
-    /// The CPU the reactor thread last ran on (`usize::MAX`: not yet known).
+    /// The CPU the reactor thread ran on at its last look (`usize::MAX`: none yet).
     cpu: AtomicUsize,
     /// Takes connections moving in: false once the reactor is stopping.
     open: AtomicBool,
@@ -140,19 +140,24 @@ impl ReactorHandle {
     /// Hand a negotiated connection to this reactor.
     pub fn add(&self, c: NewConn) {
         self.load.fetch_add(1, Ordering::Relaxed);
-        if let Ok(tx) = self.tx.lock() {
-            let _ = tx.send(Msg::Conn(c));
-        }
+        let _ = self.post(Msg::Conn(c));
+    }
+
+    /// Queue `m` for the reactor and wake it; the message comes back if the
+    /// reactor is gone (or its channel's lock poisoned).
+    fn post(&self, m: Msg) -> Result<(), Msg> {
+        let sent = match self.tx.lock() {
+            Ok(tx) => tx.send(m).map_err(|e| e.0),
+            Err(_) => Err(m),
+        };
         self.waker.wake();
+        sent
     }
 
     /// Tell the reactor about every reactor of the server, itself included: its
     /// connections may move to the others (`always`: even on an idle machine).
     pub fn set_peers(&self, all: Vec<Arc<ReactorHandle>>, always: bool) {
-        if let Ok(tx) = self.tx.lock() {
-            let _ = tx.send(Msg::Peers(all, always));
-        }
-        self.waker.wake();
+        let _ = self.post(Msg::Peers(all, always));
     }
 
     /// Hand over a connection moving from another reactor; it comes back if this
@@ -161,24 +166,14 @@ impl ReactorHandle {
         if !self.open.load(Ordering::SeqCst) {
             return Err(c);
         }
-        let Ok(tx) = self.tx.lock() else {
-            return Err(c);
-        };
         self.load.fetch_add(1, Ordering::Relaxed);
-        match tx.send(Msg::Moved(c)) {
-            Ok(()) => {
-                drop(tx);
-                self.waker.wake();
-                Ok(())
+        self.post(Msg::Moved(c)).or_else(|m| {
+            self.load.fetch_sub(1, Ordering::Relaxed);
+            match m {
+                Msg::Moved(c) => Err(c),
+                _ => Ok(()),
             }
-            Err(e) => {
-                self.load.fetch_sub(1, Ordering::Relaxed);
-                match e.0 {
-                    Msg::Moved(c) => Err(c),
-                    _ => Ok(()),
-                }
-            }
-        }
+        })
     }
 
     /// Wake the reactor (it re-checks parked requests and, if the control
@@ -190,10 +185,7 @@ impl ReactorHandle {
     /// Ask the reactor to stop: no new requests are read, in-flight requests
     /// finish and are answered, then the thread exits. Returns after it has.
     pub fn shutdown(&self) {
-        if let Ok(tx) = self.tx.lock() {
-            let _ = tx.send(Msg::Shutdown);
-        }
-        self.waker.wake();
+        let _ = self.post(Msg::Shutdown);
         let handle = self.thread.lock().ok().and_then(|mut t| t.take());
         if let Some(h) = handle {
             let _ = h.join();
@@ -450,9 +442,6 @@ impl Reactor {
             }
             self.service_dirty();
             if self.stopping.is_none() && !self.peers.is_empty() {
-                self.handle
-                    .cpu
-                    .store(rustix::thread::sched_getcpu(), Ordering::Relaxed);
                 let now = Instant::now();
                 if now >= self.next_look {
                     self.next_look = now + affinity::LOOK_EVERY;
@@ -585,7 +574,10 @@ impl Reactor {
     /// Look where each connection's client runs; while the machine is busy, start
     /// moving those whose client keeps running on another reactor's CPU.
     fn look(&mut self, now: Instant) {
-        let here = self.handle.cpu.load(Ordering::Relaxed);
+        // Published for the other reactors' looks; a reactor under load stays put,
+        // so a value up to one look old is good enough.
+        let here = rustix::thread::sched_getcpu();
+        self.handle.cpu.store(here, Ordering::Relaxed);
         let busy = self.busy.sample().is_some_and(|b| b >= affinity::BUSY) || self.follow_idle;
         for (ci, c) in self.conns.iter_mut().enumerate() {
             let Some(c) = c.as_deref_mut() else {
@@ -732,12 +724,7 @@ impl Drop for Reactor {
     fn drop(&mut self) {
         // Never free a buffer the kernel may still write: wait for everything in
         // flight. If the ring is broken, leak the connections instead.
-        let busy = |conns: &[Option<Box<Conn>>]| {
-            conns
-                .iter()
-                .flatten()
-                .any(|c| c.recv_inflight || c.send_inflight || c.file_ops > 0)
-        };
+        let busy = |conns: &[Option<Box<Conn>>]| conns.iter().flatten().any(|c| c.ops_in_flight());
         for (ci, c) in self.conns.iter_mut().enumerate() {
             if let Some(c) = c.as_deref_mut() {
                 let _ = rustix::net::shutdown(&c.sock, rustix::net::Shutdown::Both);
