@@ -122,6 +122,13 @@ fn connections_follow_clients_over_unix_and_tcp() {
         after_tcp >= 2,
         "tcp: expected the connections on reactor 0 to move to reactor 1, moves = {after_tcp}"
     );
+    // The human `status` shows the same count.
+    let text = srv.ctl_ok(&["status", srv.name()]).stdout;
+    let total = format!("moves: {}", after_unix + after_tcp);
+    assert!(
+        text.lines().any(|l| l == total),
+        "loopd status should print {total:?}:\n{text}"
+    );
     srv.assert_running();
     srv.stop_ok();
 }

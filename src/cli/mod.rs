@@ -226,6 +226,7 @@ pub fn print_status(v: &Value, json: bool) -> Result<()> {
     }
     println!("bytes_read: {}", s(v, "bytes_read"));
     println!("bytes_written: {}", s(v, "bytes_written"));
+    println!("moves: {}", s(v, "moves"));
     let l = &v["latency"];
     println!(
         "latency_us: p50={} p99={} max={}",
