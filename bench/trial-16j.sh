@@ -2,7 +2,7 @@
 # One ad-hoc A/B trial (not part of bench/run): serve the bench image, run fio's nbd
 # engine against it, print IOPS, server CPU, fio CPU per request, context switches,
 # migrations and IPIs per request (perf stat -a, /proc/interrupts).
-# usage: bench/trial-16j.sh nbdkit|loopd|loopd-direct RW
+# usage: bench/trial-16j.sh nbdkit|qemu-nbd|loopd|loopd-direct RW
 #   env: JOBS=16 QD=1 BS=4k RT=8 EXTRA="server args" TAG=label IMG=path
 set -euo pipefail
 sys=$1; rw=${2:-randwrite}; bs=${BS:-4k}; qd=${QD:-1}; J=${JOBS:-16}; rt=${RT:-8}
@@ -16,6 +16,7 @@ case $sys in
  loopd) "$LOOPD" serve "$IMG" --cache buffered --socket "$S" ${EXTRA:-} >"$W/srv.log" 2>&1 & ;;
  loopd-direct) "$LOOPD" serve "$IMG" --cache direct --socket "$S" ${EXTRA:-} >"$W/srv.log" 2>&1 & ;;
  nbdkit) nbdkit -f -U "$S" file "$IMG" ${EXTRA:-} >"$W/srv.log" 2>&1 & ;;
+ qemu-nbd) qemu-nbd --cache=none --aio=io_uring -f raw -k "$S" --shared=$((J + 1)) --persistent ${EXTRA:-} "$IMG" >"$W/srv.log" 2>&1 & ;;
  *) echo "unknown system $sys" >&2; exit 2 ;;
 esac
 pid=$!

@@ -633,6 +633,9 @@ impl Conn {
             slot.drop_pipes(&mut io.pipes, false);
             return false;
         }
+        // The reply's shape, for `pipe_at`; a fallback to copying sets it anew.
+        slot.hdr_len = n;
+        slot.data_len = task.len as usize;
         // The data never passes through memory of ours: lend the buffer out.
         if let Some(t) = slot.task.as_mut() {
             t.recycle(&mut io.pool);
@@ -679,7 +682,9 @@ impl Conn {
                 self.splice_in(io, ci, si);
             } else {
                 self.dev.stats.path(Path::Spliced);
-                self.finish(io, ci, si, true, Ok(len));
+                // The header went into the first pipe when the splice began.
+                self.settle(si);
+                self.queue(io, si);
             }
             return;
         }

@@ -69,7 +69,7 @@ impl PipePool {
             let p = self.make()?;
             self.idle.push(p);
         }
-        let part = self.slots.checked_sub(2)? * page();
+        let part = self.slots.checked_sub(2)? * rustix::param::page_size();
         (part > 0).then_some(part)
     }
 
@@ -124,7 +124,7 @@ impl PipePool {
             .find_map(|&b| fcntl_setpipe_size(&w, b).ok())
             .or_else(|| fcntl_getpipe_size(&w).ok())
             .unwrap_or(0);
-        let slots = bytes / page();
+        let slots = bytes / rustix::param::page_size();
         if self.slots == 0 {
             if slots < MIN_SLOTS {
                 self.unavailable = true;
@@ -139,10 +139,6 @@ impl PipePool {
         }
         Some(Pipe { r, w })
     }
-}
-
-fn page() -> usize {
-    rustix::param::page_size()
 }
 
 /// The data bytes of part `i` of a `len`-byte reply split into `part`-byte parts.
@@ -173,7 +169,7 @@ mod tests {
             part >= 56 << 10,
             "even a default 64 KiB pipe carries 56 KiB"
         );
-        let page = page() as u64;
+        let page = rustix::param::page_size() as u64;
         for off in [0u64, 1, page - 1, page, 123_456_789] {
             let pages = (off + part as u64).div_ceil(page) - off / page;
             // The header takes one buffer; the part's pages the rest.
