@@ -13,6 +13,7 @@ use crate::engine::affinity::Peer;
 use crate::engine::reactor::{self, NewConn, ReactorError, ReactorHandle};
 use crate::nbd::handshake;
 use rustix::event::{PollFd, PollFlags, poll};
+use rustix::net::AddressFamily;
 use std::io::Read;
 use std::net::TcpListener;
 use std::os::fd::OwnedFd;
@@ -297,17 +298,16 @@ const ACCEPT_ERROR_PAUSE: std::time::Duration = std::time::Duration::from_millis
 /// data are page-cache pages, not copies.
 const SEND_BUFFER: usize = 2 << 20;
 
-/// Raise a Unix socket's send buffer: as far as `net.core.wmem_max` allows, then
-/// past it where the daemon may (`CAP_NET_ADMIN`). A refusal leaves the default.
-/// TCP sockets are left alone: setting a size turns off the kernel's autotuning,
-/// which grows their buffers further where the path needs it.
-fn widen_send_buffer(sock: &OwnedFd) {
-    use rustix::net::AddressFamily;
+/// Raise a Unix socket's send buffer (`domain`: the socket's address family): as
+/// far as `net.core.wmem_max` allows, then past it where the daemon may
+/// (`CAP_NET_ADMIN`). A refusal leaves the default. TCP sockets are left alone:
+/// setting a size turns off the kernel's autotuning, which grows their buffers
+/// further where the path needs it.
+fn widen_send_buffer(sock: &OwnedFd, domain: Option<AddressFamily>) {
     use rustix::net::sockopt::{
-        set_socket_send_buffer_size, set_socket_send_buffer_size_force, socket_domain,
-        socket_send_buffer_size,
+        set_socket_send_buffer_size, set_socket_send_buffer_size_force, socket_send_buffer_size,
     };
-    if !socket_domain(sock).is_ok_and(|d| d == AddressFamily::UNIX) {
+    if domain != Some(AddressFamily::UNIX) {
         return;
     }
     let _ = set_socket_send_buffer_size(sock, SEND_BUFFER);
@@ -340,8 +340,9 @@ fn start_handshake(sock: OwnedFd, daemon: Arc<Daemon>, reactors: Arc<Vec<Arc<Rea
                     let Some(export) = daemon.export(&neg.dev.name) else {
                         return;
                     };
-                    widen_send_buffer(&stream.0);
-                    let peer = Peer::of(&stream.0);
+                    let domain = rustix::net::sockopt::socket_domain(&stream.0).ok();
+                    widen_send_buffer(&stream.0, domain);
+                    let peer = Peer::of(&stream.0, domain);
                     r.add(NewConn {
                         sock: stream.0,
                         export,

@@ -33,6 +33,8 @@
 //! the scheduler balances an otherwise idle machine) doubles its hold.
 //! Nothing here blocks; the probes are a `getsockopt` or a read of a procfs file.
 
+use rustix::net::AddressFamily;
+use rustix::net::sockopt::socket_peercred;
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::{Duration, Instant};
 
@@ -119,13 +121,11 @@ pub enum Peer {
 }
 
 impl Peer {
-    /// Identify the client of an accepted socket.
-    pub fn of(sock: &OwnedFd) -> Peer {
-        use rustix::net::AddressFamily;
-        use rustix::net::sockopt::{socket_domain, socket_peercred};
-        match socket_domain(sock) {
-            Ok(d) if d == AddressFamily::INET || d == AddressFamily::INET6 => Peer::Tcp,
-            Ok(d) if d == AddressFamily::UNIX => match socket_peercred(sock) {
+    /// Identify the client of an accepted socket of address family `domain`.
+    pub fn of(sock: &OwnedFd, domain: Option<AddressFamily>) -> Peer {
+        match domain {
+            Some(d) if d == AddressFamily::INET || d == AddressFamily::INET6 => Peer::Tcp,
+            Some(d) if d == AddressFamily::UNIX => match socket_peercred(sock) {
                 Ok(c) => Peer::Process {
                     pid: c.pid.as_raw_nonzero().get().unsigned_abs(),
                     ticks: None,
@@ -273,47 +273,43 @@ mod tests {
         assert!(b.is_some_and(|b| (0.0..=1.0).contains(&b)), "{b:?}");
     }
 
-    fn look(f: &mut Follow, client: Option<usize>, here: usize, t: Instant) -> Option<usize> {
-        f.observe(client, here, t)
-    }
-
     #[test]
     fn moves_after_a_streak_on_one_cpu() {
         let t = Instant::now();
         let mut f = Follow::default();
-        assert_eq!(look(&mut f, Some(1), 0, t), None);
-        assert_eq!(look(&mut f, Some(1), 0, t + LOOK_EVERY), Some(1));
+        assert_eq!(f.observe(Some(1), 0, t), None);
+        assert_eq!(f.observe(Some(1), 0, t + LOOK_EVERY), Some(1));
         // Now on CPU 1 with its client: nothing to do.
-        assert_eq!(look(&mut f, Some(1), 1, t + LOOK_EVERY * 2), None);
+        assert_eq!(f.observe(Some(1), 1, t + LOOK_EVERY * 2), None);
     }
 
     #[test]
     fn a_client_that_wanders_or_sleeps_breaks_the_streak() {
         let t = Instant::now();
         let mut f = Follow::default();
-        assert_eq!(look(&mut f, Some(1), 0, t), None);
-        assert_eq!(look(&mut f, Some(0), 0, t), None);
-        assert_eq!(look(&mut f, Some(1), 0, t), None);
-        assert_eq!(look(&mut f, None, 0, t), None);
-        assert_eq!(look(&mut f, Some(2), 0, t), None);
-        assert_eq!(look(&mut f, Some(1), 0, t), None);
-        assert_eq!(look(&mut f, Some(1), 0, t), Some(1));
+        assert_eq!(f.observe(Some(1), 0, t), None);
+        assert_eq!(f.observe(Some(0), 0, t), None);
+        assert_eq!(f.observe(Some(1), 0, t), None);
+        assert_eq!(f.observe(None, 0, t), None);
+        assert_eq!(f.observe(Some(2), 0, t), None);
+        assert_eq!(f.observe(Some(1), 0, t), None);
+        assert_eq!(f.observe(Some(1), 0, t), Some(1));
     }
 
     #[test]
     fn holds_between_moves_and_backs_off_when_chased() {
         let t = Instant::now();
         let mut f = Follow::default();
-        look(&mut f, Some(1), 0, t);
-        assert_eq!(look(&mut f, Some(1), 0, t), Some(1));
+        f.observe(Some(1), 0, t);
+        assert_eq!(f.observe(Some(1), 0, t), Some(1));
         // The client went back to CPU 0 at once: no move within the hold.
         let soon = t + MIN_HOLD / 2;
-        look(&mut f, Some(0), 1, soon);
-        assert_eq!(look(&mut f, Some(0), 1, soon), None);
+        f.observe(Some(0), 1, soon);
+        assert_eq!(f.observe(Some(0), 1, soon), None);
         // Going straight back needs twice the hold.
         let later = t + MIN_HOLD + LOOK_EVERY;
-        assert_eq!(look(&mut f, Some(0), 1, later), None);
-        assert_eq!(look(&mut f, Some(0), 1, t + MIN_HOLD * 2), Some(0));
+        assert_eq!(f.observe(Some(0), 1, later), None);
+        assert_eq!(f.observe(Some(0), 1, t + MIN_HOLD * 2), Some(0));
         assert_eq!(f.hold, MIN_HOLD * 2);
         // And once more: the hold keeps growing, to its cap.
         let t2 = t + MIN_HOLD * 2;
@@ -321,7 +317,7 @@ mod tests {
         let mut moved = false;
         for _ in 0..2000 {
             now += LOOK_EVERY;
-            if look(&mut f, Some(1), 0, now).is_some() {
+            if f.observe(Some(1), 0, now).is_some() {
                 moved = true;
                 break;
             }

@@ -612,22 +612,30 @@ impl Reactor {
         let Some(to) = slot.as_ref().and_then(|c| c.moving) else {
             return;
         };
+        // Find the destination before the connection leaves its slot, so no path
+        // can drop it on the floor.
+        let Some(peer) = self.peers.get(to) else {
+            if let Some(c) = slot.as_deref_mut() {
+                c.moving = None;
+            }
+            self.dirty.push(ci);
+            return;
+        };
         let Some(c) = slot.take() else {
             return;
         };
         let dev = Arc::clone(&c.dev);
-        match self.peers.get(to).map(|p| p.take_moved(c)) {
-            Some(Ok(())) => {
+        match peer.take_moved(c) {
+            Ok(()) => {
                 dev.stats.moves.fetch_add(1, Ordering::Relaxed);
                 self.free_conns.push(ci);
                 self.handle.load.fetch_sub(1, Ordering::Relaxed);
             }
-            Some(Err(mut c)) => {
+            Err(mut c) => {
                 c.moving = None;
                 self.conns[ci as usize] = Some(c);
                 self.dirty.push(ci);
             }
-            None => {}
         }
     }
 
