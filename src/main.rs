@@ -55,9 +55,30 @@ struct ServeArgs {
     /// else $XDG_RUNTIME_DIR/loopd/loopd.sock].
     #[arg(long, value_name = "PATH")]
     socket: Option<PathBuf>,
+    /// Mode of the NBD Unix socket, in octal. Connecting needs write permission:
+    /// 600 lets only this user in; 660 with --socket-group lets a group in.
+    #[arg(long, value_name = "MODE", default_value = "600", value_parser = parse_mode)]
+    socket_mode: u32,
+    /// Group of the NBD Unix socket (name or number), e.g. `disk`, with
+    /// --socket-mode 660.
+    #[arg(long, value_name = "GROUP")]
+    socket_group: Option<String>,
     /// Also (or only) listen on TCP, e.g. 127.0.0.1:10809 (NBD's port). Repeatable.
+    /// There is no TLS or client authentication yet: any host that reaches the
+    /// address can use every device, so loopd warns unless it is a loopback address.
     #[arg(long, value_name = "HOST:PORT")]
     listen: Vec<String>,
+    /// NBD connections at most, handshakes included; past it new clients are
+    /// closed at once. Lowered to what the open-file limit allows.
+    #[arg(long, value_name = "N", default_value_t = server::DEFAULT_MAX_CONNECTIONS)]
+    max_connections: usize,
+    /// Seconds a client has for its whole handshake (from connecting until it
+    /// selects an export).
+    #[arg(long, value_name = "SECS", default_value_t = server::DEFAULT_HANDSHAKE_TIMEOUT.as_secs_f64())]
+    handshake_timeout: f64,
+    /// Refuse NBD_OPT_LIST: clients cannot list the export names.
+    #[arg(long)]
+    no_list: bool,
     /// TOML file of devices to attach at start ([[device]] tables with image,
     /// name, offset, size_limit, block_size, cache, read_only, autoclear).
     #[arg(long, value_name = "FILE")]
@@ -272,6 +293,14 @@ fn run() -> Result<()> {
     }
 }
 
+/// An octal file mode (`600`, `0660`).
+fn parse_mode(s: &str) -> Result<u32, String> {
+    match u32::from_str_radix(s, 8) {
+        Ok(m) if m <= 0o777 => Ok(m),
+        _ => Err(format!("{s:?} is not an octal mode between 0 and 777")),
+    }
+}
+
 /// Send a control request; a daemon error becomes this command's error.
 fn call(ctl: &ControlArg, req: &Request) -> Result<serde_json::Value> {
     match client::call(&ctl.path(), req)? {
@@ -284,14 +313,25 @@ fn call(ctl: &ControlArg, req: &Request) -> Result<serde_json::Value> {
 }
 
 fn serve(a: ServeArgs) -> Result<()> {
+    if !(a.handshake_timeout > 0.0 && a.handshake_timeout <= 3600.0) {
+        bail!("--handshake-timeout must be more than 0 and at most 3600 seconds");
+    }
+    if a.max_connections == 0 {
+        bail!("--max-connections must be at least 1");
+    }
     let opts0 = ServeOptions {
         socket: a.socket.clone(),
+        socket_mode: a.socket_mode,
+        socket_group: a.socket_group.clone(),
         listen: a.listen.clone(),
         reactors: a.reactors,
         no_follow: a.no_follow,
         follow_idle: a.follow_idle,
         poll: std::time::Duration::from_micros(a.poll_us),
         control: None,
+        max_connections: a.max_connections,
+        handshake_timeout: std::time::Duration::from_secs_f64(a.handshake_timeout),
+        no_list: a.no_list,
     };
     let nbd = server::nbd_socket_path(&opts0);
     let control = a.control.clone().unwrap_or_else(|| match &nbd {

@@ -17,7 +17,7 @@ pub mod state;
 use crate::control::proto::{
     DeviceSpec, ErrorBody, ErrorCode, Request, SetSpec, err_reply, ok_reply,
 };
-use crate::device::export::Export;
+use crate::device::export::{ClientRef, Export};
 use crate::device::{Device, DeviceError, DeviceParams};
 use crate::engine::reactor::{CONTROL_GEN, ReactorHandle};
 use crate::nbd::handshake::Exports;
@@ -30,8 +30,9 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use thiserror::Error;
 
-/// How long a forced detach waits for clients to be disconnected.
-const DETACH_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a forced detach waits for its connections to close (a connection
+/// closes at once unless file I/O it started does not return).
+pub const FORCE_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Error)]
 pub enum CtlError {
@@ -129,6 +130,8 @@ pub struct Daemon {
     idle_tx: Mutex<Sender<String>>,
     idle_rx: Mutex<Option<Receiver<String>>>,
     stopping: AtomicBool,
+    /// Pokes the handshake loop (see [`Daemon::set_handshake_kick`]).
+    handshake_kick: Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
 }
 
 /// Switches for benchmarks (not part of a device's configuration).
@@ -205,6 +208,7 @@ impl Daemon {
             idle_tx: Mutex::new(tx),
             idle_rx: Mutex::new(Some(rx)),
             stopping: AtomicBool::new(false),
+            handshake_kick: Mutex::new(None),
         })
     }
 
@@ -358,24 +362,27 @@ impl Daemon {
         Ok(self.info(&export))
     }
 
-    /// Remove a device. Without `force` it refuses while clients are connected;
-    /// with it, in-flight requests finish, clients are disconnected, and it goes.
+    /// Remove a device. Without `force` it refuses while clients are connected
+    /// (a connection counts from the moment its handshake selected the device);
+    /// with it, connections are cut off: sockets shut down, file I/O in flight
+    /// cancelled. Either way, once this returns `Ok` no connection to the device
+    /// exists and none can be made. A forced detach whose connections cannot be
+    /// closed within [`FORCE_TIMEOUT`] (file I/O that does not return) says so.
     pub fn detach(&self, name: &str, force: bool) -> Result<(), CtlError> {
         let e = self
             .export(name)
             .ok_or_else(|| CtlError::NotFound(name.to_owned()))?;
         let _g = e.control();
-        let n = e.clients();
-        if n > 0 && !force {
-            return Err(CtlError::Busy(format!(
+        let n = e.close(force).map_err(|n| {
+            CtlError::Busy(format!(
                 "device {name:?} has {n} connected client(s); disconnect them or use --force"
-            )));
-        }
+            ))
+        })?;
         self.unpublish(&e);
         if n > 0 {
-            e.start_closing();
             self.kick_reactors();
-            let deadline = Instant::now() + DETACH_TIMEOUT;
+            self.kick_handshakes();
+            let deadline = Instant::now() + FORCE_TIMEOUT;
             while e.clients() > 0 && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_micros(200));
             }
@@ -387,6 +394,15 @@ impl Daemon {
         if e.persistent {
             self.record(|log| log.del(&e.name));
         }
+        let left = e.clients();
+        if left > 0 {
+            return Err(CtlError::Busy(format!(
+                "device {name:?} is detached and its clients are disconnected, but {left} \
+                 connection(s) still wait for file I/O that has not returned within {}s (is the \
+                 backing store hung?); they can do nothing more and close when it returns",
+                FORCE_TIMEOUT.as_secs()
+            )));
+        }
         Ok(())
     }
 
@@ -395,6 +411,22 @@ impl Daemon {
             if t.get(&e.name).is_some_and(|x| Arc::ptr_eq(x, e)) {
                 t.remove(&e.name);
             }
+        }
+    }
+
+    /// Make the handshake loop drop pending connections of closed exports.
+    fn kick_handshakes(&self) {
+        if let Ok(k) = self.handshake_kick.lock() {
+            if let Some(k) = k.as_ref() {
+                k();
+            }
+        }
+    }
+
+    /// Where to poke the handshake loop (set by the server).
+    pub fn set_handshake_kick(&self, k: Box<dyn Fn() + Send + Sync>) {
+        if let Ok(mut g) = self.handshake_kick.lock() {
+            *g = Some(k);
         }
     }
 
@@ -609,8 +641,16 @@ impl Daemon {
 }
 
 impl Exports for Daemon {
+    type Client = ClientRef;
+
     fn find(&self, name: &str) -> Option<Arc<Device>> {
         self.export(name).map(|e| e.current().0)
+    }
+
+    fn join(&self, name: &str) -> Option<(Arc<Device>, ClientRef)> {
+        let e = self.export(name)?;
+        let client = e.join()?;
+        Some((e.current().0, client))
     }
 
     fn names(&self) -> Vec<String> {

@@ -753,9 +753,60 @@ pub struct ServerBuilder {
     tcp: bool,
     name: Option<String>,
     socket_path: Option<PathBuf>,
+    /// Process limits and umask for the server (set in the child before exec).
+    limits: ChildLimits,
+}
+
+/// What a server process starts with, set between fork and exec.
+#[derive(Clone, Copy, Default)]
+pub struct ChildLimits {
+    /// RLIMIT_NOFILE, soft and hard.
+    pub nofile: Option<u64>,
+    pub umask: Option<u32>,
+}
+
+impl ChildLimits {
+    /// Apply to `cmd` (in the child, before exec).
+    pub fn apply(self, cmd: &mut Command) {
+        use std::os::unix::process::CommandExt;
+        if self.nofile.is_none() && self.umask.is_none() {
+            return;
+        }
+        // SAFETY: the closure runs in the forked child before exec and only
+        // makes async-signal-safe system calls (setrlimit, umask).
+        unsafe {
+            cmd.pre_exec(move || {
+                if let Some(n) = self.nofile {
+                    let lim = libc::rlimit {
+                        rlim_cur: n,
+                        rlim_max: n,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                if let Some(m) = self.umask {
+                    libc::umask(m);
+                }
+                Ok(())
+            });
+        }
+    }
 }
 
 impl ServerBuilder {
+    /// Start the server with this open-file limit (soft and hard).
+    pub fn nofile(mut self, n: u64) -> Self {
+        self.limits.nofile = Some(n);
+        self
+    }
+
+    /// Start the server with this umask.
+    pub fn umask(mut self, m: u32) -> Self {
+        self.limits.umask = Some(m);
+        self
+    }
+
     /// Use this Unix socket path instead of a fresh one in a private tempdir.
     pub fn socket_path(mut self, p: &Path) -> Self {
         self.socket_path = Some(p.to_path_buf());
@@ -846,6 +897,7 @@ impl ServerBuilder {
             cmd.arg("--name").arg(n);
         }
         cmd.args(&self.args);
+        self.limits.apply(&mut cmd);
         cmd.env("PATH", tool_path_env())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -999,6 +1051,7 @@ impl Server {
             tcp: false,
             name: None,
             socket_path: None,
+            limits: ChildLimits::default(),
         }
     }
 
@@ -1014,6 +1067,7 @@ impl Server {
             tcp: false,
             name: None,
             socket_path: None,
+            limits: ChildLimits::default(),
         }
     }
 
