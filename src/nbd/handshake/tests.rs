@@ -634,3 +634,81 @@ fn negotiate_survives_arbitrary_option_sequences() {
         .run(&arb_client_script(), |input| run_and_check(&ex, input))
         .unwrap();
 }
+
+/// Feed `input` to a [`Handshake`] one byte at a time (as a client that
+/// trickles would): the output, the bytes consumed and the outcome must be
+/// those of the whole-buffer driver, and the machine never asks for a byte
+/// past the end of the handshake.
+fn bytewise_matches_whole(ex: &TestExports, input: Vec<u8>) -> Result<(), TestCaseError> {
+    let mut m = Mem {
+        input: Cursor::new(input.clone()),
+        output: Vec::new(),
+    };
+    let whole = negotiate(&mut m, ex);
+    let consumed_whole = m.input.position() as usize;
+    let mut h = Handshake::new(Policy::default());
+    let mut out = std::mem::take(&mut h.out);
+    let mut at = 0;
+    let outcome = loop {
+        if at == input.len() {
+            break if h.at_boundary() { Ok(None) } else { Err(HandshakeError::Truncated) };
+        }
+        prop_assert!(h.want() >= 1);
+        let step = h.feed(&input[at..at + 1], ex);
+        at += 1;
+        out.append(&mut h.out);
+        match step {
+            Ok(Step::More) => {}
+            Ok(Step::Done(d)) => break Ok(d),
+            Err(e) => break Err(e),
+        }
+    };
+    prop_assert_eq!(at, consumed_whole, "bytes consumed");
+    match (&whole, &outcome) {
+        (Ok(Some(a)), Ok(Some(b))) => {
+            prop_assert!(Arc::ptr_eq(&a.dev, &b.dev));
+            prop_assert_eq!(a.structured, b.structured);
+            prop_assert_eq!(a.meta_context, b.meta_context);
+        }
+        (Ok(None), Ok(None)) | (Err(_), Err(_)) => {}
+        _ => prop_assert!(false, "outcomes differ"),
+    }
+    // The blocking driver stops writing at an error; compare what both produced.
+    if whole.is_ok() {
+        prop_assert_eq!(&m.output, &out);
+    } else {
+        prop_assert!(out.starts_with(&m.output) || m.output.starts_with(&out));
+    }
+    Ok(())
+}
+
+#[test]
+fn handshake_fed_byte_by_byte_matches_the_whole_buffer() {
+    let ex = exports();
+    let mut runner = proptest::test_runner::TestRunner::default();
+    runner
+        .run(&arb_client_script(), |input| bytewise_matches_whole(&ex, input))
+        .unwrap();
+}
+
+#[test]
+fn list_is_refused_by_policy() {
+    let ex = exports();
+    let mut h = Handshake::new(Policy { list: false });
+    let mut input = (CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES)
+        .to_be_bytes()
+        .to_vec();
+    input.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    input.extend_from_slice(&OPT_LIST.to_be_bytes());
+    input.extend_from_slice(&0u32.to_be_bytes());
+    h.out.clear();
+    let mut at = 0;
+    while at < input.len() {
+        let n = h.want().min(input.len() - at);
+        assert!(matches!(h.feed(&input[at..at + n], &*ex), Ok(Step::More)));
+        at += n;
+    }
+    // One reply: the policy error, no names.
+    assert_eq!(be32(&h.out, 12), REP_ERR_POLICY);
+    assert_eq!(h.out.len(), 20 + be32(&h.out, 16) as usize);
+}
