@@ -79,6 +79,9 @@ struct ServeArgs {
     /// Refuse NBD_OPT_LIST: clients cannot list the export names.
     #[arg(long)]
     no_list: bool,
+    /// Seconds a control client may stay silent before it is closed (tests).
+    #[arg(long, hide = true, value_name = "SECS", default_value_t = 60.0)]
+    control_idle_timeout: f64,
     /// TOML file of devices to attach at start ([[device]] tables with image,
     /// name, offset, size_limit, block_size, cache, read_only, autoclear).
     #[arg(long, value_name = "FILE")]
@@ -332,6 +335,9 @@ fn serve(a: ServeArgs) -> Result<()> {
         max_connections: a.max_connections,
         handshake_timeout: std::time::Duration::from_secs_f64(a.handshake_timeout),
         no_list: a.no_list,
+        control_idle: std::time::Duration::from_secs_f64(
+            a.control_idle_timeout.clamp(0.1, 86_400.0),
+        ),
     };
     let nbd = server::nbd_socket_path(&opts0);
     let control = a.control.clone().unwrap_or_else(|| match &nbd {

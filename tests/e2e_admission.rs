@@ -261,3 +261,44 @@ fn healthy_io_after(srv: &Server, held: &mut Vec<UnixStream>, name: &str) {
     drop(held.pop().expect("a held connection"));
     healthy_io(srv, name, 0x44);
 }
+
+/// Issue item 9, the control plane's own limits: past 32 clients at once one
+/// more is told `busy` (it is not left hanging), and idle clients are closed
+/// after the idle timeout, after which the admin's commands work again.
+#[test]
+fn control_clients_have_a_limit_and_an_idle_timeout() {
+    let srv = Server::daemon()
+        .args(["--control-idle-timeout", "2"])
+        .start();
+    let held: Vec<UnixStream> = (0..32)
+        .map(|_| UnixStream::connect(srv.control()).unwrap())
+        .collect();
+    // Let the daemon take them all.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut extra = UnixStream::connect(srv.control()).unwrap();
+    extra
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut reply = String::new();
+    extra.read_to_string(&mut reply).unwrap();
+    assert!(
+        reply.contains(r#""code":"busy""#) && reply.contains("too many control clients"),
+        "the 33rd control client gets a busy error: {reply:?}"
+    );
+    // The silent ones are closed after 2 s; then the CLI works.
+    let t = Instant::now();
+    for mut h in held {
+        h.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut b = [0u8; 1];
+        assert!(
+            matches!(h.read(&mut b), Ok(0)),
+            "an idle control client was not closed"
+        );
+    }
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_secs(6),
+        "idle clients closed after {took:?}"
+    );
+    srv.ctl_ok(&["list"]);
+}

@@ -8,7 +8,7 @@
 //!
 //! Limits: at most [`MAX_CLIENTS`] clients at once (one more gets a `busy` error
 //! line and is closed), and a client that sends no request (or takes no reply)
-//! for [`IDLE_TIMEOUT`] is closed. NBD clients cannot use up the descriptors the
+//! for [`IDLE_TIMEOUT`] (`--control-idle-timeout`) is closed. NBD clients cannot use up the descriptors the
 //! control plane needs (the accept loop keeps them below the open-file limit);
 //! should accepting fail anyway, the thread pauses instead of spinning.
 
@@ -37,7 +37,8 @@ pub enum ControlError {
 
 /// Control clients served at once.
 pub const MAX_CLIENTS: usize = 32;
-/// How long a control client may stay silent (or leave a reply unread).
+/// How long a control client may stay silent (or leave a reply unread), by
+/// default.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Pause after a failed accept (out of descriptors, say).
 const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
@@ -69,14 +70,18 @@ pub fn bind(path: &Path) -> Result<UnixListener, ControlError> {
 }
 
 /// Serve control clients on `listener` for the life of the process.
-pub fn spawn(listener: UnixListener, daemon: Arc<Daemon>) -> Result<(), ControlError> {
+pub fn spawn(
+    listener: UnixListener,
+    daemon: Arc<Daemon>,
+    idle: Duration,
+) -> Result<(), ControlError> {
     std::thread::Builder::new()
         .name("loopd-control".into())
         .spawn(move || {
             let clients = Arc::new(AtomicUsize::new(0));
             for conn in listener.incoming() {
                 match conn {
-                    Ok(s) => admit(s, &daemon, &clients),
+                    Ok(s) => admit(s, &daemon, &clients, idle),
                     Err(e) => {
                         tracing::warn!("control accept failed: {e}");
                         std::thread::sleep(ACCEPT_ERROR_PAUSE);
@@ -89,7 +94,7 @@ pub fn spawn(listener: UnixListener, daemon: Arc<Daemon>) -> Result<(), ControlE
 }
 
 /// Serve one control client on a thread of its own, within [`MAX_CLIENTS`].
-fn admit(s: UnixStream, daemon: &Arc<Daemon>, clients: &Arc<AtomicUsize>) {
+fn admit(s: UnixStream, daemon: &Arc<Daemon>, clients: &Arc<AtomicUsize>, idle: Duration) {
     if clients.fetch_add(1, SeqCst) >= MAX_CLIENTS {
         clients.fetch_sub(1, SeqCst);
         let e = ErrorBody {
@@ -105,7 +110,7 @@ fn admit(s: UnixStream, daemon: &Arc<Daemon>, clients: &Arc<AtomicUsize>) {
     let r = std::thread::Builder::new()
         .name("loopd-control-client".into())
         .spawn(move || {
-            if let Err(e) = serve_client(s, &d) {
+            if let Err(e) = serve_client(s, &d, idle) {
                 tracing::debug!("control client: {e}");
             }
             count.fetch_sub(1, SeqCst);
@@ -116,9 +121,9 @@ fn admit(s: UnixStream, daemon: &Arc<Daemon>, clients: &Arc<AtomicUsize>) {
     }
 }
 
-fn serve_client(s: UnixStream, daemon: &Daemon) -> std::io::Result<()> {
-    s.set_read_timeout(Some(IDLE_TIMEOUT))?;
-    s.set_write_timeout(Some(IDLE_TIMEOUT))?;
+fn serve_client(s: UnixStream, daemon: &Daemon, idle: Duration) -> std::io::Result<()> {
+    s.set_read_timeout(Some(idle))?;
+    s.set_write_timeout(Some(idle))?;
     let mut w = s.try_clone()?;
     let mut r = BufReader::new(s);
     let mut line = Vec::with_capacity(256);

@@ -75,6 +75,8 @@ pub struct ServeOptions {
     pub handshake_timeout: Duration,
     /// Refuse `NBD_OPT_LIST`.
     pub no_list: bool,
+    /// How long a control client may stay idle.
+    pub control_idle: Duration,
 }
 
 impl Default for ServeOptions {
@@ -92,6 +94,7 @@ impl Default for ServeOptions {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             no_list: false,
+            control_idle: control::IDLE_TIMEOUT,
         }
     }
 }
@@ -186,7 +189,7 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
     let control = match &opts.control {
         Some(p) => {
             let l = control::bind(p)?;
-            control::spawn(l, Arc::clone(&daemon))?;
+            control::spawn(l, Arc::clone(&daemon), opts.control_idle)?;
             Some(p.clone())
         }
         None => None,

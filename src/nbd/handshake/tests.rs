@@ -651,7 +651,11 @@ fn bytewise_matches_whole(ex: &TestExports, input: Vec<u8>) -> Result<(), TestCa
     let mut at = 0;
     let outcome = loop {
         if at == input.len() {
-            break if h.at_boundary() { Ok(None) } else { Err(HandshakeError::Truncated) };
+            break if h.at_boundary() {
+                Ok(None)
+            } else {
+                Err(HandshakeError::Truncated)
+            };
         }
         prop_assert!(h.want() >= 1);
         let step = h.feed(&input[at..at + 1], ex);
@@ -687,7 +691,9 @@ fn handshake_fed_byte_by_byte_matches_the_whole_buffer() {
     let ex = exports();
     let mut runner = proptest::test_runner::TestRunner::default();
     runner
-        .run(&arb_client_script(), |input| bytewise_matches_whole(&ex, input))
+        .run(&arb_client_script(), |input| {
+            bytewise_matches_whole(&ex, input)
+        })
         .unwrap();
 }
 
