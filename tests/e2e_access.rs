@@ -74,6 +74,16 @@ fn serve_as(uid: u32, state: &Path) -> std::process::Child {
     c.spawn().expect("spawn setpriv loopd serve")
 }
 
+/// Waits up to 10 s for `c` to exit (then kills it, by its PID): its output.
+fn finish(mut c: std::process::Child) -> std::process::Output {
+    let t = std::time::Instant::now();
+    while c.try_wait().unwrap().is_none() && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = c.kill();
+    c.wait_with_output().unwrap()
+}
+
 /// Removes a directory tree on drop (the runtime directory under /tmp).
 struct RemoveOnDrop(std::path::PathBuf);
 
@@ -99,7 +109,7 @@ fn runtime_dir_owned_by_another_user_is_refused() {
     // Made by root (another user), mode 0777: the trap from the issue.
     std::fs::create_dir(&rt).unwrap();
     std::fs::set_permissions(&rt, std::fs::Permissions::from_mode(0o777)).unwrap();
-    let out = serve_as(uid, &state).wait_with_output().unwrap();
+    let out = finish(serve_as(uid, &state));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success(),
@@ -117,7 +127,7 @@ fn runtime_dir_owned_by_another_user_is_refused() {
 
     // Its own, but writable by others.
     std::os::unix::fs::chown(&rt, Some(uid), Some(uid)).unwrap();
-    let out = serve_as(uid, &state).wait_with_output().unwrap();
+    let out = finish(serve_as(uid, &state));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && err.contains("lets others write"),

@@ -353,7 +353,7 @@ mod tests {
                 .into_iter()
                 .filter_map(|j| j.join().unwrap())
                 .collect();
-            let joined = refs.len() as u32;
+            let joined = u32::try_from(refs.len()).unwrap();
             match closed {
                 Ok(0) => assert!(
                     e.clients() == joined && joined == 0,

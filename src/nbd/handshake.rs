@@ -76,7 +76,7 @@ impl Default for Policy {
 
 const MAX_OPTIONS: usize = 4096;
 /// Bytes of an over-long option's data taken per [`Handshake::feed`].
-const DISCARD_CHUNK: u64 = 64 << 10;
+const DISCARD_CHUNK: usize = 64 << 10;
 
 /// Transmission flags for a device.
 pub fn transmission_flags(dev: &Device, structured: bool) -> u16 {
@@ -163,7 +163,9 @@ impl Handshake {
             Phase::Flags => 4,
             Phase::Header => 16,
             Phase::Data { len, .. } => len as usize,
-            Phase::Discard { left, .. } => return left.min(DISCARD_CHUNK) as usize,
+            Phase::Discard { left, .. } => {
+                return usize::try_from(left).map_or(DISCARD_CHUNK, |l| l.min(DISCARD_CHUNK));
+            }
         };
         total - self.buf.len()
     }
@@ -439,7 +441,7 @@ pub fn negotiate_with<S: Read + Write, E: Exports + ?Sized>(
     policy: Policy,
 ) -> Result<Option<Negotiated<E::Client>>, HandshakeError> {
     let mut h = Handshake::new(policy);
-    let mut buf = vec![0u8; DISCARD_CHUNK as usize];
+    let mut buf = vec![0u8; DISCARD_CHUNK];
     loop {
         s.write_all(&h.out)?;
         h.out.clear();

@@ -645,7 +645,7 @@ fn bytewise_matches_whole(ex: &TestExports, input: Vec<u8>) -> Result<(), TestCa
         output: Vec::new(),
     };
     let whole = negotiate(&mut m, ex);
-    let consumed_whole = m.input.position() as usize;
+    let consumed_whole = usize::try_from(m.input.position()).unwrap();
     let mut h = Handshake::new(Policy::default());
     let mut out = std::mem::take(&mut h.out);
     let mut at = 0;
