@@ -62,7 +62,7 @@ struct Header {
     loopd_state: u32,
 }
 
-#[derive(Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
 enum Record {
     Put(DeviceSpec),

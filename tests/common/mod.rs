@@ -753,9 +753,19 @@ pub struct ServerBuilder {
     tcp: bool,
     name: Option<String>,
     socket_path: Option<PathBuf>,
+    /// Leave out the `--state` the harness adds (test the default path).
+    default_state: bool,
 }
 
 impl ServerBuilder {
+    /// Do not pass `--state` (by default the harness passes the control
+    /// socket's path with extension `.state`, so parallel servers never share
+    /// the persistent default state file).
+    pub fn default_state(mut self) -> Self {
+        self.default_state = true;
+        self
+    }
+
     /// Use this Unix socket path instead of a fresh one in a private tempdir.
     pub fn socket_path(mut self, p: &Path) -> Self {
         self.socket_path = Some(p.to_path_buf());
@@ -846,6 +856,23 @@ impl ServerBuilder {
             cmd.arg("--name").arg(n);
         }
         cmd.args(&self.args);
+        let has = |flag: &str| {
+            self.args.iter().any(|a| {
+                let a = a.to_string_lossy();
+                a == flag || a.starts_with(&format!("{flag}="))
+            })
+        };
+        if !self.default_state && !has("--state") {
+            let ctl = self
+                .args
+                .iter()
+                .position(|a| a == "--control")
+                .and_then(|i| self.args.get(i + 1))
+                .map(PathBuf::from)
+                .or_else(|| socket.as_ref().map(|s| s.with_extension("ctl")))
+                .unwrap_or_else(|| dir.path().join("nbd.ctl"));
+            cmd.arg("--state").arg(ctl.with_extension("state"));
+        }
         cmd.env("PATH", tool_path_env())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -999,6 +1026,7 @@ impl Server {
             tcp: false,
             name: None,
             socket_path: None,
+            default_state: false,
         }
     }
 
@@ -1014,6 +1042,7 @@ impl Server {
             tcp: false,
             name: None,
             socket_path: None,
+            default_state: false,
         }
     }
 
