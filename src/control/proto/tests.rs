@@ -200,8 +200,15 @@ fn list_and_version_with_fields_are_rejected() {
     ] {
         let e = parse_request(line).unwrap_err();
         assert_eq!(e.code, ErrorCode::BadRequest, "{line:?}");
-        assert!(e.message.contains(&format!("unknown field `{field}`")), "{}", e.message);
+        assert!(
+            e.message.contains(&format!("unknown field `{field}`")),
+            "{}",
+            e.message
+        );
     }
     assert_eq!(parse_request(br#"{"v":1,"op":"list"}"#), Ok(Request::List));
-    assert_eq!(parse_request(br#"{"op":"version","v":1}"#), Ok(Request::Version));
+    assert_eq!(
+        parse_request(br#"{"op":"version","v":1}"#),
+        Ok(Request::Version)
+    );
 }
