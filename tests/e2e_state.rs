@@ -235,17 +235,14 @@ fn missing_image_waits_and_comes_back() {
     );
     let st = srv.ctl_ok(&["status", "late"]).stdout;
     assert!(st.contains("state: missing: "), "{st}");
-    srv.ctl_err(
-        &[
-            "attach",
-            path_str(&dir.path().join("x.img")),
-            "--name",
-            "late",
-            "--create",
-            "1M",
-        ],
+    // The name stays taken (by another image); nothing is created.
+    let x = dir.path().join("x.img");
+    let out = srv.ctl_err(
+        &["attach", path_str(&x), "--name", "late", "--create", "1M"],
         "name_taken",
     );
+    assert!(out.stderr.contains("missing"), "{out}");
+    assert!(!x.exists(), "an attach refused the name created its image");
     assert_eq!(state_names(&state), vec!["gone", "late", "other"]);
 
     srv.ctl_ok(&["detach", "gone"]);

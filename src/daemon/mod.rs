@@ -50,6 +50,14 @@ pub enum CtlError {
     NotFound(String),
     #[error("a device named {0:?} already exists")]
     NameTaken(String),
+    #[error(
+        "a device named {name:?} is recorded for {image} but missing ({reason}); attach that image, or detach {name:?} first"
+    )]
+    MissingTaken {
+        name: String,
+        image: String,
+        reason: String,
+    },
     #[error("{0}")]
     Busy(String),
     #[error("{0}")]
@@ -75,7 +83,7 @@ impl CtlError {
     pub fn code(&self) -> ErrorCode {
         match self {
             CtlError::NotFound(_) => ErrorCode::NotFound,
-            CtlError::NameTaken(_) => ErrorCode::NameTaken,
+            CtlError::NameTaken(_) | CtlError::MissingTaken { .. } => ErrorCode::NameTaken,
             CtlError::Busy(_) => ErrorCode::Busy,
             CtlError::Invalid(_) => ErrorCode::Invalid,
             CtlError::ShuttingDown => ErrorCode::ShuttingDown,
@@ -377,6 +385,17 @@ impl Daemon {
         }
         if self.export(&name).is_some() {
             return Err(CtlError::NameTaken(name));
+        }
+        if let Some(m) = self.missing_spec(&name) {
+            // The name stays taken by the recorded device; attaching its image
+            // (again) brings it back now.
+            if m.spec.image != spec.image {
+                return Err(CtlError::MissingTaken {
+                    name,
+                    image: m.spec.image.display().to_string(),
+                    reason: m.reason,
+                });
+            }
         }
         check_create(&spec)?;
         // An image created here is removed again by a failed open (Device::open)
@@ -710,8 +729,8 @@ impl Daemon {
             let name = name_of(&spec);
             if self.export(&name).is_some() {
                 tracing::warn!(
-                    "device {name:?} is both in the state file {path} and on the command line or \
-                     in --config: the command line / --config device wins; its state record is dropped"
+                    "device {name:?} is both in --config (or the serve IMAGE argument) and in the \
+                     state file {path}: --config wins; its state record is dropped"
                 );
                 if let Ok(mut g) = self.log.lock() {
                     if let Some(l) = g.as_mut() {
