@@ -437,6 +437,9 @@ impl Daemon {
             return Err(CtlError::NameTaken(name));
         }
         if source == Source::Control {
+            if log.is_none() && self.state.is_some() && self.stopping.load(Ordering::SeqCst) {
+                return Err(undo(CtlError::ShuttingDown));
+            }
             if let Some(log) = log.as_mut() {
                 if let Err(e) = log.put(&spec) {
                     return Err(undo(CtlError::State {
@@ -507,6 +510,10 @@ impl Daemon {
                 ),
                 source,
             }),
+            // Closed at stop: nothing may change unrecorded.
+            None if self.state.is_some() && self.stopping.load(Ordering::SeqCst) => {
+                Err(CtlError::ShuttingDown)
+            }
             None => Ok(()),
         }
     }
@@ -610,7 +617,9 @@ impl Daemon {
                 && new.read_only == cur.read_only
                 && new.cache == old.cache);
         if unchanged {
-            self.record_put(&e, &new)?;
+            if new != old {
+                self.record_put(&e, &new)?;
+            }
             e.set_spec(new);
             return Ok(SetResult {
                 device: self.info(&e),
@@ -687,6 +696,10 @@ impl Daemon {
                 ),
                 source,
             }),
+            // Closed at stop: nothing may change unrecorded.
+            None if self.state.is_some() && self.stopping.load(Ordering::SeqCst) => {
+                Err(CtlError::ShuttingDown)
+            }
             None => Ok(()),
         }
     }
@@ -704,7 +717,16 @@ impl Daemon {
         Ok(())
     }
 
-    /// Compact the state file (rewrite it from its table). Used at stop.
+    /// At stop: compact the state file and release it (and its lock): nothing is
+    /// recorded after this.
+    pub fn close_state(&self) {
+        self.write_state();
+        if let Ok(mut g) = self.log.lock() {
+            *g = None;
+        }
+    }
+
+    /// Compact the state file (rewrite it from its table).
     pub fn write_state(&self) {
         let Ok(mut g) = self.log.lock() else { return };
         if let Some(log) = g.as_mut() {

@@ -8,7 +8,8 @@
 //! Contract:
 //! - One daemon per state file: [`StateLog::open`] takes an exclusive `flock` on
 //!   `STATE.lock` (holding the owner's pid) for the life of the log; a second
-//!   opener gets [`StateError::Locked`] and must not start.
+//!   opener gets [`StateError::Locked`] and must not start. The lock file is
+//!   removed when the log is dropped (a `kill -9` leaves it: harmless).
 //! - Nothing is written to a path that exists and is not a loopd state file
 //!   (not a regular file, or no header): [`StateError::NotState`].
 //! - A change is durable before it is acknowledged: [`StateLog::put`] and
@@ -29,7 +30,7 @@ use crate::control::proto::DeviceSpec;
 use serde::{Deserialize, Serialize};
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 
@@ -195,6 +196,8 @@ impl StateLog {
                     .map_err(|e| StateError::Write(shown.clone(), e))?;
             }
         }
+        // Refuse a foreign file before creating anything beside it.
+        precheck(path)?;
         let lock = lock(path)?;
         let mut log = StateLog {
             path: path.to_path_buf(),
@@ -403,32 +406,79 @@ impl StateLog {
     }
 }
 
+/// Whether `path` may be used as a state file: absent, or a regular file that
+/// is empty or starts with the header. Reads at most 4 KiB; writes nothing.
+fn precheck(path: &Path) -> Result<(), StateError> {
+    let shown = path.display().to_string();
+    let mut f = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(StateError::Read(shown, e)),
+    };
+    let meta = f
+        .metadata()
+        .map_err(|e| StateError::Read(shown.clone(), e))?;
+    if !meta.is_file() {
+        return Err(StateError::NotState(shown, "not a regular file"));
+    }
+    let mut start = Vec::new();
+    (&mut f)
+        .take(4096)
+        .read_to_end(&mut start)
+        .map_err(|e| StateError::Read(shown.clone(), e))?;
+    if !start.is_empty() && !has_header(&start) {
+        return Err(StateError::NotState(
+            shown,
+            "its first line is not {\"loopd_state\":1}",
+        ));
+    }
+    Ok(())
+}
+
 /// Take the state file's lock (`STATE.lock`, an exclusive `flock`) and write our
-/// pid into it.
+/// pid into it. The lock file is removed when the log is dropped (by its holder),
+/// so a lock taken on a file that was meanwhile unlinked is retried.
 fn lock(path: &Path) -> Result<File, StateError> {
     let lock_path = with_suffix(path, ".lock");
     let shown = path.display().to_string();
-    let mut f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(MODE)
-        .open(&lock_path)
-        .map_err(|e| StateError::Lock(lock_path.display().to_string(), e))?;
-    match rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
-        Ok(()) => {}
-        Err(rustix::io::Errno::WOULDBLOCK) => {
-            let mut pid = String::new();
-            let _ = f.read_to_string(&mut pid);
-            let pid = match pid.trim() {
-                "" => "unknown".to_owned(),
-                p => p.to_owned(),
-            };
-            return Err(StateError::Locked { path: shown, pid });
+    let lock_err = |e: std::io::Error| StateError::Lock(lock_path.display().to_string(), e);
+    let mut tries = 0;
+    let mut f = loop {
+        tries += 1;
+        let mut f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(MODE)
+            .open(&lock_path)
+            .map_err(lock_err)?;
+        match rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::WOULDBLOCK) => {
+                let mut pid = String::new();
+                let _ = f.read_to_string(&mut pid);
+                let pid = match pid.trim() {
+                    "" => "unknown".to_owned(),
+                    p => p.to_owned(),
+                };
+                return Err(StateError::Locked { path: shown, pid });
+            }
+            Err(e) => return Err(lock_err(e.into())),
         }
-        Err(e) => return Err(StateError::Lock(lock_path.display().to_string(), e.into())),
-    }
+        // Still the file at that path (not one its last holder just removed)?
+        let ours = f.metadata().map_err(lock_err)?;
+        match std::fs::metadata(&lock_path) {
+            Ok(m) if m.dev() == ours.dev() && m.ino() == ours.ino() => break f,
+            Ok(_) | Err(_) if tries < 10 => continue,
+            Ok(_) => {
+                return Err(lock_err(std::io::Error::other(
+                    "the lock file keeps changing",
+                )));
+            }
+            Err(e) => return Err(lock_err(e)),
+        }
+    };
     let pid = format!("{}\n", std::process::id());
     let r = f
         .set_len(0)
@@ -439,6 +489,13 @@ fn lock(path: &Path) -> Result<File, StateError> {
         tracing::warn!("cannot write the pid into {}: {e}", lock_path.display());
     }
     Ok(f)
+}
+
+impl Drop for StateLog {
+    fn drop(&mut self) {
+        // Still holding the lock: a waiting opener retries on the new file.
+        let _ = std::fs::remove_file(with_suffix(&self.path, ".lock"));
+    }
 }
 
 /// Copy the damaged file's bytes to `aside` (new file, 0600, synced).
