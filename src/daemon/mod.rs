@@ -525,6 +525,9 @@ impl Daemon {
             Err(_) => return Some(Err(CtlError::ShuttingDown)),
         };
         self.missing_spec(name)?;
+        if log.is_none() && self.state.is_some() && self.stopping.load(Ordering::SeqCst) {
+            return Some(Err(CtlError::ShuttingDown));
+        }
         if let Some(l) = log.as_mut() {
             if let Err(source) = l.del(name) {
                 return Some(Err(CtlError::State {

@@ -89,10 +89,28 @@ fn has_header(text: &[u8]) -> bool {
     matches!(serde_json::from_slice::<Header>(first), Ok(h) if h.loopd_state == 1)
 }
 
-/// Replay the records of a state file (pure; `text` must start with the header,
-/// see [`has_header`]). Damaged lines are reported, never fatal.
+/// Whether `start` (the first bytes of a file) is a loopd state file: it has the
+/// header, or (a damaged header) its first whole line after the first is a
+/// record. A disk image or a text file is neither.
+fn looks_like_state(start: &[u8]) -> bool {
+    if has_header(start) {
+        return true;
+    }
+    let mut lines = start.split(|&b| b == b'\n');
+    let first_record = lines.nth(1);
+    // Only whole lines: the 4 KiB window may cut the last one.
+    lines.next().is_some()
+        && first_record.is_some_and(|l| serde_json::from_slice::<Record>(l).is_ok())
+}
+
+/// Replay the records of a state file (pure, any bytes). Damaged lines (the
+/// header line included) are reported, never fatal.
 pub fn parse(text: &[u8]) -> Parsed {
     let mut p = Parsed::default();
+    if !has_header(text) {
+        p.damaged
+            .push("line 1: not the {\"loopd_state\":1} header".into());
+    }
     let mut lines: Vec<&[u8]> = text.split(|&b| b == b'\n').collect();
     // The piece after the last newline: empty for a whole file, else torn.
     let tail = lines.pop().unwrap_or_default();
@@ -230,7 +248,7 @@ impl StateLog {
             .take(4096)
             .read_to_end(&mut text)
             .map_err(|e| StateError::Read(shown.clone(), e))?;
-        if !has_header(&text) {
+        if !looks_like_state(&text) {
             return Err(StateError::NotState(
                 shown,
                 "its first line is not {\"loopd_state\":1}",
@@ -426,7 +444,7 @@ fn precheck(path: &Path) -> Result<(), StateError> {
         .take(4096)
         .read_to_end(&mut start)
         .map_err(|e| StateError::Read(shown.clone(), e))?;
-    if !start.is_empty() && !has_header(&start) {
+    if !start.is_empty() && !looks_like_state(&start) {
         return Err(StateError::NotState(
             shown,
             "its first line is not {\"loopd_state\":1}",

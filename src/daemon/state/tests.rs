@@ -50,6 +50,19 @@ fn foreign_bytes_have_no_header() {
     assert!(!has_header(b"{\"loopd_state\":2}\n"));
     assert!(!has_header(b"\n"));
     assert!(has_header(HEADER));
+    assert!(!looks_like_state(b"shopping list\n{\"del\":\"a\"}"));
+    assert!(!looks_like_state(b"a\nb\nc\n"));
+}
+
+#[test]
+fn damaged_header_is_damage_not_a_foreign_file() {
+    let mut t = b"{\"loopd_sta\n".to_vec();
+    t.extend(line(&Record::Put(spec("a"))));
+    assert!(looks_like_state(&t));
+    let p = parse(&t);
+    assert_eq!(p.table, vec![spec("a")]);
+    assert_eq!(p.damaged.len(), 1);
+    assert!(p.damaged[0].starts_with("line 1:"), "{:?}", p.damaged);
 }
 
 #[test]
