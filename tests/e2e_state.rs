@@ -289,8 +289,8 @@ fn fill(dir: &Path) {
 
 /// With the state file on a full file system, an attach it cannot record
 /// fails with a clear error: not listed, its `--create`d image removed, and
-/// after `kill -9` + restart it is not there; a detach it cannot record fails
-/// and the device stays. Nothing half-written is left: the next record after
+/// after `kill -9` + restart it is not there; a detach or a set it cannot
+/// record fails and changes nothing. Nothing half-written is left: the next record after
 /// space returns is read back whole.
 #[test]
 fn full_disk_fails_the_attach_and_leaves_no_trace() {
@@ -315,7 +315,7 @@ fn full_disk_fails_the_attach_and_leaves_no_trace() {
     fill(&st);
 
     // A record longer than what is left of the file's last page.
-    let long = "n".repeat(4000);
+    let long = "n".repeat(4090);
     let new_img = dir.path().join("new.img");
     let out = srv.ctl_err(
         &[
@@ -345,7 +345,7 @@ fn full_disk_fails_the_attach_and_leaves_no_trace() {
     std::fs::remove_file(st.join("filler")).unwrap();
     let b = dir.path().join("b.img");
     create_sparse_image(&b, MIB);
-    let long_b = "m".repeat(4000);
+    let long_b = "m".repeat(4090);
     srv.ctl_ok(&["attach", path_str(&b), "--name", &long_b]);
     assert_eq!(state_names(&state), vec!["a".to_owned(), long_b.clone()]);
 
@@ -357,6 +357,14 @@ fn full_disk_fails_the_attach_and_leaves_no_trace() {
         "{out}"
     );
     assert!(srv.device_names().contains(&long_b), "the device stays");
+    // A change that cannot be recorded is not applied.
+    let out = srv.ctl_err(&["set", &long_b, "--read-only", "true"], "io");
+    assert!(
+        out.stderr.contains("the state file cannot record it"),
+        "{out}"
+    );
+    let d = srv.device(&long_b).expect("listed");
+    assert!(!d.at("read_only").bool(), "the refused set was applied");
     std::fs::remove_file(st.join("filler")).unwrap();
 
     srv.kill9();
