@@ -89,8 +89,10 @@ struct ServeArgs {
     /// Control socket (mode 0600) [default: beside the NBD socket, with extension .ctl].
     #[arg(long, value_name = "PATH")]
     control: Option<PathBuf>,
-    /// State file: devices attached over the control socket, restored at start
-    /// [default: the control socket's path with extension .state].
+    /// State file: devices attached over the control socket, restored at start;
+    /// one daemon per state file [default: /var/lib/loopd/STEM.state for root,
+    /// else $XDG_STATE_HOME/loopd/STEM.state (~/.local/state/loopd/), STEM being
+    /// the control socket's file stem].
     #[arg(long, value_name = "FILE")]
     state: Option<PathBuf>,
     /// Reactor threads, each with its own io_uring [default: one per core].
@@ -349,6 +351,9 @@ fn serve(a: ServeArgs) -> Result<()> {
         .clone()
         .unwrap_or_else(|| daemon::default_state_path(&control));
     let d = Daemon::new(Some(state));
+    // Before anything is attached or bound: refuse a state file that is another
+    // daemon's, or not a state file at all.
+    d.open_state()?;
     if let Some(image) = a.image {
         let mut spec = a.dev.spec(image);
         spec.autoclear = false;
@@ -392,6 +397,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         );
     }
     d.restore();
+    d.run_retrier();
     let opts = ServeOptions {
         control: Some(control),
         ..opts0

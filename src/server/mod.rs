@@ -260,7 +260,7 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
 
     tracing::info!("stopping: finishing in-flight requests");
     daemon.set_stopping();
-    daemon.write_state();
+    daemon.close_state();
     for r in reactors.iter() {
         r.shutdown();
     }

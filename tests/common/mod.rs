@@ -755,6 +755,8 @@ pub struct ServerBuilder {
     socket_path: Option<PathBuf>,
     /// Process limits and umask for the server (set in the child before exec).
     limits: ChildLimits,
+    /// Leave out the `--state` the harness adds (test the default path).
+    default_state: bool,
 }
 
 /// What a server process starts with, set between fork and exec.
@@ -804,6 +806,14 @@ impl ServerBuilder {
     /// Start the server with this umask.
     pub fn umask(mut self, m: u32) -> Self {
         self.limits.umask = Some(m);
+        self
+    }
+
+    /// Do not pass `--state` (by default the harness passes the control
+    /// socket's path with extension `.state`, so parallel servers never share
+    /// the persistent default state file).
+    pub fn default_state(mut self) -> Self {
+        self.default_state = true;
         self
     }
 
@@ -898,6 +908,23 @@ impl ServerBuilder {
         }
         cmd.args(&self.args);
         self.limits.apply(&mut cmd);
+        let has = |flag: &str| {
+            self.args.iter().any(|a| {
+                let a = a.to_string_lossy();
+                a == flag || a.starts_with(&format!("{flag}="))
+            })
+        };
+        if !self.default_state && !has("--state") {
+            let ctl = self
+                .args
+                .iter()
+                .position(|a| a == "--control")
+                .and_then(|i| self.args.get(i + 1))
+                .map(PathBuf::from)
+                .or_else(|| socket.as_ref().map(|s| s.with_extension("ctl")))
+                .unwrap_or_else(|| dir.path().join("nbd.ctl"));
+            cmd.arg("--state").arg(ctl.with_extension("state"));
+        }
         cmd.env("PATH", tool_path_env())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -1052,6 +1079,7 @@ impl Server {
             name: None,
             socket_path: None,
             limits: ChildLimits::default(),
+            default_state: false,
         }
     }
 
@@ -1068,6 +1096,7 @@ impl Server {
             name: None,
             socket_path: None,
             limits: ChildLimits::default(),
+            default_state: false,
         }
     }
 
