@@ -64,6 +64,9 @@ pub struct ServeOptions {
     pub poll: std::time::Duration,
     /// Control socket; `None` = no control socket.
     pub control: Option<PathBuf>,
+    /// Bytes of request and reply buffers across the daemon (0 = the default,
+    /// `engine::budget::DEFAULT_LIMIT`).
+    pub memory_budget: usize,
 }
 
 /// The default socket directory: `/run/loopd` for root, else
@@ -161,7 +164,7 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
         opts.reactors
     };
     let reactors: Vec<Arc<ReactorHandle>> = (0..n)
-        .map(|i| reactor::spawn(i, opts.poll))
+        .map(|i| reactor::spawn(i, opts.poll, opts.memory_budget))
         .collect::<Result<_, _>>()?;
     // Connections follow their clients between reactors (engine::affinity).
     if n > 1 && !opts.no_follow {
@@ -330,9 +333,14 @@ fn start_handshake(sock: OwnedFd, daemon: Arc<Daemon>, reactors: Arc<Vec<Arc<Rea
             match handshake::negotiate(&mut stream, daemon.as_ref()) {
                 Ok(Some(neg)) => {
                     stream.set_timeouts(None);
+                    // The least loaded reactor that is making progress (a
+                    // reactor held up inside a turn only if all are).
                     let Some(r) = reactors
                         .iter()
-                        .min_by_key(|r| r.load.load(std::sync::atomic::Ordering::Relaxed))
+                        .min_by_key(|r| {
+                            let load = r.load.load(std::sync::atomic::Ordering::Relaxed);
+                            (!r.making_progress(), load)
+                        })
                     else {
                         return;
                     };
