@@ -335,13 +335,10 @@ fn start_handshake(sock: OwnedFd, daemon: Arc<Daemon>, reactors: Arc<Vec<Arc<Rea
                     stream.set_timeouts(None);
                     // The least loaded reactor that is making progress (a
                     // reactor held up inside a turn only if all are).
-                    let Some(r) = reactors
-                        .iter()
-                        .min_by_key(|r| {
-                            let load = r.load.load(std::sync::atomic::Ordering::Relaxed);
-                            (!r.making_progress(), load)
-                        })
-                    else {
+                    let Some(r) = reactors.iter().min_by_key(|r| {
+                        let load = r.load.load(std::sync::atomic::Ordering::Relaxed);
+                        (!r.making_progress(), load)
+                    }) else {
                         return;
                     };
                     // Detached while we negotiated: drop the connection.

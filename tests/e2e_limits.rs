@@ -29,7 +29,11 @@ fn status_kib(pid: u32, key: &str) -> u64 {
 
 /// A client that sends requests and never reads a reply; its socket can be shut
 /// from another thread to stop it.
-fn hostile(socket: &std::path::Path, name: &str, i: usize) -> (UnixStream, std::thread::JoinHandle<()>) {
+fn hostile(
+    socket: &std::path::Path,
+    name: &str,
+    i: usize,
+) -> (UnixStream, std::thread::JoinHandle<()>) {
     let (c, size, _) = RawClient::handshake(socket, name);
     let s = c.s;
     s.set_write_timeout(None).unwrap();
@@ -63,7 +67,12 @@ fn budget_holds(cache: &str) {
     let img = dir.path().join("big.img");
     create_sparse_image(&img, 512 * MIB);
     let mut srv = Server::builder(&img)
-        .args(["--cache", cache, "--memory-budget", &format!("{BUDGET_MIB}M")])
+        .args([
+            "--cache",
+            cache,
+            "--memory-budget",
+            &format!("{BUDGET_MIB}M"),
+        ])
         .start();
     let pid = srv.pid();
     let name = srv.name().to_string();
@@ -91,7 +100,11 @@ fn budget_holds(cache: &str) {
     let t0 = Instant::now();
     let (mut c, _, _) = RawClient::handshake(srv.socket(), &name);
     let data = pattern_bytes(7, 0, BIG as usize);
-    assert_eq!(c.write(1, 64 * MIB, &data), 0, "{cache}: write after the flood");
+    assert_eq!(
+        c.write(1, 64 * MIB, &data),
+        0,
+        "{cache}: write after the flood"
+    );
     let back = c.read(2, 64 * MIB, BIG);
     assert_bytes_eq(&back, &data, 64 * MIB, cache);
     let took = t0.elapsed();

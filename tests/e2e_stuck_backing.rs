@@ -58,7 +58,10 @@ impl FuseStore {
             .spawn()
             .expect("spawn nbdfuse");
         let file = store.file();
-        wait_for(|| file.metadata().is_ok_and(|m| m.len() == 64 * MIB), "the FUSE file");
+        wait_for(
+            || file.metadata().is_ok_and(|m| m.len() == 64 * MIB),
+            "the FUSE file",
+        );
         store
     }
 
@@ -106,7 +109,10 @@ impl Drop for Reaped {
 fn wait_for(mut ok: impl FnMut() -> bool, what: &str) {
     let t0 = Instant::now();
     while !ok() {
-        assert!(t0.elapsed() < Duration::from_secs(10), "{what} did not appear");
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{what} did not appear"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -177,10 +183,11 @@ fn a_paused_fuse_store_stalls_its_own_clients_only() {
     while t0.elapsed() < STUCK_FOR {
         k += 1;
         let off = (k % 1024) * 4096;
+        let byte = u8::try_from(k % 251).expect("below 251");
         let t = Instant::now();
-        assert_eq!(h.write(100 + k, off, &[k as u8; 4096]), 0);
+        assert_eq!(h.write(100 + k, off, &[byte; 4096]), 0);
         let back = h.read(200 + k, off, 4096);
-        assert_eq!(back, vec![k as u8; 4096], "healthy read-back at {off}");
+        assert_eq!(back, vec![byte; 4096], "healthy read-back at {off}");
         let took = t.elapsed();
         assert!(
             took < HEALTHY_OP_MAX,
@@ -222,13 +229,20 @@ fn a_paused_fuse_store_stalls_its_own_clients_only() {
         if let Some(st) = bs.0.try_wait().expect("wait nbdsh") {
             break st;
         }
-        assert!(t.elapsed() < Duration::from_secs(20), "BLOCK_STATUS never completed");
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "BLOCK_STATUS never completed"
+        );
         std::thread::sleep(Duration::from_millis(50));
     };
     let mut out = String::new();
     for o in [
-        bs.0.stdout.take().map(|o| Box::new(o) as Box<dyn std::io::Read>),
-        bs.0.stderr.take().map(|o| Box::new(o) as Box<dyn std::io::Read>),
+        bs.0.stdout
+            .take()
+            .map(|o| Box::new(o) as Box<dyn std::io::Read>),
+        bs.0.stderr
+            .take()
+            .map(|o| Box::new(o) as Box<dyn std::io::Read>),
     ]
     .into_iter()
     .flatten()
@@ -236,7 +250,10 @@ fn a_paused_fuse_store_stalls_its_own_clients_only() {
         let mut o = o;
         let _ = o.read_to_string(&mut out);
     }
-    assert!(status.success() && out.contains("block status"), "nbdsh: {status} {out}");
+    assert!(
+        status.success() && out.contains("block status"),
+        "nbdsh: {status} {out}"
+    );
     drop(srv);
     drop(store);
 }

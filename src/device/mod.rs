@@ -156,7 +156,7 @@ pub struct Device {
 /// block device), never for a server or a user-space process.
 fn on_local_disk(f: &File) -> bool {
     const LOCAL: [i64; 6] = [
-        0xEF53,     // ext2/3/4
+        0xEF53,      // ext2/3/4
         0x5846_5342, // xfs
         0x9123_683E, // btrfs
         0x0102_1994, // tmpfs

@@ -605,9 +605,7 @@ impl Conn {
                 };
                 let done = match tried {
                     Nowait::Done => Some(Ok(0)),
-                    Nowait::Unsupported if dev.local_fs => {
-                        Some(sync::drive(task, &mut io.pool))
-                    }
+                    Nowait::Unsupported if dev.local_fs => Some(sync::drive(task, &mut io.pool)),
                     Nowait::Unsupported | Nowait::Again => None,
                 };
                 if nowait && tried == Nowait::Unsupported {
