@@ -4,8 +4,9 @@
 //! paused with SIGSTOP: every request that reaches the FUSE server waits until it
 //! is continued. One daemon with a single reactor serves it as device `stuck` and
 //! an image on the local disk as `healthy`, so both share the reactor thread. While
-//! a 4 KiB buffered write, a read and a BLOCK_STATUS of `stuck` are outstanding,
-//! a client of `healthy` must get each read and write answered promptly, and a new
+//! a 4 KiB buffered write, 24 reads and a BLOCK_STATUS of `stuck` are outstanding,
+//! a client of `healthy` must get each read and FUA write (which go through the
+//! ring's kernel workers) answered promptly, and a new
 //! client must be placed and served; once nbdkit continues, the stuck write
 //! completes and its bytes read back.
 
@@ -19,6 +20,9 @@ use std::time::{Duration, Instant};
 
 /// Longest a healthy client's request may take while the other store hangs.
 const HEALTHY_OP_MAX: Duration = Duration::from_secs(2);
+/// Reads outstanding on the stuck store.
+const STUCK_READS: u64 = 24;
+const FUA: u16 = 1;
 /// How long the store stays paused.
 const STUCK_FOR: Duration = Duration::from_secs(8);
 
@@ -160,7 +164,11 @@ fn a_paused_fuse_store_stalls_its_own_clients_only() {
             s
         })
     };
-    sr.send_request(0, NBD_CMD_READ, 8, 32 * MIB, 4096);
+    // More reads than the kernel's default io_uring worker count (4 per CPU), so
+    // they would hold every worker a reactor has for file I/O.
+    for r in 0..STUCK_READS {
+        sr.send_request(0, NBD_CMD_READ, 8 + r, 32 * MIB + r * MIB, 4096);
+    }
     let uri = srv.uri_for_name("stuck");
     let script = format!(
         "{NBDSH_PRELUDE}\ng = connect({})\nents = []\n\
@@ -185,7 +193,8 @@ fn a_paused_fuse_store_stalls_its_own_clients_only() {
         let off = (k % 1024) * 4096;
         let byte = u8::try_from(k % 251).expect("below 251");
         let t = Instant::now();
-        assert_eq!(h.write(100 + k, off, &[byte; 4096]), 0);
+        // FUA: the write and its sync go through the ring's workers.
+        assert_eq!(h.write_flags(FUA, 100 + k, off, &[byte; 4096]), 0);
         let back = h.read(200 + k, off, 4096);
         assert_eq!(back, vec![byte; 4096], "healthy read-back at {off}");
         let took = t.elapsed();
@@ -219,9 +228,15 @@ fn a_paused_fuse_store_stalls_its_own_clients_only() {
         .expect("the stuck write never completed after the store continued");
     assert_eq!(err, 0, "the stuck write failed with NBD error {err}");
     let mut s = writer.join().expect("writer thread");
-    let (err, h8) = sr.read_simple_reply();
-    assert_eq!((err, h8), (0, 8), "the stuck read");
-    assert_eq!(sr.read_exact(4096), vec![0u8; 4096]);
+    let mut answered = Vec::new();
+    for _ in 0..STUCK_READS {
+        let (err, h) = sr.read_simple_reply();
+        assert_eq!(err, 0, "stuck read {h}");
+        assert_eq!(sr.read_exact(4096), vec![0u8; 4096]);
+        answered.push(h);
+    }
+    answered.sort_unstable();
+    assert_eq!(answered, (8..8 + STUCK_READS).collect::<Vec<_>>());
     assert_eq!(s.read(9, 8 * MIB, 4096), data, "the stuck write's bytes");
     let mut bs = bs;
     let t = Instant::now();

@@ -699,10 +699,20 @@ impl Conn {
 
     /// Submit `e`, a file operation of slot `si`, counted in flight (per connection
     /// and per ring) until its completion reaches [`Conn::on_file`].
+    ///
+    /// A file that is not on a local disk (FUSE, NFS, ...) has its operations
+    /// sent straight to the ring's workers (`IOSQE_ASYNC`): issued inline, from
+    /// the reactor's `io_uring_enter`, a FUSE read can block there (its readahead
+    /// waits for a slot in the FUSE server's queue) and stall every connection.
     fn submit_file_op(&mut self, io: &mut Io, ci: u32, si: u16, e: squeue::Entry) {
         self.slots[si as usize].state = SlotState::Io;
         self.file_ops += 1;
         io.file_ops += 1;
+        let e = if self.dev.local_fs {
+            e
+        } else {
+            e.flags(squeue::Flags::ASYNC)
+        };
         io.push(e.user_data(ud(TAG_FILE, ci, si)));
     }
 

@@ -23,7 +23,9 @@
 //!   block there, never this thread.
 //! - What the thread may block on: the ring (waiting for completions), and
 //!   nothing else that a backing file can hold up. Every file operation goes
-//!   through the ring (whose workers may block, never this thread); the calls the
+//!   through the ring (whose workers may block, never this thread; up to
+//!   `IOWQ_BOUNDED` of them per ring, so a few hung operations do not hold up
+//!   other devices' syncs and large writes); the calls the
 //!   ring has no opcode for (`SEEK_DATA`/`SEEK_HOLE`, `fstat` of BLOCK_STATUS) run
 //!   on [`super::offload`]'s workers. The inline page-cache paths of buffered mode
 //!   use `RWF_NOWAIT` (reads always; writes where the filesystem takes it), with
@@ -67,6 +69,8 @@ pub(super) const TAG_CANCEL: u64 = 5;
 const TAG_TIMER: u64 = 6;
 
 const RING_ENTRIES: u32 = 1024;
+/// Kernel worker threads a reactor's ring may run file operations on at once.
+const IOWQ_BOUNDED: u32 = 512;
 /// How long a stopping reactor waits for clients to take their replies.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -280,6 +284,15 @@ pub fn spawn(
                     return;
                 }
             };
+            // Operations on a hung backing file hold a kernel worker each (reads
+            // are not serialised per file as writes are); with the default cap (4
+            // per CPU) a few of them would hold every worker, and other devices'
+            // syncs and large writes would queue behind them. Workers start only
+            // when needed, so a higher cap costs nothing until then.
+            let mut max = [IOWQ_BOUNDED, 0];
+            if let Err(e) = ring.submitter().register_iowq_max_workers(&mut max) {
+                tracing::debug!("reactor {id}: io_uring worker cap unchanged: {e}");
+            }
             let mut r = Reactor::new(ring, rx, waker, h2, poll_max);
             if let Err(e) = r.run() {
                 tracing::error!("reactor {id} stopped: {e:#}");
@@ -878,5 +891,24 @@ impl Drop for Reactor {
                 std::mem::forget(c);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_idle_reactor_makes_progress_and_one_held_in_a_turn_does_not() {
+        let r = spawn(0, Duration::ZERO, 0).expect("reactor");
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(r.making_progress(), "idle, waiting on its ring");
+        // As if its thread had begun a turn two seconds ago and not come back.
+        r.turn_since
+            .store(now_ms() - 2 * STUCK_AFTER_MS, Ordering::Relaxed);
+        assert!(!r.making_progress());
+        r.turn_since.store(now_ms(), Ordering::Relaxed);
+        assert!(r.making_progress(), "a turn that just began");
+        r.shutdown();
     }
 }
