@@ -141,3 +141,80 @@ fn memory_budget_below_the_largest_request_is_refused() {
         out.stderr
     );
 }
+
+/// A connection refused budget waits — its request is neither dropped nor
+/// failed — and resumes when a connection on the other reactor frees what it
+/// held; one client pipelining past the budget gets every reply, in full.
+#[test]
+fn a_refused_request_waits_for_budget_freed_on_another_reactor() {
+    let dir = tempdir();
+    let img = dir.path().join("two.img");
+    create_pattern_image(&img, 256 * MIB, 5);
+    let srv = Server::builder(&img)
+        .args([
+            "--cache",
+            "direct",
+            "--memory-budget",
+            "64M",
+            "--reactors",
+            "2",
+            "--no-follow",
+        ])
+        .start();
+    let name = srv.name().to_string();
+    // New connections go to the least loaded reactor: a and b get one each.
+    let (mut a, _, _) = RawClient::handshake(srv.socket(), &name);
+    let (mut b, _, _) = RawClient::handshake(srv.socket(), &name);
+    a.send_request(0, NBD_CMD_READ, 1, 0, BIG);
+    std::thread::sleep(Duration::from_millis(500));
+    b.send_request(0, NBD_CMD_READ, 2, 64 * MIB, BIG);
+    // a's 32 MiB reply waits unread, so b's read does not fit.
+    b.s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+    let mut first = [0u8; 16];
+    let early = std::io::Read::read(&mut b.s, &mut first);
+    assert!(
+        early.is_err(),
+        "b was answered while a held the budget: {early:?}"
+    );
+    b.s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let (err, h) = a.read_simple_reply();
+    assert_eq!((err, h), (0, 1));
+    let got = a.read_exact(BIG as usize);
+    assert_bytes_eq(&got, &pattern_bytes(5, 0, BIG as usize), 0, "a's read");
+    let t = Instant::now();
+    let (err, h) = b.read_simple_reply();
+    assert_eq!((err, h), (0, 2), "b's read after a freed the budget");
+    let got = b.read_exact(BIG as usize);
+    assert_bytes_eq(
+        &got,
+        &pattern_bytes(5, 64 * MIB, BIG as usize),
+        64 * MIB,
+        "b's read",
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "b waited {:?}",
+        t.elapsed()
+    );
+    // One client, eight 32 MiB reads in flight: four times the budget.
+    for k in 0..8u64 {
+        a.send_request(0, NBD_CMD_READ, 10 + k, k * u64::from(BIG), BIG);
+    }
+    let mut seen = Vec::new();
+    for _ in 0..8u64 {
+        let (err, h) = a.read_simple_reply();
+        assert_eq!(err, 0, "pipelined read {h}");
+        assert!((10..18).contains(&h), "unknown handle {h}");
+        seen.push(h);
+        let got = a.read_exact(BIG as usize);
+        let off = (h - 10) * u64::from(BIG);
+        assert_bytes_eq(
+            &got,
+            &pattern_bytes(5, off, BIG as usize),
+            off,
+            "pipelined read",
+        );
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, (10..18).collect::<Vec<_>>());
+}
