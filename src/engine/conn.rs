@@ -568,8 +568,14 @@ impl Conn {
             return;
         };
         if matches!(task.cmd, Command::Read | Command::Write) {
-            if task.cmd == Command::Read && task.path == Path::Buffered && dev.inline_reads {
-                // Seed 004: try the page cache inline before going async.
+            if task.cmd == Command::Read
+                && task.path == Path::Buffered
+                && dev.inline_reads
+                && dev.local_fs
+            {
+                // Seed 004: try the page cache inline before going async. Not on
+                // FUSE or network files: even a NOWAIT read can block there (FUSE
+                // readahead waits for room in the server's queue).
                 let len32 = task.len;
                 let len = len32 as usize;
                 let foff = dev.file_offset(task.offset);

@@ -32,7 +32,9 @@
 //!   one exception: on a local disk filesystem without NOWAIT buffered writes
 //!   (ext4, tmpfs) a small whole-page write is copied inline and may wait for the
 //!   journal or dirty-page throttling of that disk. A file on FUSE, NFS or any
-//!   other filesystem whose server may not answer is never touched here, so a hung
+//!   other filesystem whose server may not answer is never touched here — no
+//!   inline path, and its ring operations carry `IOSQE_ASYNC`, since even a
+//!   NOWAIT issue from `io_uring_enter` blocked in FUSE readahead — so a hung
 //!   backing store stalls its own clients only.
 //! - Memory: request buffers are reserved against the daemon's
 //!   [`super::budget`] before a request is read; a refused connection is parked
