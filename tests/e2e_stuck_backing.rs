@@ -74,15 +74,20 @@ impl FuseStore {
     }
 
     fn signal(&self, sig: libc::c_int) {
-        let pid = libc::pid_t::try_from(self.nbdkit.id()).expect("pid");
-        // SAFETY: kill(2) on the PID of a child we spawned and have not reaped.
-        unsafe { libc::kill(pid, sig) };
+        signal(&self.nbdkit, sig);
     }
+}
+
+fn signal(c: &Child, sig: libc::c_int) {
+    let pid = libc::pid_t::try_from(c.id()).expect("pid");
+    // SAFETY: kill(2) on the PID of a child we spawned and have not reaped.
+    unsafe { libc::kill(pid, sig) };
 }
 
 impl Drop for FuseStore {
     fn drop(&mut self) {
         self.signal(libc::SIGCONT);
+        signal(&self.nbdfuse, libc::SIGCONT);
         let _ = Command::new("umount").arg("-l").arg(&self.mnt).status();
         for c in [&mut self.nbdfuse, &mut self.nbdkit] {
             let _ = c.kill();
@@ -264,6 +269,102 @@ fn a_paused_fuse_store_stalls_its_own_clients_only() {
     {
         let mut o = o;
         let _ = o.read_to_string(&mut out);
+    }
+    assert!(
+        status.success() && out.contains("block status"),
+        "nbdsh: {status} {out}"
+    );
+    drop(srv);
+    drop(store);
+}
+
+/// Continues the FUSE server (nbdfuse itself) on drop.
+struct FusePaused<'a>(&'a FuseStore);
+
+impl Drop for FusePaused<'_> {
+    fn drop(&mut self) {
+        signal(&self.0.nbdfuse, libc::SIGCONT);
+    }
+}
+
+/// BLOCK_STATUS asks the file's size (`fstat`) and holes (`lseek`): with the FUSE
+/// server itself paused, once its cached attributes expire the `fstat` waits for
+/// it. That wait must not hold up the other device on the same reactor.
+#[test]
+fn block_status_on_a_paused_fuse_server_stalls_its_own_device_only() {
+    let dir = tempdir();
+    let store = FuseStore::start(dir.path());
+    let healthy_img = dir.path().join("healthy.img");
+    create_pattern_image(&healthy_img, 16 * MIB, 4);
+    let srv = Server::daemon().args(["--reactors", "1"]).start();
+    for (img, name) in [(store.file(), "stuck"), (healthy_img.clone(), "healthy")] {
+        srv.ctl_ok(&[
+            "attach",
+            path_str(&img),
+            "--name",
+            name,
+            "--cache",
+            "buffered",
+        ]);
+    }
+    let (mut h, _, _) = RawClient::handshake(srv.socket(), "healthy");
+    let uri = srv.uri_for_name("stuck");
+    let script = format!(
+        "{NBDSH_PRELUDE}\ng = connect({})\nimport time\nprint('connected', flush=True)\n\
+         time.sleep(3)\nents = []\n\
+         g.block_status(65536, 0, lambda m, o, e, err: ents.extend(e))\nprint('block status', ents)\n",
+        py_str(&uri)
+    );
+    let mut bs = Reaped(
+        tool("nbdsh")
+            .args(["-c", &script])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn nbdsh"),
+    );
+    // Connected (the handshake needs no backing file), then pause the FUSE
+    // server; the BLOCK_STATUS goes out 3 s later, after the attribute cache
+    // (1 s) has expired.
+    std::thread::sleep(Duration::from_millis(1500));
+    let paused = FusePaused(&store);
+    signal(&store.nbdfuse, libc::SIGSTOP);
+    let t0 = Instant::now();
+    let mut k = 0u64;
+    while t0.elapsed() < STUCK_FOR {
+        k += 1;
+        let off = (k % 1024) * 4096;
+        let byte = u8::try_from(k % 251).expect("below 251");
+        let t = Instant::now();
+        assert_eq!(h.write(100 + k, off, &[byte; 4096]), 0);
+        assert_eq!(h.read(200 + k, off, 4096), vec![byte; 4096]);
+        let took = t.elapsed();
+        assert!(
+            took < HEALTHY_OP_MAX,
+            "a healthy device's write+read took {took:?} while BLOCK_STATUS of another hung"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(k >= 20, "only {k} healthy round trips in {STUCK_FOR:?}");
+    assert!(
+        bs.0.try_wait().expect("wait nbdsh").is_none(),
+        "BLOCK_STATUS was answered while the FUSE server was paused: it was not stuck"
+    );
+    drop(paused);
+    let t = Instant::now();
+    let status = loop {
+        if let Some(st) = bs.0.try_wait().expect("wait nbdsh") {
+            break st;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "BLOCK_STATUS never completed"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut out = String::new();
+    if let Some(mut o) = bs.0.stdout.take() {
+        let _ = std::io::Read::read_to_string(&mut o, &mut out);
     }
     assert!(
         status.success() && out.contains("block status"),
