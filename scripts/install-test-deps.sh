@@ -4,7 +4,7 @@
 set -euo pipefail
 
 PACKAGES=(qemu-utils fio nbdkit libnbd-bin python3-libnbd nbd-client)
-TOOLS=(qemu-io qemu-img qemu-nbd fio nbdkit nbdinfo nbdcopy nbdsh nbd-client)
+TOOLS=(qemu-io qemu-img qemu-nbd fio nbdkit nbdinfo nbdcopy nbdsh nbd-client nbdfuse)
 
 # /usr/bin first: nbdsh runs `python3`, which must be the system Python that
 # has the `nbd` module (not, say, a pyenv shim).
@@ -35,6 +35,10 @@ fi
 
 export DEBIAN_FRONTEND=noninteractive
 apt-get update
+# nbdfuse ships in libnbd-bin up to Debian 12, in a package of its own later.
+if apt-cache show nbdfuse >/dev/null 2>&1; then
+    PACKAGES+=(nbdfuse)
+fi
 apt-get install -y --no-install-recommends "${PACKAGES[@]}"
 
 # Check again, so a package that did not provide a tool fails here, clearly.

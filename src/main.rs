@@ -115,6 +115,11 @@ struct ServeArgs {
     /// latency where waking a sleeping CPU is slow (virtual machines). 0 = never poll.
     #[arg(long, value_name = "US", default_value_t = loopd::engine::poll::DEFAULT_MAX_US)]
     poll_us: u64,
+    /// Memory for request and reply buffers across the whole daemon, e.g. 512M
+    /// [default: 256M; at least 64M]. When it is spent, connections stop reading
+    /// new requests until replies are sent (backpressure).
+    #[arg(long, value_name = "SIZE", value_parser = parse_budget)]
+    memory_budget: Option<u64>,
     /// Benchmark switch: one lock for the whole device instead of byte ranges.
     #[arg(long, hide = true)]
     whole_device_lock: bool,
@@ -340,6 +345,9 @@ fn serve(a: ServeArgs) -> Result<()> {
         control_idle: std::time::Duration::from_secs_f64(
             a.control_idle_timeout.clamp(0.1, 86_400.0),
         ),
+        memory_budget: a
+            .memory_budget
+            .map_or(0, |b| usize::try_from(b).unwrap_or(usize::MAX)),
     };
     let nbd = server::nbd_socket_path(&opts0);
     let control = a.control.clone().unwrap_or_else(|| match &nbd {
@@ -404,4 +412,17 @@ fn serve(a: ServeArgs) -> Result<()> {
     };
     server::serve(d, &opts)?;
     Ok(())
+}
+
+/// `--memory-budget`: a size of at least the engine's minimum.
+fn parse_budget(s: &str) -> Result<u64, String> {
+    let min = loopd::engine::budget::MIN_LIMIT as u64;
+    let b = loopd::size::parse_size(s).map_err(|e| e.to_string())?;
+    if b < min {
+        return Err(format!(
+            "{b} bytes is too small: the largest request needs at least {}M",
+            min >> 20
+        ));
+    }
+    Ok(b)
 }

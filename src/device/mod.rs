@@ -18,7 +18,7 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use thiserror::Error;
 
 /// The cache mode a user asks for.
@@ -139,8 +139,35 @@ pub struct Device {
     pub inline_reads: bool,
     /// Small whole-page buffered writes are copied into the page cache inline.
     pub inline_writes: bool,
+    /// The backing file lives on a local disk filesystem (or is a block device):
+    /// an inline write the filesystem refuses to do with `RWF_NOWAIT` may still be
+    /// copied inline, blocking — it waits for the journal or writeback of a local
+    /// disk, never for a server (FUSE, NFS, ...), whose files' writes always go
+    /// through the ring.
+    pub local_fs: bool,
+    /// The filesystem takes `RWF_NOWAIT` buffered writes (cleared at the first
+    /// `EOPNOTSUPP`).
+    pub nowait_writes: AtomicBool,
     /// Large buffered reads are spliced from the page cache to the socket.
     pub splice_reads: bool,
+}
+
+/// Whether `f` is on a filesystem whose I/O waits only for local disks (or is a
+/// block device), never for a server or a user-space process.
+fn on_local_disk(f: &File) -> bool {
+    const LOCAL: [i64; 6] = [
+        0xEF53,      // ext2/3/4
+        0x5846_5342, // xfs
+        0x9123_683E, // btrfs
+        0x0102_1994, // tmpfs
+        0xF2F5_2010, // f2fs
+        0x6264_6576, // bdev
+    ];
+    match rustix::fs::fstatfs(f) {
+        #[allow(clippy::unnecessary_cast)]
+        Ok(st) => LOCAL.contains(&(st.f_type as i64)),
+        Err(_) => false,
+    }
 }
 
 fn valid_block_size(bs: u32) -> bool {
@@ -262,6 +289,7 @@ impl Device {
             });
         };
         let align = align::probe(&plain);
+        let local_fs = on_local_disk(&plain);
         let default_bs = align.offset.clamp(512, 4096);
         let block_size = p.block_size.unwrap_or(if valid_block_size(default_bs) {
             default_bs
@@ -380,6 +408,8 @@ impl Device {
             created: false,
             inline_reads: !p.no_inline_reads,
             inline_writes: !p.no_inline_writes,
+            local_fs,
+            nowait_writes: AtomicBool::new(true),
             splice_reads: !p.no_splice,
         })
     }

@@ -5,7 +5,15 @@
 //! zero-initialised when first allocated. A buffer is owned by exactly one request
 //! slot at a time; while an SQE refers to it, the slot keeps it (see the reactor's
 //! contract). The pool is per reactor, so it needs no lock.
+//!
+//! Memory: every buffer is charged to the daemon's [`super::budget`] while it
+//! exists, idle in a pool or not. Buffers of [`MMAP_MIN`] bytes or more are mapped
+//! directly, so freeing one gives its memory back to the system at once (the
+//! allocator could keep it); a pool keeps at most [`POOL_KEEP_BYTES`] (and a
+//! quarter of the budget) idle, and frees what comes back while a reactor waits
+//! for budget.
 
+use super::budget;
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ptr::NonNull;
 
@@ -15,6 +23,8 @@ const MIN_CLASS_SHIFT: usize = 12; // 4 KiB
 const CLASSES: usize = 15; // 4 KiB ..= 64 MiB
 /// Bytes of idle buffers a pool keeps for reuse; past this they are freed.
 const POOL_KEEP_BYTES: usize = 96 << 20;
+/// Buffers this large are mapped, not taken from the allocator.
+pub const MMAP_MIN: usize = 256 << 10;
 
 /// A heap buffer aligned to [`BUF_ALIGN`].
 pub struct AlignedBuf {
@@ -27,9 +37,41 @@ pub struct AlignedBuf {
 unsafe impl Send for AlignedBuf {}
 
 impl AlignedBuf {
-    /// Allocate `cap` bytes (rounded up to the alignment), zeroed.
+    /// Allocate `cap` bytes (rounded up to the alignment), zeroed, charged to the
+    /// budget whatever its limit.
     pub fn new(cap: usize) -> AlignedBuf {
-        let cap = cap.max(BUF_ALIGN).next_multiple_of(BUF_ALIGN);
+        let cap = Self::rounded(cap);
+        budget::global().charge(cap);
+        Self::new_charged(cap)
+    }
+
+    fn rounded(cap: usize) -> usize {
+        cap.max(BUF_ALIGN).next_multiple_of(BUF_ALIGN)
+    }
+
+    /// Allocate `cap` bytes (a multiple of the alignment) already charged.
+    fn new_charged(cap: usize) -> AlignedBuf {
+        if cap >= MMAP_MIN {
+            // SAFETY: an anonymous private mapping of a non-zero length at an
+            // address of the kernel's choosing; it aliases nothing.
+            let raw = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    cap,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            // Mappings are page aligned (>= BUF_ALIGN) and zero-filled.
+            if raw != libc::MAP_FAILED {
+                if let Some(ptr) = NonNull::new(raw.cast::<u8>()) {
+                    return AlignedBuf { ptr, cap };
+                }
+            }
+            std::alloc::handle_alloc_error(Self::layout(cap))
+        }
         let layout = Self::layout(cap);
         // SAFETY: layout has non-zero size (cap >= BUF_ALIGN) and a valid alignment.
         let raw = unsafe { alloc_zeroed(layout) };
@@ -74,8 +116,14 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        // SAFETY: ptr was allocated by alloc_zeroed with exactly this layout.
-        unsafe { dealloc(self.ptr.as_ptr(), Self::layout(self.cap)) }
+        if self.cap >= MMAP_MIN {
+            // SAFETY: ptr/cap is the mapping made in new_charged, unmapped once.
+            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.cap) };
+        } else {
+            // SAFETY: ptr was allocated by alloc_zeroed with exactly this layout.
+            unsafe { dealloc(self.ptr.as_ptr(), Self::layout(self.cap)) }
+        }
+        budget::global().release(self.cap);
     }
 }
 
@@ -107,10 +155,53 @@ impl Pool {
         }
     }
 
-    /// Return a buffer for reuse (or free it if the pool is full).
+    /// Make sure the next [`Pool::get`] of `len` bytes is within the budget: an
+    /// idle buffer of its class is there, or one is allocated now if the budget
+    /// has room (after freeing this pool's idle buffers if need be). False: the
+    /// budget is spent; the caller waits for a release.
+    pub fn reserve(&mut self, len: usize) -> bool {
+        let Some(c) = class_of(len) else {
+            return true; // larger than any request: not reached
+        };
+        if !self.free[c].is_empty() {
+            return true;
+        }
+        let cap = 1 << (c + MIN_CLASS_SHIFT);
+        let b = budget::global();
+        if !b.try_charge(cap) {
+            self.trim();
+            if !b.try_charge(cap) {
+                return false;
+            }
+        }
+        self.kept += cap;
+        self.free[c].push(AlignedBuf::new_charged(cap));
+        true
+    }
+
+    /// Free every idle buffer.
+    pub fn trim(&mut self) {
+        for f in &mut self.free {
+            f.clear();
+        }
+        self.kept = 0;
+    }
+
+    /// Bytes of idle buffers held.
+    pub fn idle_bytes(&self) -> usize {
+        self.kept
+    }
+
+    /// Return a buffer for reuse (or free it if the pool is full, or a reactor
+    /// waits for budget).
     pub fn put(&mut self, buf: AlignedBuf) {
+        let b = budget::global();
+        let keep = POOL_KEEP_BYTES.min(b.limit() / 4);
         if let Some(c) = class_of(buf.cap) {
-            if buf.cap == 1 << (c + MIN_CLASS_SHIFT) && self.kept + buf.cap <= POOL_KEEP_BYTES {
+            if buf.cap == 1 << (c + MIN_CLASS_SHIFT)
+                && self.kept + buf.cap <= keep
+                && !b.anyone_starved()
+            {
                 self.kept += buf.cap;
                 self.free[c].push(buf);
             }

@@ -11,11 +11,12 @@
 use super::admit::Permit;
 use super::affinity::{Follow, Peer};
 use super::buffer::AlignedBuf;
+use super::offload;
 use super::ops;
 use super::reactor::{Io, TAG_CANCEL, TAG_FILE, TAG_RECV, TAG_SEND, ud};
 use super::splice::{MAX_PIPES, Pipe, PipePool, SPLICE_MIN, part_len};
 use super::sync;
-use super::task::{Next, Task};
+use super::task::{self, Next, Nowait, Task};
 use crate::device::export::{ClientRef, Export};
 use crate::device::range_lock::{Place, Ticket};
 use crate::device::stats::Path;
@@ -30,7 +31,8 @@ use std::sync::atomic::Ordering;
 
 /// Requests a connection may have between header and reply.
 pub const SLOTS: u16 = 128;
-/// Bytes of request buffers a connection may hold before it stops reading.
+/// Bytes of request buffers a connection may hold before it stops reading (at
+/// most; a quarter of the daemon's memory budget when that is less).
 pub const BYTES_BUDGET: usize = 128 << 20;
 /// Size of the header receive buffer.
 pub const RBUF: usize = 64 << 10;
@@ -410,7 +412,7 @@ impl Conn {
                 self.post_recv(io, ci, ptr, RBUF - at);
                 return;
             }
-            if self.free_slots.is_empty() || self.bytes_held > BYTES_BUDGET {
+            if self.free_slots.is_empty() || self.bytes_held > io.per_conn_bytes {
                 return; // resumed when a reply has been sent
             }
             if !self.export.enter(&io.waker) {
@@ -433,6 +435,20 @@ impl Conn {
                     return;
                 }
             };
+            // The request's data buffer must fit in the daemon's memory budget
+            // before the request is taken; if it does not, read no further until
+            // budget is released (the header stays buffered).
+            if let Ok(cmd @ (Command::Read | Command::Write)) = wire::validate(&req, &self.view) {
+                let need = task::buffer_len(&self.dev, cmd, req.offset, req.len);
+                if !io.pool.reserve(need) {
+                    io.starve();
+                    if !io.pool.reserve(need) {
+                        self.export.leave();
+                        io.parked.push(ci);
+                        return;
+                    }
+                }
+            }
             self.rstart += REQUEST_LEN;
             self.active = true;
             let Some(si) = self.free_slots.pop() else {
@@ -585,8 +601,14 @@ impl Conn {
             return;
         };
         if matches!(task.cmd, Command::Read | Command::Write) {
-            if task.cmd == Command::Read && task.path == Path::Buffered && dev.inline_reads {
-                // Seed 004: try the page cache inline before going async.
+            if task.cmd == Command::Read
+                && task.path == Path::Buffered
+                && dev.inline_reads
+                && dev.local_fs
+            {
+                // Seed 004: try the page cache inline before going async. Not on
+                // FUSE or network files: even a NOWAIT read can block there (FUSE
+                // readahead waits for room in the server's queue).
                 let len32 = task.len;
                 let len = len32 as usize;
                 let foff = dev.file_offset(task.offset);
@@ -608,13 +630,31 @@ impl Conn {
                 }
             }
             if dev.inline_writes && task.inline_write_ok() {
-                // The filesystem cannot take this write without blocking (ext4 has
-                // no RWF_NOWAIT buffered writes), so the ring would hand it to a
-                // worker thread: two wake-ups for a page-cache copy of microseconds.
-                dev.stats.path(Path::InlineWritten);
-                let r = sync::drive(task, &mut io.pool);
-                self.advance(io, ci, si, Next::Done(r));
-                return;
+                // A page-cache copy of microseconds: inline, it saves the ring's
+                // hand-over to a worker thread (two wake-ups). With RWF_NOWAIT it
+                // cannot block. A filesystem without NOWAIT buffered writes (ext4)
+                // gets a blocking copy only if it is on a local disk; a FUSE or
+                // network file's write always goes through the ring, since its
+                // server may never answer.
+                let nowait = dev.nowait_writes.load(Ordering::Relaxed);
+                let tried = if nowait {
+                    task.write_nowait()
+                } else {
+                    Nowait::Unsupported
+                };
+                let done = match tried {
+                    Nowait::Done => Some(Ok(0)),
+                    Nowait::Unsupported if dev.local_fs => Some(sync::drive(task, &mut io.pool)),
+                    Nowait::Unsupported | Nowait::Again => None,
+                };
+                if nowait && tried == Nowait::Unsupported {
+                    dev.nowait_writes.store(false, Ordering::Relaxed);
+                }
+                if let Some(r) = done {
+                    dev.stats.path(Path::InlineWritten);
+                    self.advance(io, ci, si, Next::Done(r));
+                    return;
+                }
             }
             dev.stats.path(task.path);
         }
@@ -698,10 +738,20 @@ impl Conn {
 
     /// Submit `e`, a file operation of slot `si`, counted in flight (per connection
     /// and per ring) until its completion reaches [`Conn::on_file`].
+    ///
+    /// A file that is not on a local disk (FUSE, NFS, ...) has its operations
+    /// sent straight to the ring's workers (`IOSQE_ASYNC`): issued inline, from
+    /// the reactor's `io_uring_enter`, a FUSE read can block there (its readahead
+    /// waits for a slot in the FUSE server's queue) and stall every connection.
     fn submit_file_op(&mut self, io: &mut Io, ci: u32, si: u16, e: squeue::Entry) {
         self.slots[si as usize].state = SlotState::Io;
         self.file_ops += 1;
         io.file_ops += 1;
+        let e = if self.dev.local_fs {
+            e
+        } else {
+            e.flags(squeue::Flags::ASYNC)
+        };
         io.push(e.user_data(ud(TAG_FILE, ci, si)));
     }
 
@@ -820,9 +870,35 @@ impl Conn {
         self.sendq.push_back(si);
     }
 
+    /// Answer a block-status request off the reactor (its `lseek`s can wait on
+    /// the backing file's server): counted in flight like a file operation until
+    /// [`Conn::on_status`].
     fn block_status(&mut self, io: &mut Io, ci: u32, si: u16, off: u64, len: u32, one: bool) {
-        let mut extra = io.pool.get(8 * status::MAX_DESCRIPTORS);
-        match status::describe(&self.dev, off, len, one, extra.as_mut_slice()) {
+        let out = io.pool.get(8 * status::MAX_DESCRIPTORS);
+        self.slots[si as usize].state = SlotState::Io;
+        self.file_ops += 1;
+        offload::submit(offload::StatusJob {
+            dev: Arc::clone(&self.dev),
+            off,
+            len,
+            one,
+            out,
+            conn: ci,
+            slot: si,
+            inbox: Arc::clone(&io.inbox),
+        });
+    }
+
+    /// A block-status request came back from the workers.
+    pub(super) fn on_status(&mut self, io: &mut Io, ci: u32, d: offload::StatusDone) {
+        self.file_ops = self.file_ops.saturating_sub(1);
+        let si = d.slot;
+        if self.dead {
+            io.pool.put(d.out);
+            self.release_slot(io, si);
+            return;
+        }
+        match d.res {
             Ok(n) => {
                 self.settle(si);
                 let slot = &mut self.slots[si as usize];
@@ -834,11 +910,11 @@ impl Conn {
                     count,
                 );
                 slot.data_len = 8 * n;
-                slot.extra = Some(extra);
+                slot.extra = Some(d.out);
                 self.queue(io, si);
             }
             Err(e) => {
-                io.pool.put(extra);
+                io.pool.put(d.out);
                 self.finish(io, ci, si, false, Err(e));
             }
         }

@@ -5,8 +5,10 @@
 pub mod admit;
 pub mod affinity;
 pub mod align;
+pub mod budget;
 pub mod buffer;
 pub mod conn;
+pub mod offload;
 pub mod ops;
 pub mod poll;
 pub mod reactor;

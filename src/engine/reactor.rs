@@ -21,25 +21,44 @@
 //! - Large buffered reads are spliced (see [`super::splice`]): their file → pipe
 //!   and pipe → socket operations run on the kernel's io_uring workers, which may
 //!   block there, never this thread.
-//! - What the thread may block on: the ring (waiting for completions), and in
-//!   buffered mode the two inline page-cache paths — `RWF_NOWAIT` reads, which do
-//!   not block, and small whole-page writes, which copy into the page cache and can
-//!   wait for the filesystem's journal, dirty-page throttling or a page fault, and
-//!   then stall every connection on this reactor (direct-mode ones included).
+//! - What the thread may block on: the ring (waiting for completions), and
+//!   nothing else that a backing file can hold up. Every file operation goes
+//!   through the ring (whose workers may block, never this thread; up to
+//!   `IOWQ_BOUNDED` of them per ring, so a few hung operations do not hold up
+//!   other devices' syncs and large writes); the calls the
+//!   ring has no opcode for (`SEEK_DATA`/`SEEK_HOLE`, `fstat` of BLOCK_STATUS) run
+//!   on [`super::offload`]'s workers. The inline page-cache paths of buffered mode
+//!   use `RWF_NOWAIT` (reads always; writes where the filesystem takes it), with
+//!   one exception: on a local disk filesystem without NOWAIT buffered writes
+//!   (ext4, tmpfs) a small whole-page write is copied inline and may wait for the
+//!   journal or dirty-page throttling of that disk. A file on FUSE, NFS or any
+//!   other filesystem whose server may not answer is never touched here — no
+//!   inline path, and its ring operations carry `IOSQE_ASYNC`, since even a
+//!   NOWAIT issue from `io_uring_enter` blocked in FUSE readahead — so a hung
+//!   backing store stalls its own clients only.
+//! - Memory: request buffers are reserved against the daemon's
+//!   [`super::budget`] before a request is read; a refused connection is parked
+//!   and the reactor is woken when any reactor releases budget. Its pool frees
+//!   its idle buffers when some reactor is refused.
+//! - Heartbeat: the thread publishes when it started its current turn (zero while
+//!   it waits on the ring), so [`ReactorHandle::making_progress`] can tell a
+//!   stuck reactor from an idle one.
 //! - Before sleeping it may busy-poll (see [`super::poll`]) for up to `--poll-us`,
 //!   never while file I/O is in flight and never after a large batch.
 
 use super::admit::Permit;
 use super::affinity::{self, CpuLoad, Peer};
+use super::budget;
 use super::buffer::Pool;
-use super::conn::Conn;
+use super::conn::{BYTES_BUDGET, Conn};
+use super::offload::Inbox;
 use super::poll::AdaptivePoll;
 use super::splice::PipePool;
 use crate::device::export::ClientRef;
 use crate::device::range_lock::Wake;
 use io_uring::{IoUring, opcode, squeue, types};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -53,6 +72,8 @@ pub(super) const TAG_CANCEL: u64 = 5;
 const TAG_TIMER: u64 = 6;
 
 const RING_ENTRIES: u32 = 1024;
+/// Kernel worker threads a reactor's ring may run file operations on at once.
+const IOWQ_BOUNDED: u32 = 512;
 /// How long a stopping reactor waits for clients to take their replies.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -138,6 +159,26 @@ pub struct ReactorHandle {
     cpu: AtomicUsize,
     /// Takes connections moving in: false once the reactor is stopping.
     open: AtomicBool,
+    /// When (coarse monotonic milliseconds, [`now_ms`]) the thread began its
+    /// current turn; zero while it waits on the ring.
+    turn_since: AtomicU64,
+}
+
+/// A reactor in one turn for longer than this is not making progress.
+pub const STUCK_AFTER_MS: u64 = 1000;
+
+/// Coarse monotonic clock in milliseconds (a few ns to read; never zero).
+fn now_ms() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: ts is a valid timespec to write; CLOCK_MONOTONIC_COARSE exists on
+    // every Linux loopd runs on.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    let ms = u64::try_from(ts.tv_sec).unwrap_or(0) * 1000
+        + u64::try_from(ts.tv_nsec).unwrap_or(0) / 1_000_000;
+    ms.max(1)
 }
 
 impl ReactorHandle {
@@ -180,6 +221,14 @@ impl ReactorHandle {
         })
     }
 
+    /// Whether the reactor is waiting for work or turned within the last
+    /// [`STUCK_AFTER_MS`]: false means its thread is held up inside a turn, and
+    /// new connections should go elsewhere.
+    pub fn making_progress(&self) -> bool {
+        let t = self.turn_since.load(Ordering::Relaxed);
+        t == 0 || now_ms().saturating_sub(t) <= STUCK_AFTER_MS
+    }
+
     /// Wake the reactor (it re-checks parked requests and, if the control
     /// generation moved, every connection's export).
     pub fn wake(&self) {
@@ -197,8 +246,16 @@ impl ReactorHandle {
     }
 }
 
-/// Start a reactor thread.
-pub fn spawn(id: usize, poll_max: Duration) -> Result<Arc<ReactorHandle>, ReactorError> {
+/// Start a reactor thread. `memory_budget` (bytes; 0 = the default) sets the
+/// daemon-wide [`budget`] shared by every reactor.
+pub fn spawn(
+    id: usize,
+    poll_max: Duration,
+    memory_budget: usize,
+) -> Result<Arc<ReactorHandle>, ReactorError> {
+    if memory_budget > 0 {
+        budget::global().set_limit(memory_budget);
+    }
     // Blocking: io_uring polls it; a non-blocking eventfd could complete the
     // wake-up read with EAGAIN instead of waiting.
     let efd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)
@@ -212,6 +269,7 @@ pub fn spawn(id: usize, poll_max: Duration) -> Result<Arc<ReactorHandle>, Reacto
         load: Default::default(),
         cpu: AtomicUsize::new(usize::MAX),
         open: AtomicBool::new(true),
+        turn_since: AtomicU64::new(0),
     });
     let h2 = Arc::clone(&handle);
     // The ring is created on the reactor thread: it is that thread's alone
@@ -232,6 +290,15 @@ pub fn spawn(id: usize, poll_max: Duration) -> Result<Arc<ReactorHandle>, Reacto
                     return;
                 }
             };
+            // Operations on a hung backing file hold a kernel worker each (reads
+            // are not serialised per file as writes are); with the default cap (4
+            // per CPU) a few of them would hold every worker, and other devices'
+            // syncs and large writes would queue behind them. Workers start only
+            // when needed, so a higher cap costs nothing until then.
+            let mut max = [IOWQ_BOUNDED, 0];
+            if let Err(e) = ring.submitter().register_iowq_max_workers(&mut max) {
+                tracing::debug!("reactor {id}: io_uring worker cap unchanged: {e}");
+            }
             let mut r = Reactor::new(ring, rx, waker, h2, poll_max);
             if let Err(e) = r.run() {
                 tracing::error!("reactor {id} stopped: {e:#}");
@@ -299,6 +366,14 @@ pub(super) struct Io {
     cqes: Vec<(u64, i32)>,
     /// File operations in flight on this ring (all connections).
     pub file_ops: u32,
+    /// Answers of block-status requests run on the offload workers.
+    pub inbox: Arc<Inbox>,
+    /// Bytes of requests one connection may hold (see [`Conn::pump`]).
+    pub per_conn_bytes: usize,
+    /// Marked starved in the budget (until the next wake-up).
+    starved: bool,
+    /// This reactor's registration with the budget.
+    budget_id: usize,
 }
 
 impl Io {
@@ -317,6 +392,15 @@ impl Io {
                 }
                 self.reap();
             }
+        }
+    }
+
+    /// A connection was refused budget: be woken by the next release anywhere
+    /// (the caller tries once more after this, so a release in between counts).
+    pub fn starve(&mut self) {
+        if !self.starved {
+            self.starved = true;
+            budget::global().starve(self.budget_id);
         }
     }
 
@@ -362,6 +446,8 @@ impl Reactor {
         poll_max: Duration,
     ) -> Reactor {
         let waker_dyn: Arc<dyn Wake> = waker.clone();
+        let b = budget::global();
+        let budget_id = b.register(Arc::downgrade(&waker_dyn));
         Reactor {
             io: Io {
                 ring,
@@ -369,9 +455,13 @@ impl Reactor {
                 pipes: PipePool::default(),
                 lock_waiters: Vec::new(),
                 parked: Vec::new(),
-                waker: waker_dyn,
+                waker: Arc::clone(&waker_dyn),
                 cqes: Vec::new(),
                 file_ops: 0,
+                inbox: Arc::new(Inbox::new(Arc::clone(&waker_dyn))),
+                per_conn_bytes: b.per_connection().min(BYTES_BUDGET),
+                starved: false,
+                budget_id,
             },
             control_gen: CONTROL_GEN.load(Ordering::SeqCst),
             rx,
@@ -422,7 +512,12 @@ impl Reactor {
                 want = 0;
             }
             let blocked = (want == 1 && for_clients).then(Instant::now);
-            match self.io.ring.submit_and_wait(want) {
+            if want == 1 {
+                self.handle.turn_since.store(0, Ordering::Relaxed);
+            }
+            let entered = self.io.ring.submit_and_wait(want);
+            self.handle.turn_since.store(now_ms(), Ordering::Relaxed);
+            match entered {
                 Ok(_) => {}
                 Err(e) if retryable(&e) => {}
                 Err(e) => return Err(ReactorError::Enter(e)),
@@ -510,6 +605,15 @@ impl Reactor {
             self.arm_wake();
             self.retry_locks = true;
             self.dirty.append(&mut self.io.parked);
+            let b = budget::global();
+            if std::mem::take(&mut self.io.starved) {
+                b.fed();
+            }
+            if b.anyone_starved() {
+                // Budget is short somewhere: give back what sits idle here.
+                self.io.pool.trim();
+            }
+            self.take_offloaded();
             let gen_now = CONTROL_GEN.load(Ordering::SeqCst);
             if gen_now != self.control_gen {
                 self.control_gen = gen_now;
@@ -537,6 +641,21 @@ impl Reactor {
             _ => return,
         }
         self.dirty.push(ci);
+    }
+
+    /// Hand answered block-status requests to their connections.
+    fn take_offloaded(&mut self) {
+        for d in self.io.inbox.take() {
+            let ci = d.conn;
+            if let Some(c) = self
+                .conns
+                .get_mut(ci as usize)
+                .and_then(|c| c.as_deref_mut())
+            {
+                c.on_status(&mut self.io, ci, d);
+                self.dirty.push(ci);
+            }
+        }
     }
 
     fn on_msg(&mut self, m: Msg) {
@@ -751,6 +870,11 @@ impl Drop for Reactor {
             let batch = std::mem::take(&mut self.io.cqes);
             for (u, res) in batch {
                 let (tag, ci, si) = ud_parts(u);
+                if tag == TAG_WAKE {
+                    self.arm_wake();
+                    self.take_offloaded();
+                    continue;
+                }
                 let io = &mut self.io;
                 if let Some(c) = self
                     .conns
@@ -771,5 +895,24 @@ impl Drop for Reactor {
                 std::mem::forget(c);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_idle_reactor_makes_progress_and_one_held_in_a_turn_does_not() {
+        let r = spawn(0, Duration::ZERO, 0).expect("reactor");
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(r.making_progress(), "idle, waiting on its ring");
+        // As if its thread had begun a turn two seconds ago and not come back.
+        r.turn_since
+            .store(now_ms() - 2 * STUCK_AFTER_MS, Ordering::Relaxed);
+        assert!(!r.making_progress());
+        r.turn_since.store(now_ms(), Ordering::Relaxed);
+        assert!(r.making_progress(), "a turn that just began");
+        r.shutdown();
     }
 }

@@ -17,7 +17,7 @@ use crate::device::range_lock::Mode;
 use crate::device::stats::Path;
 use crate::nbd::proto::*;
 use crate::nbd::wire::{Command, NbdErrno};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 
 /// One operation on the backing file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,6 +49,17 @@ pub enum FileOp {
         off: u64,
         len: u64,
     },
+}
+
+/// What an inline `RWF_NOWAIT` write achieved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Nowait {
+    /// All of it is in the page cache.
+    Done,
+    /// Not all: the rest (or an error) is for the ring.
+    Again,
+    /// The filesystem does not take `RWF_NOWAIT` writes; nothing was written.
+    Unsupported,
 }
 
 /// What a task wants next.
@@ -130,6 +141,23 @@ fn align_down(x: u64, a: u64) -> u64 {
 
 fn align_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
+}
+
+/// Bytes of data buffer [`Task::plan`] takes for `cmd` at export `offset`,
+/// `len` (0 for commands without one): the request's bytes, widened to direct-I/O
+/// blocks when they are bounced.
+pub fn buffer_len(dev: &Device, cmd: Command, offset: u64, len: u32) -> usize {
+    if !matches!(cmd, Command::Read | Command::Write) {
+        return 0;
+    }
+    let foff = dev.file_offset(offset);
+    let fend = foff.saturating_add(u64::from(len));
+    let align = u64::from(dev.dio_align.max(1));
+    if dev.direct && (foff % align != 0 || fend % align != 0) {
+        to_len(align_up(fend, align) - align_down(foff, align))
+    } else {
+        len as usize
+    }
 }
 
 impl Task {
@@ -261,6 +289,34 @@ impl Task {
             && self.span_len <= INLINE_WRITE_MAX
             && self.span_start % page == 0
             && (self.span_len as u64) % page == 0
+    }
+
+    /// Try the rest of this write on the calling thread with `RWF_NOWAIT`, which
+    /// never blocks: it copies into the page cache only what needs no wait.
+    /// Whatever it wrote counts as progress for the operations [`Task::start`]
+    /// yields after it.
+    pub fn write_nowait(&mut self) -> Nowait {
+        let Some(buf) = self.buf.as_ref() else {
+            return Nowait::Again;
+        };
+        let data = &buf.as_slice()[self.done..self.span_len];
+        // SAFETY: fd is the device's open file, alive for the task's lifetime.
+        let fd = unsafe { BorrowedFd::borrow_raw(self.fd) };
+        let off = self.span_start + self.done as u64;
+        let flags = rustix::io::ReadWriteFlags::NOWAIT;
+        match rustix::io::pwritev2(fd, &[std::io::IoSlice::new(data)], off, flags) {
+            Ok(n) => {
+                self.done += n;
+                if self.done >= self.span_len {
+                    self.phase = Phase::Finished;
+                    Nowait::Done
+                } else {
+                    Nowait::Again
+                }
+            }
+            Err(e) if e == rustix::io::Errno::OPNOTSUPP => Nowait::Unsupported,
+            Err(_) => Nowait::Again,
+        }
     }
 
     /// A read already satisfied (inline from the page cache) up to `n` bytes.

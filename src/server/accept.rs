@@ -411,11 +411,14 @@ fn step(p: &mut Pending, scratch: &mut [u8], daemon: &Daemon) -> Fate {
     }
 }
 
-/// The reactor for a new connection: the least loaded one.
+/// The reactor for a new connection: the least loaded one that is making
+/// progress (one held up inside a turn, by a hung backing file say, only if
+/// all are).
 fn pick_reactor(reactors: &[Arc<ReactorHandle>]) -> Option<&Arc<ReactorHandle>> {
-    reactors
-        .iter()
-        .min_by_key(|r| r.load.load(std::sync::atomic::Ordering::Relaxed))
+    reactors.iter().min_by_key(|r| {
+        let load = r.load.load(std::sync::atomic::Ordering::Relaxed);
+        (!r.making_progress(), load)
+    })
 }
 
 /// A spare descriptor (see [`AcceptLoop::refuse_without_fds`]).

@@ -77,6 +77,9 @@ pub struct ServeOptions {
     pub no_list: bool,
     /// How long a control client may stay idle.
     pub control_idle: Duration,
+    /// Bytes of request and reply buffers across the daemon (0 = the default,
+    /// `engine::budget::DEFAULT_LIMIT`).
+    pub memory_budget: usize,
 }
 
 impl Default for ServeOptions {
@@ -95,6 +98,7 @@ impl Default for ServeOptions {
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             no_list: false,
             control_idle: control::IDLE_TIMEOUT,
+            memory_budget: 0,
         }
     }
 }
@@ -218,7 +222,7 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
         opts.reactors
     };
     let reactors: Vec<Arc<ReactorHandle>> = (0..n)
-        .map(|i| reactor::spawn(i, opts.poll))
+        .map(|i| reactor::spawn(i, opts.poll, opts.memory_budget))
         .collect::<Result<_, _>>()?;
     // Connections follow their clients between reactors (engine::affinity).
     if n > 1 && !opts.no_follow {

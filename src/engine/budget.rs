@@ -1,0 +1,196 @@
+//! The daemon-wide memory budget for request and reply buffers.
+//!
+//! Contract:
+//! - One budget per process ([`global`]), shared by every reactor. Every
+//!   [`super::buffer::AlignedBuf`] is charged for its capacity while it exists —
+//!   in use by a request, or idle in a reactor's pool — and released when it is
+//!   freed, so what is charged is what the buffers occupy in memory.
+//! - The limit is enforced where a connection takes a new request: it reserves the
+//!   request's data buffer ([`super::buffer::Pool::reserve`]) before it parses the
+//!   request, and when the reservation fails it stops reading (backpressure)
+//!   instead of allocating. Small buffers taken elsewhere (connection receive
+//!   buffers, block-status descriptors, read-modify-write edges) are charged
+//!   without asking: they are bounded by connections × slots, not by clients'
+//!   lengths.
+//! - A reactor whose connection was refused marks itself starved ([`Budget::starve`])
+//!   and tries once more; any release while a reactor is starved wakes every
+//!   registered reactor ([`Budget::register`]), so budget freed by one reactor
+//!   resumes connections waiting on another. Releasing costs one atomic
+//!   subtraction and one load when nobody waits.
+//! - The limit must hold the largest request ([`MIN_LIMIT`]), so a connection that
+//!   holds nothing always gets its request in once others release theirs.
+
+use crate::device::range_lock::Wake;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock, Weak};
+
+/// Default budget: fits a small machine (a 1 GiB VM keeps most of its memory),
+/// and holds a deep queue of large requests on a few connections.
+pub const DEFAULT_LIMIT: usize = 256 << 20;
+/// Smallest budget: the largest request (32 MiB of data, plus alignment blocks on
+/// both sides when bounced) must fit with room to spare.
+pub const MIN_LIMIT: usize = 64 << 20;
+
+/// A byte budget shared by every reactor. See the module documentation.
+pub struct Budget {
+    limit: AtomicUsize,
+    used: AtomicUsize,
+    /// Reactors that were refused and wait for a release.
+    starved: AtomicUsize,
+    wakers: Mutex<Vec<Weak<dyn Wake>>>,
+}
+
+/// The process's budget.
+pub fn global() -> &'static Budget {
+    static B: OnceLock<Budget> = OnceLock::new();
+    B.get_or_init(|| Budget::new(DEFAULT_LIMIT))
+}
+
+impl Budget {
+    pub fn new(limit: usize) -> Budget {
+        Budget {
+            limit: AtomicUsize::new(limit.max(MIN_LIMIT)),
+            used: AtomicUsize::new(0),
+            starved: AtomicUsize::new(0),
+            wakers: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Set the limit (raised to [`MIN_LIMIT`]); buffers already charged stay.
+    pub fn set_limit(&self, limit: usize) {
+        self.limit.store(limit.max(MIN_LIMIT), Ordering::Relaxed);
+    }
+
+    pub fn limit(&self) -> usize {
+        self.limit.load(Ordering::Relaxed)
+    }
+
+    /// Bytes charged now.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of requests one connection may hold before it stops reading: a
+    /// quarter of the budget (at least one largest request), so a few clients
+    /// cannot take it all.
+    pub fn per_connection(&self) -> usize {
+        (self.limit() / 4).max(MIN_LIMIT / 2)
+    }
+
+    /// Charge `n` bytes if they fit under the limit.
+    pub fn try_charge(&self, n: usize) -> bool {
+        let limit = self.limit();
+        self.used
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |u| {
+                u.checked_add(n).filter(|&t| t <= limit)
+            })
+            .is_ok()
+    }
+
+    /// Charge `n` bytes whatever the limit (buffers bounded elsewhere).
+    pub fn charge(&self, n: usize) {
+        self.used.fetch_add(n, Ordering::SeqCst);
+    }
+
+    /// Give back `n` charged bytes; wakes the reactors if one is starved.
+    pub fn release(&self, n: usize) {
+        self.used.fetch_sub(n, Ordering::SeqCst);
+        if self.starved.load(Ordering::SeqCst) > 0 {
+            self.wake_all(None);
+        }
+    }
+
+    /// Whether some reactor waits for budget (pools then free what they release).
+    pub fn anyone_starved(&self) -> bool {
+        self.starved.load(Ordering::Relaxed) > 0
+    }
+
+    /// A reactor was refused: it is woken by the next release. Call before the
+    /// last try, so a release between the two cannot be missed. `me` (the
+    /// reactor's registration) is not woken by the reclaim call-out to the others,
+    /// which free their idle pooled buffers.
+    pub fn starve(&self, me: usize) {
+        self.starved.fetch_add(1, Ordering::SeqCst);
+        self.wake_all(Some(me));
+    }
+
+    /// A starved reactor was woken (it marks itself starved again if still refused).
+    pub fn fed(&self) {
+        let _ = self
+            .starved
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |s| s.checked_sub(1));
+    }
+
+    /// Register a reactor's waker; returns its registration number.
+    pub fn register(&self, w: Weak<dyn Wake>) -> usize {
+        let mut ws = match self.wakers.lock() {
+            Ok(ws) => ws,
+            Err(p) => p.into_inner(),
+        };
+        if let Some(i) = ws.iter().position(|x| x.strong_count() == 0) {
+            ws[i] = w;
+            return i;
+        }
+        ws.push(w);
+        ws.len() - 1
+    }
+
+    fn wake_all(&self, except: Option<usize>) {
+        let ws = match self.wakers.lock() {
+            Ok(ws) => ws,
+            Err(p) => p.into_inner(),
+        };
+        for (i, w) in ws.iter().enumerate() {
+            if Some(i) == except {
+                continue;
+            }
+            if let Some(w) = w.upgrade() {
+                w.wake();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicUsize;
+
+    struct Count(AtomicUsize);
+    impl Wake for Count {
+        fn wake(&self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn charges_stop_at_the_limit_and_releases_make_room() {
+        let b = Budget::new(MIN_LIMIT);
+        assert!(b.try_charge(MIN_LIMIT - 10));
+        assert!(!b.try_charge(11));
+        assert_eq!(b.used(), MIN_LIMIT - 10);
+        b.release(MIN_LIMIT - 10);
+        assert!(b.try_charge(MIN_LIMIT));
+    }
+
+    #[test]
+    fn a_release_wakes_starved_reactors_only_while_one_is_starved() {
+        let b = Budget::new(MIN_LIMIT);
+        let c = Arc::new(Count(AtomicUsize::new(0)));
+        let a: Arc<dyn Wake> = c.clone();
+        let me = b.register(Arc::downgrade(&a));
+        b.charge(4096);
+        b.release(4096);
+        let woken = || c.0.load(Ordering::SeqCst);
+        assert_eq!(woken(), 0, "nobody starved: no wake-up");
+        b.starve(me);
+        assert_eq!(woken(), 0, "the starving reactor is not woken by itself");
+        b.charge(4096);
+        b.release(4096);
+        assert_eq!(woken(), 1);
+        b.fed();
+        b.release(0);
+        assert_eq!(woken(), 1);
+    }
+}
