@@ -59,7 +59,7 @@ struct ServeArgs {
     #[arg(long, value_name = "HOST:PORT")]
     listen: Vec<String>,
     /// TOML file of devices to attach at start ([[device]] tables with image,
-    /// name, offset, size_limit, block_size, cache, read_only, autoclear).
+    /// name, offset, size_limit, block_size, cache, read_only, autoclear, shared, format).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Control socket (mode 0600) [default: beside the NBD socket, with extension .ctl].

@@ -14,6 +14,7 @@
 pub mod info;
 pub mod state;
 
+use crate::backing::lock::LockError;
 use crate::control::proto::{
     DeviceSpec, ErrorBody, ErrorCode, Request, SetSpec, err_reply, ok_reply,
 };
@@ -70,9 +71,17 @@ impl CtlError {
                 | DeviceError::Empty
                 | DeviceError::TooLarge { .. }
                 | DeviceError::NotAFile { .. } => ErrorCode::Invalid,
+                DeviceError::NotRaw { .. } => ErrorCode::Invalid,
                 DeviceError::DirectRefused { .. } => ErrorCode::DirectRefused,
+                DeviceError::Lock(l) => match l {
+                    LockError::InUse { .. } => ErrorCode::Busy,
+                    LockError::Open { .. }
+                    | LockError::Replaced { .. }
+                    | LockError::Fcntl { .. } => ErrorCode::Io,
+                },
                 DeviceError::Create { .. }
                 | DeviceError::Open { .. }
+                | DeviceError::Probe { .. }
                 | DeviceError::Stat { .. } => ErrorCode::Io,
             },
         }
@@ -162,6 +171,8 @@ fn params_with(spec: &DeviceSpec, name: &str, tuning: Tuning) -> DeviceParams {
         no_inline_reads: tuning.no_inline_reads,
         no_inline_writes: tuning.no_inline_writes,
         no_splice: tuning.no_splice,
+        shared: spec.shared,
+        format: spec.format,
     }
 }
 
