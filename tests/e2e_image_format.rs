@@ -62,7 +62,10 @@ fn attach_refuses_every_known_container_format_by_name() {
             "{fmt}: {out}"
         );
     }
-    assert!(d.device_names().is_empty(), "a refused attach left a device");
+    assert!(
+        d.device_names().is_empty(),
+        "a refused attach left a device"
+    );
 }
 
 #[test]

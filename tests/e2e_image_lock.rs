@@ -34,7 +34,10 @@ impl QemuNbd {
             if let Ok(Some(st)) = child.try_wait() {
                 panic!("qemu-nbd exited early ({st})");
             }
-            assert!(Instant::now() < deadline, "qemu-nbd did not create its socket");
+            assert!(
+                Instant::now() < deadline,
+                "qemu-nbd did not create its socket"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         QemuNbd { child, _dir: dir }
@@ -95,7 +98,10 @@ fn attach_refuses_an_image_qemu_nbd_serves_for_writing_unless_shared() {
             && out.stderr.contains("--shared"),
         "{out}"
     );
-    assert!(d.device_names().is_empty(), "a refused attach left a device");
+    assert!(
+        d.device_names().is_empty(),
+        "a refused attach left a device"
+    );
     let out = d.ctl_err(&["attach", path_str(&img), "--read-only"], "busy");
     assert!(out.stderr.contains("open for writing"), "{out}");
 
@@ -190,7 +196,10 @@ fn read_only_devices_share_and_keep_writers_out() {
     d.ctl_err(&["attach", path_str(&img), "--name", "w"], "busy");
     assert_qemu_refused(&qemu_write_file(&img), "write");
     let uri = d.uri_for_name("r2");
-    run("qemu-io", ["-r", "-f", "raw", &uri, "-c", "read -P 0x5a 0 64k"]);
+    run(
+        "qemu-io",
+        ["-r", "-f", "raw", &uri, "-c", "read -P 0x5a 0 64k"],
+    );
 }
 
 #[test]

@@ -256,9 +256,11 @@ fn ofd(fd: &File, cmd: libc::c_int, ty: libc::c_int, byte: i64) -> io::Result<li
     // SAFETY: `flock` is a plain C struct for which all-zero bytes is a valid value
     // (and l_pid must be 0 for OFD locks).
     let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-    fl.l_type =
-        libc::c_short::try_from(ty).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    let short = |v: libc::c_int| {
+        libc::c_short::try_from(v).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+    };
+    fl.l_type = short(ty)?;
+    fl.l_whence = short(libc::SEEK_SET)?;
     fl.l_start = byte;
     fl.l_len = 1;
     // SAFETY: the fd is open for the duration of the call (borrowed from `fd`), and
