@@ -31,7 +31,10 @@
 //! bytes. Block devices are locked the same way (QEMU's host_device does too).
 //!
 //! Locks: the registry mutex, held only by [`ImageLock::acquire`] and `Drop`
-//! (control plane; never on the data path).
+//! (control plane; never on the data path). `acquire` waits up to
+//! [`LOCAL_GRACE`] (without the mutex) for a conflicting device of this process to
+//! be dropped, because a connection's last reference to a detached device goes
+//! a moment after `detach` has answered.
 
 use std::fs::File;
 use std::io;
@@ -272,6 +275,9 @@ fn ofd(fd: &File, cmd: libc::c_int, ty: libc::c_int, byte: i64) -> io::Result<li
     Ok(fl)
 }
 
+/// How long a conflict with another device of this process may take to clear.
+pub const LOCAL_GRACE: std::time::Duration = std::time::Duration::from_millis(100);
+
 static REGISTRY: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -291,28 +297,55 @@ pub struct ImageLock {
 impl ImageLock {
     /// Take the lock for `owner` (an export name) on the image `file` (an open fd
     /// of `path`) in `mode`, or say who is in the way.
+    ///
+    /// A conflict with another device of this process is retried for up to
+    /// [`LOCAL_GRACE`]: a detached device is dropped by the reactor that served its
+    /// last connection a moment after `detach` returns.
     pub fn acquire(
         path: &Path,
         file: &File,
         owner: &str,
         mode: Mode,
     ) -> Result<ImageLock, LockError> {
+        let start = std::time::Instant::now();
+        loop {
+            match Self::try_acquire(path, file, owner, mode) {
+                Err((e, true)) if start.elapsed() < LOCAL_GRACE => {
+                    drop(e);
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                r => return r.map_err(|(e, _)| e),
+            }
+        }
+    }
+
+    /// One attempt; the error says whether the conflict was with a device of this
+    /// process.
+    fn try_acquire(
+        path: &Path,
+        file: &File,
+        owner: &str,
+        mode: Mode,
+    ) -> Result<ImageLock, (LockError, bool)> {
         let open_err = |source| LockError::Open {
             path: path.to_path_buf(),
             source,
         };
-        let meta = file.metadata().map_err(open_err)?;
+        let meta = file.metadata().map_err(|e| (open_err(e), false))?;
         let key = (meta.dev(), meta.ino());
         let mut reg = registry();
         let idx = match reg.iter().position(|e| e.key == key) {
             Some(i) => i,
             None => {
-                let fd = File::open(path).map_err(open_err)?;
-                let m = fd.metadata().map_err(open_err)?;
+                let fd = File::open(path).map_err(|e| (open_err(e), false))?;
+                let m = fd.metadata().map_err(|e| (open_err(e), false))?;
                 if (m.dev(), m.ino()) != key {
-                    return Err(LockError::Replaced {
-                        path: path.to_path_buf(),
-                    });
+                    return Err((
+                        LockError::Replaced {
+                            path: path.to_path_buf(),
+                        },
+                        false,
+                    ));
                 }
                 reg.push(Entry {
                     key,
@@ -336,7 +369,12 @@ impl ImageLock {
         })
     }
 
-    fn join(e: &mut Entry, path: &Path, owner: &str, mode: Mode) -> Result<(u64, bool), LockError> {
+    fn join(
+        e: &mut Entry,
+        path: &Path,
+        owner: &str,
+        mode: Mode,
+    ) -> Result<(u64, bool), (LockError, bool)> {
         let in_use = |why| LockError::InUse {
             path: path.to_path_buf(),
             why,
@@ -344,11 +382,12 @@ impl ImageLock {
         for h in e.holders.iter().filter(|h| h.owner != owner) {
             let theirs = (h.mode.perm(), perm::ALL & !h.mode.shared_perm());
             if let Some(c) = conflict(mode, theirs.0, theirs.1) {
-                return Err(in_use(describe(c, &format!("device {:?}", h.owner))));
+                let who = format!("device {:?}", h.owner);
+                return Err((in_use(describe(c, &who)), true));
             }
         }
-        if let Some(c) = e.test_others(mode)? {
-            return Err(in_use(describe(c, "another process")));
+        if let Some(c) = e.test_others(mode).map_err(|err| (err, false))? {
+            return Err((in_use(describe(c, "another process")), false));
         }
         let reconfiguration = e.holders.iter().any(|h| h.owner == owner);
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
@@ -362,7 +401,7 @@ impl ImageLock {
             e.holders.retain(|h| h.id != id);
             let back = e.union();
             let _ = e.apply(back);
-            return Err(err);
+            return Err((err, false));
         }
         Ok((id, reconfiguration))
     }
