@@ -118,3 +118,42 @@ fn config_file_format_raw_serves_a_vmdk_file() {
     let d = Server::daemon().arg("--config").arg(&cfg).start();
     assert_eq!(d.device_names(), vec!["v".to_string()]);
 }
+
+#[test]
+fn a_raw_image_whose_client_writes_a_qcow2_header_is_restored_after_restart() {
+    let dir = tempdir();
+    let img = dir.path().join("disk.img");
+    create_sparse_image(&img, 1 << 20);
+    let state = dir.path().join("loopd.state");
+    let mut d = Server::daemon().arg("--state").arg(&state).start();
+    d.ctl_ok(&["attach", path_str(&img)]);
+    // A guest makes a qcow2 image inside its raw disk.
+    let nested = qemu_img_create(dir.path(), "qcow2");
+    let head = read_range(&nested, 0, 512);
+    let uri = d.uri_for_name("disk");
+    let pat = dir.path().join("head.bin");
+    std::fs::write(&pat, &head).expect("write head");
+    run(
+        "qemu-img",
+        [
+            "dd",
+            "-f",
+            "raw",
+            "-O",
+            "raw",
+            "bs=512",
+            "count=1",
+            &format!("if={}", path_str(&pat)),
+            &format!("of={uri}"),
+        ],
+    );
+    assert_eq!(read_range(&img, 0, 4), b"QFI\xfb".to_vec());
+    d.kill9();
+    let d = Server::daemon().arg("--state").arg(&state).start();
+    assert_eq!(
+        d.device_names(),
+        vec!["disk".to_string()],
+        "{}",
+        d.stderr_text()
+    );
+}

@@ -345,6 +345,10 @@ impl Daemon {
         // Record what was asked; `create` has done its job.
         spec.name = Some(name.clone());
         spec.create = None;
+        // The image probed raw (or was declared so): a restart restores it as raw
+        // whatever its clients write at byte 0 meanwhile.
+        spec.format
+            .get_or_insert(crate::backing::format::ImageFormat::Raw);
         let export = Arc::new(Export::new(dev, spec.clone(), persist));
         if let Ok(tx) = self.idle_tx.lock() {
             export.set_idle_notify(tx.clone());
