@@ -13,8 +13,8 @@ trap 'rm -rf "$W"' EXIT
 python3 -c "
 import os; fd=os.open('$IMG',os.O_RDONLY); os.fsync(fd); os.posix_fadvise(fd,0,0,os.POSIX_FADV_DONTNEED)"
 case $sys in
- loopd) "$LOOPD" serve "$IMG" --cache buffered --socket "$S" ${EXTRA:-} >"$W/srv.log" 2>&1 & ;;
- loopd-direct) "$LOOPD" serve "$IMG" --cache direct --socket "$S" ${EXTRA:-} >"$W/srv.log" 2>&1 & ;;
+ loopd) "$LOOPD" serve "$IMG" --cache buffered --socket "$S" --state "$W/state" ${EXTRA:-} >"$W/srv.log" 2>&1 & ;;
+ loopd-direct) "$LOOPD" serve "$IMG" --cache direct --socket "$S" --state "$W/state" ${EXTRA:-} >"$W/srv.log" 2>&1 & ;;
  nbdkit) nbdkit -f -U "$S" file "$IMG" ${EXTRA:-} >"$W/srv.log" 2>&1 & ;;
  qemu-nbd) qemu-nbd --cache=none --aio=io_uring -f raw -k "$S" --shared=$((J + 1)) --persistent ${EXTRA:-} "$IMG" >"$W/srv.log" 2>&1 & ;;
  *) echo "unknown system $sys" >&2; exit 2 ;;

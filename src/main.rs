@@ -55,9 +55,33 @@ struct ServeArgs {
     /// else $XDG_RUNTIME_DIR/loopd/loopd.sock].
     #[arg(long, value_name = "PATH")]
     socket: Option<PathBuf>,
+    /// Mode of the NBD Unix socket, in octal. Connecting needs write permission:
+    /// 600 lets only this user in; 660 with --socket-group lets a group in.
+    #[arg(long, value_name = "MODE", default_value = "600", value_parser = parse_mode)]
+    socket_mode: u32,
+    /// Group of the NBD Unix socket (name or number), e.g. `disk`, with
+    /// --socket-mode 660.
+    #[arg(long, value_name = "GROUP")]
+    socket_group: Option<String>,
     /// Also (or only) listen on TCP, e.g. 127.0.0.1:10809 (NBD's port). Repeatable.
+    /// There is no TLS or client authentication yet: any host that reaches the
+    /// address can use every device, so loopd warns unless it is a loopback address.
     #[arg(long, value_name = "HOST:PORT")]
     listen: Vec<String>,
+    /// NBD connections at most, handshakes included; past it new clients are
+    /// closed at once. Lowered to what the open-file limit allows.
+    #[arg(long, value_name = "N", default_value_t = server::DEFAULT_MAX_CONNECTIONS)]
+    max_connections: usize,
+    /// Seconds a client has for its whole handshake (from connecting until it
+    /// selects an export).
+    #[arg(long, value_name = "SECS", default_value_t = server::DEFAULT_HANDSHAKE_TIMEOUT.as_secs_f64())]
+    handshake_timeout: f64,
+    /// Refuse NBD_OPT_LIST: clients cannot list the export names.
+    #[arg(long)]
+    no_list: bool,
+    /// Seconds a control client may stay silent before it is closed (tests).
+    #[arg(long, hide = true, value_name = "SECS", default_value_t = 60.0)]
+    control_idle_timeout: f64,
     /// TOML file of devices to attach at start ([[device]] tables with image,
     /// name, offset, size_limit, block_size, cache, read_only, autoclear, shared, format).
     #[arg(long, value_name = "FILE")]
@@ -65,8 +89,10 @@ struct ServeArgs {
     /// Control socket (mode 0600) [default: beside the NBD socket, with extension .ctl].
     #[arg(long, value_name = "PATH")]
     control: Option<PathBuf>,
-    /// State file: devices attached over the control socket, restored at start
-    /// [default: the control socket's path with extension .state].
+    /// State file: devices attached over the control socket, restored at start;
+    /// one daemon per state file [default: /var/lib/loopd/STEM.state for root,
+    /// else $XDG_STATE_HOME/loopd/STEM.state (~/.local/state/loopd/), STEM being
+    /// the control socket's file stem].
     #[arg(long, value_name = "FILE")]
     state: Option<PathBuf>,
     /// Reactor threads, each with its own io_uring [default: one per core].
@@ -272,6 +298,14 @@ fn run() -> Result<()> {
     }
 }
 
+/// An octal file mode (`600`, `0660`).
+fn parse_mode(s: &str) -> Result<u32, String> {
+    match u32::from_str_radix(s, 8) {
+        Ok(m) if m <= 0o777 => Ok(m),
+        _ => Err(format!("{s:?} is not an octal mode between 0 and 777")),
+    }
+}
+
 /// Send a control request; a daemon error becomes this command's error.
 fn call(ctl: &ControlArg, req: &Request) -> Result<serde_json::Value> {
     match client::call(&ctl.path(), req)? {
@@ -284,14 +318,28 @@ fn call(ctl: &ControlArg, req: &Request) -> Result<serde_json::Value> {
 }
 
 fn serve(a: ServeArgs) -> Result<()> {
+    if !(a.handshake_timeout > 0.0 && a.handshake_timeout <= 3600.0) {
+        bail!("--handshake-timeout must be more than 0 and at most 3600 seconds");
+    }
+    if a.max_connections == 0 {
+        bail!("--max-connections must be at least 1");
+    }
     let opts0 = ServeOptions {
         socket: a.socket.clone(),
+        socket_mode: a.socket_mode,
+        socket_group: a.socket_group.clone(),
         listen: a.listen.clone(),
         reactors: a.reactors,
         no_follow: a.no_follow,
         follow_idle: a.follow_idle,
         poll: std::time::Duration::from_micros(a.poll_us),
         control: None,
+        max_connections: a.max_connections,
+        handshake_timeout: std::time::Duration::from_secs_f64(a.handshake_timeout),
+        no_list: a.no_list,
+        control_idle: std::time::Duration::from_secs_f64(
+            a.control_idle_timeout.clamp(0.1, 86_400.0),
+        ),
     };
     let nbd = server::nbd_socket_path(&opts0);
     let control = a.control.clone().unwrap_or_else(|| match &nbd {
@@ -303,6 +351,9 @@ fn serve(a: ServeArgs) -> Result<()> {
         .clone()
         .unwrap_or_else(|| daemon::default_state_path(&control));
     let d = Daemon::new(Some(state));
+    // Before anything is attached or bound: refuse a state file that is another
+    // daemon's, or not a state file at all.
+    d.open_state()?;
     if let Some(image) = a.image {
         let mut spec = a.dev.spec(image);
         spec.autoclear = false;
@@ -346,6 +397,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         );
     }
     d.restore();
+    d.run_retrier();
     let opts = ServeOptions {
         control: Some(control),
         ..opts0

@@ -102,8 +102,9 @@ fn assert_state_names(path: &Path, want: &[&str]) {
 
 /// `loopd serve --socket S` without an image: the ready lines are the URI with
 /// an empty export name and `control: S.ctl`; the control socket is mode 0600;
-/// there are no devices; the state file appears beside the control socket on
-/// the first attach; `LOOPD_CONTROL` selects the daemon.
+/// there are no devices; the state file (the harness's `--state`, beside the
+/// control socket) appears on the first attach; `LOOPD_CONTROL` selects the
+/// daemon. (The default state path is tested in e2e_state.rs.)
 #[test]
 fn serve_without_image_defaults() {
     let dir = tempdir();
@@ -1374,6 +1375,8 @@ fn config_errors_fail_startup() {
         c.arg("serve")
             .arg("--socket")
             .arg(&sock)
+            .arg("--state")
+            .arg(sock.with_extension("state"))
             .arg("--config")
             .arg(&cfg);
         let out = run_cmd_timeout(c, Duration::from_secs(20));

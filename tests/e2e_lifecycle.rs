@@ -205,11 +205,14 @@ fn missing_image_without_create_fails() {
     let dir = tempdir();
     let img = dir.path().join("absent.img");
     let sock = dir.path().join("s.sock");
+    let state = dir.path().join("s.state");
     let out = loopd_run([
         "serve",
         img.to_str().unwrap(),
         "--socket",
         sock.to_str().unwrap(),
+        "--state",
+        state.to_str().unwrap(),
     ]);
     assert!(
         !out.success(),
@@ -374,11 +377,14 @@ fn bad_block_size_rejected() {
     create_sparse_image(&img, MIB);
     for bad in ["1000", "8192", "0", "256", "abc"] {
         let sock = dir.path().join(format!("{bad}.sock"));
+        let state = dir.path().join(format!("{bad}.state"));
         let out = loopd_run([
             "serve",
             img.to_str().unwrap(),
             "--socket",
             sock.to_str().unwrap(),
+            "--state",
+            state.to_str().unwrap(),
             "--block-size",
             bad,
         ]);

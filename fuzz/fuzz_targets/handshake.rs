@@ -13,8 +13,12 @@ use std::sync::{Arc, OnceLock};
 struct Fixed(Arc<Device>);
 
 impl Exports for Fixed {
+    type Client = ();
     fn find(&self, name: &str) -> Option<Arc<Device>> {
         (name.is_empty() || name == "disk").then(|| Arc::clone(&self.0))
+    }
+    fn join(&self, name: &str) -> Option<(Arc<Device>, ())> {
+        self.find(name).map(|d| (d, ()))
     }
     fn names(&self) -> Vec<String> {
         vec![String::new(), "disk".into()]

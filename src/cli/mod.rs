@@ -186,6 +186,23 @@ pub fn print_list(v: &Value, json: bool) -> Result<()> {
     ];
     let mut rows: Vec<Vec<String>> = vec![header.iter().map(|h| h.to_string()).collect()];
     for d in &devs {
+        if d["state"].as_str() == Some("missing") {
+            // Not attached: its recorded configuration, and why.
+            rows.push(vec![
+                s(d, "name"),
+                "-".into(),
+                s(d, "offset"),
+                "-".into(),
+                "-".into(),
+                s(d, "cache"),
+                "-".into(),
+                yn(d, "read_only").into(),
+                yn(d, "autoclear").into(),
+                "-".into(),
+                format!("{} (missing: {})", s(d, "image"), s(d, "reason")),
+            ]);
+            continue;
+        }
         rows.push(vec![
             s(d, "name"),
             s(d, "size"),
@@ -222,6 +239,12 @@ pub fn print_list(v: &Value, json: bool) -> Result<()> {
 pub fn print_status(v: &Value, json: bool) -> Result<()> {
     if json {
         println!("{}", pretty(v)?);
+        return Ok(());
+    }
+    if v["state"].as_str() == Some("missing") {
+        println!("name: {}", s(v, "name"));
+        println!("image: {}", s(v, "image"));
+        println!("state: missing: {}", s(v, "reason"));
         return Ok(());
     }
     for k in [

@@ -5,14 +5,22 @@
 //! or a long action (a forced detach) holds up nobody else. The socket is created
 //! mode 0600 (owner only): it is bound under a temporary name, chmod-ed, then
 //! renamed into place, so it is never reachable with looser permissions.
+//!
+//! Limits: at most [`MAX_CLIENTS`] clients at once (one more gets a `busy` error
+//! line and is closed), and a client that sends no request (or takes no reply)
+//! for [`IDLE_TIMEOUT`] (`--control-idle-timeout`) is closed. NBD clients cannot use up the descriptors the
+//! control plane needs (the accept loop keeps them below the open-file limit);
+//! should accepting fail anyway, the thread pauses instead of spinning.
 
 use super::proto::{self, ErrorBody, ErrorCode, MAX_LINE, err_reply};
 use crate::daemon::Daemon;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::time::Duration;
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -27,11 +35,23 @@ pub enum ControlError {
     Spawn(#[source] std::io::Error),
 }
 
+/// Control clients served at once.
+pub const MAX_CLIENTS: usize = 32;
+/// How long a control client may stay silent (or leave a reply unread), by
+/// default.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Pause after a failed accept (out of descriptors, say).
+const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
+
 /// Bind the control socket at `path`, owner-only.
 pub fn bind(path: &Path) -> Result<UnixListener, ControlError> {
     if let Some(dir) = path.parent() {
         if !dir.as_os_str().is_empty() && !dir.exists() {
-            std::fs::create_dir_all(dir).map_err(|e| ControlError::Dir(dir.to_path_buf(), e))?;
+            std::fs::DirBuilder::new()
+                .mode(0o755)
+                .recursive(true)
+                .create(dir)
+                .map_err(|e| ControlError::Dir(dir.to_path_buf(), e))?;
         }
     }
     if path.exists() {
@@ -50,26 +70,22 @@ pub fn bind(path: &Path) -> Result<UnixListener, ControlError> {
 }
 
 /// Serve control clients on `listener` for the life of the process.
-pub fn spawn(listener: UnixListener, daemon: Arc<Daemon>) -> Result<(), ControlError> {
+pub fn spawn(
+    listener: UnixListener,
+    daemon: Arc<Daemon>,
+    idle: Duration,
+) -> Result<(), ControlError> {
     std::thread::Builder::new()
         .name("loopd-control".into())
         .spawn(move || {
+            let clients = Arc::new(AtomicUsize::new(0));
             for conn in listener.incoming() {
                 match conn {
-                    Ok(s) => {
-                        let d = Arc::clone(&daemon);
-                        let r = std::thread::Builder::new()
-                            .name("loopd-control-client".into())
-                            .spawn(move || {
-                                if let Err(e) = serve_client(s, &d) {
-                                    tracing::debug!("control client: {e}");
-                                }
-                            });
-                        if let Err(e) = r {
-                            tracing::warn!("cannot start a control client thread: {e}");
-                        }
+                    Ok(s) => admit(s, &daemon, &clients, idle),
+                    Err(e) => {
+                        tracing::warn!("control accept failed: {e}");
+                        std::thread::sleep(ACCEPT_ERROR_PAUSE);
                     }
-                    Err(e) => tracing::warn!("control accept failed: {e}"),
                 }
             }
         })
@@ -77,7 +93,37 @@ pub fn spawn(listener: UnixListener, daemon: Arc<Daemon>) -> Result<(), ControlE
         .map_err(ControlError::Spawn)
 }
 
-fn serve_client(s: UnixStream, daemon: &Daemon) -> std::io::Result<()> {
+/// Serve one control client on a thread of its own, within [`MAX_CLIENTS`].
+fn admit(s: UnixStream, daemon: &Arc<Daemon>, clients: &Arc<AtomicUsize>, idle: Duration) {
+    if clients.fetch_add(1, SeqCst) >= MAX_CLIENTS {
+        clients.fetch_sub(1, SeqCst);
+        let e = ErrorBody {
+            code: ErrorCode::Busy,
+            message: format!("too many control clients (at most {MAX_CLIENTS} at once); try again"),
+        };
+        let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+        let _ = (&s).write_all(format!("{}\n", err_reply(&e)).as_bytes());
+        return;
+    }
+    let d = Arc::clone(daemon);
+    let count = Arc::clone(clients);
+    let r = std::thread::Builder::new()
+        .name("loopd-control-client".into())
+        .spawn(move || {
+            if let Err(e) = serve_client(s, &d, idle) {
+                tracing::debug!("control client: {e}");
+            }
+            count.fetch_sub(1, SeqCst);
+        });
+    if let Err(e) = r {
+        clients.fetch_sub(1, SeqCst);
+        tracing::warn!("cannot start a control client thread: {e}");
+    }
+}
+
+fn serve_client(s: UnixStream, daemon: &Daemon, idle: Duration) -> std::io::Result<()> {
+    s.set_read_timeout(Some(idle))?;
+    s.set_write_timeout(Some(idle))?;
     let mut w = s.try_clone()?;
     let mut r = BufReader::new(s);
     let mut line = Vec::with_capacity(256);

@@ -1,6 +1,7 @@
 //! What `list`, `status`, `attach` and `set` report: serialisable snapshots.
 
 use super::Endpoints;
+use crate::control::proto::DeviceSpec;
 use crate::device::CacheMode;
 use crate::device::export::Export;
 use crate::device::stats::ERRNO_NAMES;
@@ -8,6 +9,18 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering::Relaxed;
+
+/// Whether a device serves.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceState {
+    /// Attached and serving.
+    #[default]
+    Live,
+    /// Recorded in the state file, but its image cannot be opened (yet): see
+    /// `reason`. Retried until it can.
+    Missing,
+}
 
 /// One device, as `loopd list` shows it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -26,6 +39,11 @@ pub struct DeviceInfo {
     pub autoclear: bool,
     pub clients: u32,
     pub uris: Vec<String>,
+    #[serde(default)]
+    pub state: DeviceState,
+    /// Why a missing device is not attached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 impl DeviceInfo {
@@ -45,6 +63,28 @@ impl DeviceInfo {
             autoclear: spec.autoclear,
             clients: e.clients(),
             uris: ep.uris(&e.name),
+            state: DeviceState::Live,
+            reason: None,
+        }
+    }
+
+    /// A recorded device that is not attached: its recorded configuration.
+    pub fn missing(name: &str, spec: &DeviceSpec, reason: &str) -> DeviceInfo {
+        DeviceInfo {
+            name: name.to_owned(),
+            image: spec.image.clone(),
+            size: 0,
+            offset: spec.offset,
+            size_limit: spec.size_limit,
+            block_size: spec.block_size.unwrap_or(0),
+            cache: spec.cache,
+            direct: false,
+            read_only: spec.read_only,
+            autoclear: spec.autoclear,
+            clients: 0,
+            uris: Vec::new(),
+            state: DeviceState::Missing,
+            reason: Some(reason.to_owned()),
         }
     }
 }
@@ -126,6 +166,28 @@ impl DeviceStatus {
                 p50_us: p50,
                 p99_us: p99,
                 max_us: max,
+            },
+        }
+    }
+}
+
+impl DeviceStatus {
+    /// A missing device: its recorded configuration and no counters.
+    pub fn missing(info: DeviceInfo) -> DeviceStatus {
+        DeviceStatus {
+            info,
+            in_flight: 0,
+            requests: BTreeMap::new(),
+            bytes: BTreeMap::new(),
+            bytes_read: 0,
+            bytes_written: 0,
+            paths: BTreeMap::new(),
+            moves: 0,
+            errors: BTreeMap::new(),
+            latency: Latency {
+                p50_us: 0.0,
+                p99_us: 0.0,
+                max_us: 0.0,
             },
         }
     }

@@ -10,6 +10,15 @@
 //! An attach validates everything and opens the file *before* it takes the table
 //! lock; the export becomes visible to clients in one insertion. A failed attach
 //! leaves nothing behind (an image it created is removed again).
+//!
+//! State file: every change it records (attach, set, detach) is durable in the
+//! [`state::StateLog`] *before* it takes effect and before the reply; if it
+//! cannot be recorded the request fails and changes nothing. The log's mutex is
+//! held from an attach's name check through its record to its insertion into the
+//! table (lock order: log, then the export table, then `missing`), so no client
+//! sees a device the state file lacks. A recorded device whose image cannot be
+//! opened at start stays recorded and is listed as *missing* with the reason; it
+//! is retried every [`RETRY_INTERVAL`] and by an attach of the same name.
 
 pub mod info;
 pub mod state;
@@ -18,7 +27,7 @@ use crate::backing::lock::LockError;
 use crate::control::proto::{
     DeviceSpec, ErrorBody, ErrorCode, Request, SetSpec, err_reply, ok_reply,
 };
-use crate::device::export::Export;
+use crate::device::export::{ClientRef, Export};
 use crate::device::{Device, DeviceError, DeviceParams};
 use crate::engine::reactor::{CONTROL_GEN, ReactorHandle};
 use crate::nbd::handshake::Exports;
@@ -31,8 +40,11 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use thiserror::Error;
 
-/// How long a forced detach waits for clients to be disconnected.
-const DETACH_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a forced detach waits for its connections to close (a connection
+/// closes at once unless file I/O it started does not return).
+pub const FORCE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often a missing device's image is looked for again.
+pub const RETRY_INTERVAL: Duration = Duration::from_secs(2);
 
 #[derive(Debug, Error)]
 pub enum CtlError {
@@ -40,6 +52,14 @@ pub enum CtlError {
     NotFound(String),
     #[error("a device named {0:?} already exists")]
     NameTaken(String),
+    #[error(
+        "a device named {name:?} is recorded for {image} but missing ({reason}); attach that image, or detach {name:?} first"
+    )]
+    MissingTaken {
+        name: String,
+        image: String,
+        reason: String,
+    },
     #[error("{0}")]
     Busy(String),
     #[error("{0}")]
@@ -52,6 +72,12 @@ pub enum CtlError {
     },
     #[error("the daemon is stopping")]
     ShuttingDown,
+    #[error("{msg}")]
+    State {
+        msg: String,
+        #[source]
+        source: state::StateError,
+    },
 }
 
 impl CtlError {
@@ -59,10 +85,11 @@ impl CtlError {
     pub fn code(&self) -> ErrorCode {
         match self {
             CtlError::NotFound(_) => ErrorCode::NotFound,
-            CtlError::NameTaken(_) => ErrorCode::NameTaken,
+            CtlError::NameTaken(_) | CtlError::MissingTaken { .. } => ErrorCode::NameTaken,
             CtlError::Busy(_) => ErrorCode::Busy,
             CtlError::Invalid(_) => ErrorCode::Invalid,
             CtlError::ShuttingDown => ErrorCode::ShuttingDown,
+            CtlError::State { .. } => ErrorCode::Io,
             CtlError::Device { source, .. } => match source {
                 DeviceError::BadBlockSize(_)
                 | DeviceError::OffsetPastEnd { .. }
@@ -129,8 +156,11 @@ pub struct Daemon {
     reactors: RwLock<Vec<Arc<ReactorHandle>>>,
     endpoints: RwLock<Endpoints>,
     state: Option<PathBuf>,
-    /// The open state log (after [`Daemon::restore`]); its mutex orders records.
+    /// The open state log (after [`Daemon::open_state`]); its mutex orders
+    /// records and publication (see the module docs).
     log: Mutex<Option<state::StateLog>>,
+    /// Recorded devices that could not be attached (yet), by name.
+    missing: Mutex<BTreeMap<String, Missing>>,
     /// Serialises attaches that may create their image, from the name check to
     /// publication: of racing `create` attaches exactly one creates, opens and
     /// publishes, and a loser never removes a file another attach serves.
@@ -138,6 +168,26 @@ pub struct Daemon {
     idle_tx: Mutex<Sender<String>>,
     idle_rx: Mutex<Option<Receiver<String>>>,
     stopping: AtomicBool,
+    /// Pokes the handshake loop (see [`Daemon::set_handshake_kick`]).
+    handshake_kick: Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
+}
+
+/// A recorded device that is not attached: its spec and why.
+#[derive(Debug, Clone)]
+struct Missing {
+    spec: DeviceSpec,
+    reason: String,
+}
+
+/// Where an attach comes from (what it records, what it may replace).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Source {
+    /// The control socket: recorded in the state file; may take a missing name.
+    Control,
+    /// `serve IMAGE` or `--config`: not recorded (they come back from there).
+    Static,
+    /// A state-file device coming back: already recorded; only while missing.
+    Restored,
 }
 
 /// Switches for benchmarks (not part of a device's configuration).
@@ -188,6 +238,17 @@ pub fn name_of(spec: &DeviceSpec) -> String {
     }
 }
 
+/// `create`'s size must fit the file system's `off_t`.
+fn check_create(spec: &DeviceSpec) -> Result<(), CtlError> {
+    match spec.create {
+        Some(n) if i64::try_from(n).is_err() => Err(CtlError::Invalid(format!(
+            "create size {n} is out of range: at most {} bytes (2^63-1)",
+            i64::MAX
+        ))),
+        _ => Ok(()),
+    }
+}
+
 fn check_name(name: &str) -> Result<(), CtlError> {
     if name.is_empty() {
         return Err(CtlError::Invalid(
@@ -212,10 +273,12 @@ impl Daemon {
             endpoints: RwLock::default(),
             state,
             log: Mutex::new(None),
+            missing: Mutex::default(),
             create_lock: Mutex::new(()),
             idle_tx: Mutex::new(tx),
             idle_rx: Mutex::new(Some(rx)),
             stopping: AtomicBool::new(false),
+            handshake_kick: Mutex::new(None),
         })
     }
 
@@ -296,13 +359,18 @@ impl Daemon {
     /// `persist`: record the device in the state file (devices from the command
     /// line or the config file are not recorded: they come back from there).
     pub fn attach(&self, spec: DeviceSpec, persist: bool) -> Result<DeviceInfo, CtlError> {
-        self.attach_inner(spec, persist, Tuning::default(), false)
+        let source = if persist {
+            Source::Control
+        } else {
+            Source::Static
+        };
+        self.attach_inner(spec, source, Tuning::default(), false)
     }
 
     /// Attach the device `loopd serve IMAGE` names: it is the default export (so
     /// its name may be empty) and may carry benchmark switches.
     pub fn attach_default(&self, spec: DeviceSpec, tuning: Tuning) -> Result<DeviceInfo, CtlError> {
-        let info = self.attach_inner(spec, false, tuning, true)?;
+        let info = self.attach_inner(spec, Source::Static, tuning, true)?;
         self.set_default(&info.name);
         Ok(info)
     }
@@ -310,7 +378,7 @@ impl Daemon {
     fn attach_inner(
         &self,
         mut spec: DeviceSpec,
-        persist: bool,
+        source: Source,
         tuning: Tuning,
         is_default: bool,
     ) -> Result<DeviceInfo, CtlError> {
@@ -333,6 +401,18 @@ impl Daemon {
         if self.export(&name).is_some() {
             return Err(CtlError::NameTaken(name));
         }
+        if let Some(m) = self.missing_spec(&name) {
+            // The name stays taken by the recorded device; attaching its image
+            // (again) brings it back now.
+            if m.spec.image != spec.image {
+                return Err(CtlError::MissingTaken {
+                    name,
+                    image: m.spec.image.display().to_string(),
+                    reason: m.reason,
+                });
+            }
+        }
+        check_create(&spec)?;
         // An image created here is removed again by a failed open (Device::open)
         // or a lost race for the name (below): a failed attach leaves no trace.
         let dev = Device::open(&params_with(&spec, &name, tuning)).map_err(|source| {
@@ -349,48 +429,88 @@ impl Daemon {
         // whatever its clients write at byte 0 meanwhile.
         spec.format
             .get_or_insert(crate::backing::format::ImageFormat::Raw);
+        let persist = source != Source::Static;
         let export = Arc::new(Export::new(dev, spec.clone(), persist));
         if let Ok(tx) = self.idle_tx.lock() {
             export.set_idle_notify(tx.clone());
         }
+        // From the name check to the insertion under the log's lock: the record is
+        // durable before anyone can see the device, and no other attach interleaves.
+        let mut log = self.log.lock().map_err(|_| CtlError::ShuttingDown)?;
+        let undo = |err: CtlError| {
+            // Remove the image we made unless some export serves it.
+            let in_use = self.all().iter().any(|e| e.current().0.path == spec.image);
+            if created && !in_use {
+                let _ = std::fs::remove_file(&spec.image);
+            }
+            err
+        };
+        if self.export(&name).is_some() {
+            // Lost the name to an attach without `create` (those do not take
+            // create_lock).
+            return Err(undo(CtlError::NameTaken(name)));
+        }
+        let was_missing = self.missing_spec(&name).is_some();
+        if source == Source::Restored && !was_missing {
+            // Detached, or attached by a client, while this retry opened the image.
+            return Err(CtlError::NameTaken(name));
+        }
+        if source == Source::Control {
+            if log.is_none() && self.state.is_some() && self.stopping.load(Ordering::SeqCst) {
+                return Err(undo(CtlError::ShuttingDown));
+            }
+            if let Some(log) = log.as_mut() {
+                if let Err(e) = log.put(&spec) {
+                    return Err(undo(CtlError::State {
+                        msg: format!("cannot attach {name:?}: the state file cannot record it"),
+                        source: e,
+                    }));
+                }
+            }
+        }
         {
             let mut t = self.exports.write().map_err(|_| CtlError::ShuttingDown)?;
-            if t.contains_key(&name) {
-                // Lost the name to an attach without `create` (those do not take
-                // create_lock). Remove the image we made unless some export serves it.
-                let in_use = t.values().any(|e| e.current().0.path == spec.image);
-                drop(t);
-                if created && !in_use {
-                    let _ = std::fs::remove_file(&spec.image);
-                }
-                return Err(CtlError::NameTaken(name));
-            }
             t.insert(name.clone(), Arc::clone(&export));
         }
-        if persist {
-            self.record_put(&export);
+        if was_missing {
+            if let Ok(mut m) = self.missing.lock() {
+                m.remove(&name);
+            }
         }
+        drop(log);
         Ok(self.info(&export))
     }
 
-    /// Remove a device. Without `force` it refuses while clients are connected;
-    /// with it, in-flight requests finish, clients are disconnected, and it goes.
+    /// Remove a device. Without `force` it refuses while clients are connected
+    /// (a connection counts from the moment its handshake selected the device);
+    /// with it, connections are cut off: sockets shut down, file I/O in flight
+    /// cancelled. Either way, once this returns `Ok` no connection to the device
+    /// exists and none can be made. A forced detach whose connections cannot be
+    /// closed within [`FORCE_TIMEOUT`] (file I/O that does not return) says so.
     pub fn detach(&self, name: &str, force: bool) -> Result<(), CtlError> {
+        if let Some(r) = self.detach_missing(name) {
+            return r;
+        }
         let e = self
             .export(name)
             .ok_or_else(|| CtlError::NotFound(name.to_owned()))?;
         let _g = e.control();
-        let n = e.clients();
-        if n > 0 && !force {
-            return Err(CtlError::Busy(format!(
+        let n = e.close(force).map_err(|n| {
+            CtlError::Busy(format!(
                 "device {name:?} has {n} connected client(s); disconnect them or use --force"
-            )));
+            ))
+        })?;
+        // The removal is durable before anything else happens; if it cannot be
+        // recorded the device stays as it was.
+        if let Err(err) = self.record_del(&e) {
+            e.reopen();
+            return Err(err);
         }
         self.unpublish(&e);
         if n > 0 {
-            e.start_closing();
             self.kick_reactors();
-            let deadline = Instant::now() + DETACH_TIMEOUT;
+            self.kick_handshakes();
+            let deadline = Instant::now() + FORCE_TIMEOUT;
             while e.clients() > 0 && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_micros(200));
             }
@@ -399,10 +519,68 @@ impl Daemon {
         if !dev.read_only {
             let _ = rustix::fs::fdatasync(&dev.file);
         }
-        if e.persistent {
-            self.record(|log| log.del(&e.name));
+        let left = e.clients();
+        if left > 0 {
+            return Err(CtlError::Busy(format!(
+                "device {name:?} is detached and its clients are disconnected, but {left} \
+                 connection(s) still wait for file I/O that has not returned within {}s (is the \
+                 backing store hung?); they can do nothing more and close when it returns",
+                FORCE_TIMEOUT.as_secs()
+            )));
         }
         Ok(())
+    }
+
+    /// Durably record that `e` is gone (before it is unpublished); a failure
+    /// fails the detach.
+    fn record_del(&self, e: &Export) -> Result<(), CtlError> {
+        if !e.persistent {
+            return Ok(());
+        }
+        let mut log = self.log.lock().map_err(|_| CtlError::ShuttingDown)?;
+        match log.as_mut() {
+            Some(l) => l.del(&e.name).map_err(|source| CtlError::State {
+                msg: format!(
+                    "cannot detach {:?}: the state file cannot record it",
+                    e.name
+                ),
+                source,
+            }),
+            // Closed at stop: nothing may change unrecorded.
+            None if self.state.is_some() && self.stopping.load(Ordering::SeqCst) => {
+                Err(CtlError::ShuttingDown)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Detach a missing device: drop its record. `None` if `name` is not missing.
+    fn detach_missing(&self, name: &str) -> Option<Result<(), CtlError>> {
+        let mut log = match self.log.lock() {
+            Ok(l) => l,
+            Err(_) => return Some(Err(CtlError::ShuttingDown)),
+        };
+        self.missing_spec(name)?;
+        if log.is_none() && self.state.is_some() && self.stopping.load(Ordering::SeqCst) {
+            return Some(Err(CtlError::ShuttingDown));
+        }
+        if let Some(l) = log.as_mut() {
+            if let Err(source) = l.del(name) {
+                return Some(Err(CtlError::State {
+                    msg: format!("cannot detach {name:?}: the state file cannot record it"),
+                    source,
+                }));
+            }
+        }
+        if let Ok(mut m) = self.missing.lock() {
+            m.remove(name);
+        }
+        tracing::info!("detached missing device {name:?}");
+        Some(Ok(()))
+    }
+
+    fn missing_spec(&self, name: &str) -> Option<Missing> {
+        self.missing.lock().ok()?.get(name).cloned()
     }
 
     fn unpublish(&self, e: &Arc<Export>) {
@@ -410,6 +588,22 @@ impl Daemon {
             if t.get(&e.name).is_some_and(|x| Arc::ptr_eq(x, e)) {
                 t.remove(&e.name);
             }
+        }
+    }
+
+    /// Make the handshake loop drop pending connections of closed exports.
+    fn kick_handshakes(&self) {
+        if let Ok(k) = self.handshake_kick.lock() {
+            if let Some(k) = k.as_ref() {
+                k();
+            }
+        }
+    }
+
+    /// Where to poke the handshake loop (set by the server).
+    pub fn set_handshake_kick(&self, k: Box<dyn Fn() + Send + Sync>) {
+        if let Ok(mut g) = self.handshake_kick.lock() {
+            *g = Some(k);
         }
     }
 
@@ -421,15 +615,29 @@ impl Daemon {
         }
     }
 
+    /// Live devices and missing ones, by name.
     pub fn list(&self) -> Vec<DeviceInfo> {
         let ep = self.endpoints();
-        self.all().iter().map(|e| DeviceInfo::of(e, &ep)).collect()
+        let mut v: Vec<DeviceInfo> = self.all().iter().map(|e| DeviceInfo::of(e, &ep)).collect();
+        if let Ok(m) = self.missing.lock() {
+            v.extend(
+                m.iter()
+                    .map(|(n, x)| DeviceInfo::missing(n, &x.spec, &x.reason)),
+            );
+        }
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
     }
 
     pub fn status(&self, name: &str) -> Result<DeviceStatus, CtlError> {
-        let e = self
-            .export(name)
-            .ok_or_else(|| CtlError::NotFound(name.to_owned()))?;
+        let Some(e) = self.export(name) else {
+            return match self.missing_spec(name) {
+                Some(x) => Ok(DeviceStatus::missing(DeviceInfo::missing(
+                    name, &x.spec, &x.reason,
+                ))),
+                None => Err(CtlError::NotFound(name.to_owned())),
+            };
+        };
         Ok(DeviceStatus::of(&e, &self.endpoints()))
     }
 
@@ -464,8 +672,10 @@ impl Daemon {
                 && new.read_only == cur.read_only
                 && new.cache == old.cache);
         if unchanged {
+            if new != old {
+                self.record_put(&e, &new)?;
+            }
             e.set_spec(new);
-            self.record_put(&e);
             return Ok(SetResult {
                 device: self.info(&e),
                 changed: false,
@@ -487,9 +697,9 @@ impl Daemon {
                 msg: format!("cannot reconfigure {:?}", s.name),
                 source,
             })?;
+        self.record_put(&e, &new)?;
         let held = e.quiesce_and_swap(Some(dev));
         e.set_spec(new);
-        self.record_put(&e);
         let quiesced_us = u64::try_from(held.as_micros()).unwrap_or(u64::MAX);
         Ok(SetResult {
             device: self.info(&e),
@@ -527,72 +737,160 @@ impl Daemon {
         })
     }
 
-    /// Append a record to the state log (before the control reply goes out).
-    fn record(&self, f: impl FnOnce(&mut state::StateLog) -> Result<(), state::StateError>) {
-        let Ok(mut g) = self.log.lock() else { return };
-        let Some(log) = g.as_mut() else {
-            // No log yet (nothing was ever recorded): start one holding the
-            // whole table, which already includes this change.
-            drop(g);
-            self.write_state();
-            return;
-        };
-        if let Err(e) = f(log) {
-            tracing::error!("state file: {e:#}");
+    /// Durably record `spec` as `e`'s configuration (before it is applied).
+    fn record_put(&self, e: &Export, spec: &DeviceSpec) -> Result<(), CtlError> {
+        if !e.persistent {
+            return Ok(());
         }
-        let live = self.all().iter().filter(|e| e.persistent).count();
-        if log.bloated(live) {
-            drop(g);
-            self.write_state();
-        }
-    }
-
-    fn record_put(&self, e: &Export) {
-        if e.persistent {
-            self.record(|log| log.put(&e.spec()));
-        }
-    }
-
-    /// Rewrite the state file from the live table (compaction) and keep it open.
-    pub fn write_state(&self) {
-        let Some(path) = &self.state else { return };
-        let Ok(mut g) = self.log.lock() else { return };
-        let specs: Vec<DeviceSpec> = self
-            .all()
-            .iter()
-            .filter(|e| e.persistent)
-            .map(|e| e.spec())
-            .collect();
-        match state::StateLog::create(path, &specs) {
-            Ok(log) => *g = Some(log),
-            Err(e) => tracing::error!("cannot write state file {}: {e:#}", path.display()),
-        }
-    }
-
-    /// Re-attach the devices of the state file that are not attached yet.
-    pub fn restore(&self) {
-        let Some(path) = &self.state else { return };
-        let specs = match state::read(path) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::error!("cannot read state file {}: {e:#}", path.display());
-                return;
+        let mut log = self.log.lock().map_err(|_| CtlError::ShuttingDown)?;
+        match log.as_mut() {
+            Some(l) => l.put(spec).map_err(|source| CtlError::State {
+                msg: format!(
+                    "cannot change {:?}: the state file cannot record it",
+                    e.name
+                ),
+                source,
+            }),
+            // Closed at stop: nothing may change unrecorded.
+            None if self.state.is_some() && self.stopping.load(Ordering::SeqCst) => {
+                Err(CtlError::ShuttingDown)
             }
+            None => Ok(()),
+        }
+    }
+
+    /// Lock and read the state file (first thing at start: a second daemon on
+    /// the same file, or a file that is not a state file, stops here).
+    pub fn open_state(&self) -> Result<(), state::StateError> {
+        let Some(path) = &self.state else {
+            return Ok(());
+        };
+        let log = state::StateLog::open(path)?;
+        if let Ok(mut g) = self.log.lock() {
+            *g = Some(log);
+        }
+        Ok(())
+    }
+
+    /// At stop: compact the state file and release it (and its lock): nothing is
+    /// recorded after this.
+    pub fn close_state(&self) {
+        self.write_state();
+        if let Ok(mut g) = self.log.lock() {
+            *g = None;
+        }
+    }
+
+    /// Compact the state file (rewrite it from its table).
+    pub fn write_state(&self) {
+        let Ok(mut g) = self.log.lock() else { return };
+        if let Some(log) = g.as_mut() {
+            if let Err(e) = log.compact() {
+                tracing::error!("{e:#}");
+            }
+        }
+    }
+
+    /// Bring back the devices of the state file (after those of the command line
+    /// and `--config`, which win a name clash). A device that cannot be attached
+    /// stays recorded and is kept as missing; then the file is compacted.
+    pub fn restore(&self) {
+        let (specs, path) = match self.log.lock() {
+            Ok(g) => match g.as_ref() {
+                Some(l) => (l.table().to_vec(), l.path().display().to_string()),
+                None => return,
+            },
+            Err(_) => return,
         };
         for spec in specs {
             let name = name_of(&spec);
             if self.export(&name).is_some() {
+                tracing::warn!(
+                    "device {name:?} is both in --config (or the serve IMAGE argument) and in the \
+                     state file {path}: --config wins; its state record is dropped"
+                );
+                if let Ok(mut g) = self.log.lock() {
+                    if let Some(l) = g.as_mut() {
+                        l.forget(&name);
+                    }
+                }
                 continue;
             }
-            match self.attach(spec, true) {
+            if let Ok(mut m) = self.missing.lock() {
+                m.insert(
+                    name.clone(),
+                    Missing {
+                        spec: spec.clone(),
+                        reason: "not attached yet".into(),
+                    },
+                );
+            }
+            match self.attach_inner(spec, Source::Restored, Tuning::default(), false) {
                 Ok(_) => tracing::info!("restored device {name:?}"),
-                Err(e) => tracing::error!("cannot restore device {name:?}: {}", e.body().message),
+                Err(e) => {
+                    let reason = e.body().message;
+                    tracing::warn!(
+                        "device {name:?} is missing: {reason}; it stays in the state file and is \
+                         retried every {}s and on `loopd attach` of that name",
+                        RETRY_INTERVAL.as_secs()
+                    );
+                    self.set_missing_reason(&name, reason);
+                }
             }
         }
-        // Start a fresh log holding exactly what is attached now (once there is
-        // anything to keep).
-        if path.exists() {
-            self.write_state();
+        self.write_state();
+    }
+
+    fn set_missing_reason(&self, name: &str, reason: String) {
+        if let Ok(mut m) = self.missing.lock() {
+            if let Some(x) = m.get_mut(name) {
+                x.reason = reason;
+            }
+        }
+    }
+
+    /// Retry missing devices every [`RETRY_INTERVAL`] on a thread of their own,
+    /// until the daemon stops.
+    pub fn run_retrier(self: &Arc<Self>) {
+        let me = Arc::downgrade(self);
+        let spawned = std::thread::Builder::new()
+            .name("loopd-retry".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(RETRY_INTERVAL);
+                    let Some(d) = me.upgrade() else { return };
+                    if d.stopping.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    d.retry_missing();
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::error!("cannot start the retry thread: {e}");
+        }
+    }
+
+    /// One attempt at every missing device.
+    fn retry_missing(&self) {
+        let all: Vec<(String, Missing)> = match self.missing.lock() {
+            Ok(m) => m.iter().map(|(n, x)| (n.clone(), x.clone())).collect(),
+            Err(_) => return,
+        };
+        for (name, x) in all {
+            match self.attach_inner(x.spec.clone(), Source::Restored, Tuning::default(), false) {
+                Ok(_) => tracing::info!(
+                    "device {name:?} is back: {} can be opened again",
+                    x.spec.image.display()
+                ),
+                Err(CtlError::NameTaken(_)) => {}
+                Err(e) => {
+                    let reason = e.body().message;
+                    if reason != x.reason {
+                        tracing::warn!("device {name:?} is still missing: {reason}");
+                        self.set_missing_reason(&name, reason);
+                    }
+                }
+            }
         }
     }
 
@@ -624,8 +922,16 @@ impl Daemon {
 }
 
 impl Exports for Daemon {
+    type Client = ClientRef;
+
     fn find(&self, name: &str) -> Option<Arc<Device>> {
         self.export(name).map(|e| e.current().0)
+    }
+
+    fn join(&self, name: &str) -> Option<(Arc<Device>, ClientRef)> {
+        let e = self.export(name)?;
+        let client = e.join()?;
+        Some((e.current().0, client))
     }
 
     fn names(&self) -> Vec<String> {
@@ -636,7 +942,25 @@ impl Exports for Daemon {
     }
 }
 
-/// The default state file beside a control socket.
+/// The default state file for a control socket: persistent storage, not `/run`
+/// (root: `/var/lib/loopd/STEM.state`; others: `$XDG_STATE_HOME/loopd/` or
+/// `~/.local/state/loopd/`), where STEM is the control socket's file stem.
 pub fn default_state_path(control: &Path) -> PathBuf {
-    control.with_extension("state")
+    let stem = control
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "loopd".into());
+    let dir = if rustix::process::geteuid().is_root() {
+        PathBuf::from("/var/lib/loopd")
+    } else {
+        match (std::env::var_os("XDG_STATE_HOME"), std::env::var_os("HOME")) {
+            (Some(d), _) if !d.is_empty() => Path::new(&d).join("loopd"),
+            (_, Some(h)) if !h.is_empty() => Path::new(&h).join(".local/state/loopd"),
+            _ => PathBuf::from(format!(
+                "/tmp/loopd-{}",
+                rustix::process::geteuid().as_raw()
+            )),
+        }
+    };
+    dir.join(format!("{stem}.state"))
 }

@@ -1,29 +1,60 @@
-//! The state file: the device table, so a restarted daemon brings its exports back.
+//! The state file: the devices attached over the control socket, so a restarted
+//! daemon brings them back.
 //!
-//! An append-only log of JSON lines: a header `{"loopd_state":1}`, then one record
-//! per change, `{"put":DeviceSpec}` (attach, set, resize) or `{"del":"name"}`
-//! (detach). A change costs one `write(2)` to an `O_APPEND` file, done before the
-//! control reply is sent, so a daemon killed (`kill -9`) right after acknowledging
-//! a change still finds it on restart: the record is in the page cache. (Power loss
-//! is another matter: nothing is fsync-ed; a torn last line is ignored.)
-//! On start, and when the log has grown well past the table, it is compacted: the
-//! live table is written to a temporary file renamed over the log.
+//! Format: an append-only log of JSON lines, a header `{"loopd_state":1}`, then
+//! one record per change, `{"put":DeviceSpec}` (attach, set) or `{"del":"name"}`
+//! (detach). Replaying the records in order gives the table.
+//!
+//! Contract:
+//! - One daemon per state file: [`StateLog::open`] takes an exclusive `flock` on
+//!   `STATE.lock` (holding the owner's pid) for the life of the log; a second
+//!   opener gets [`StateError::Locked`] and must not start. The lock file is
+//!   removed when the log is dropped (a `kill -9` leaves it: harmless).
+//! - Nothing is written to a path that exists and is not a loopd state file
+//!   (not a regular file, or no header): [`StateError::NotState`].
+//! - A change is durable before it is acknowledged: [`StateLog::put`] and
+//!   [`StateLog::del`] `write(2)` one line to the `O_APPEND` file and `fdatasync`
+//!   it; if either fails, the partial line is cut off again and the change is
+//!   refused (the in-memory table is unchanged). Rewrites (the first record, and
+//!   compaction) go to a temporary file (mode 0600, synced) renamed over the log,
+//!   then the directory is synced.
+//! - Damaged lines (unreadable JSON, a torn last line without its newline from a
+//!   crash or power loss) never make the state shrink silently: what parses is
+//!   kept, the whole file is first copied to `STATE.damaged-YYYYmmddTHHMMSSZ`
+//!   (logged), and the next write rewrites the log from what was read.
+//! - The log owns the table it replays and maintains, so compaction never depends
+//!   on what the daemon has managed to attach: a device whose image is missing
+//!   stays recorded.
 
 use crate::control::proto::DeviceSpec;
 use serde::{Deserialize, Serialize};
 use std::fs::{File, OpenOptions};
-use std::io::Write;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 
+/// Mode of the state file and its lock file (whatever the umask).
+const MODE: u32 = 0o600;
+
 #[derive(Debug, Error)]
 pub enum StateError {
-    #[error("cannot write {0}")]
+    #[error("cannot write the state file {0}")]
     Write(String, #[source] std::io::Error),
-    #[error("cannot read {0}")]
+    #[error("cannot read the state file {0}")]
     Read(String, #[source] std::io::Error),
-    #[error("{0} is not a loopd state file (no {{\"loopd_state\":1}} header)")]
-    NotState(String),
+    #[error(
+        "{0} is not a loopd state file ({1}); refusing to use it (and to overwrite it): give --state a path of its own"
+    )]
+    NotState(String, &'static str),
+    #[error(
+        "the state file {path} is in use by another loopd (pid {pid}); give each daemon its own --state"
+    )]
+    Locked { path: String, pid: String },
+    #[error("cannot lock the state file {0}")]
+    Lock(String, #[source] std::io::Error),
+    #[error("the state file {0} has damaged records, and they cannot be saved aside to {1}")]
+    SaveDamaged(String, String, #[source] std::io::Error),
 }
 
 #[derive(Serialize, Deserialize)]
@@ -32,54 +63,83 @@ struct Header {
     loopd_state: u32,
 }
 
-#[derive(Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
 enum Record {
     Put(DeviceSpec),
     Del(String),
 }
 
-/// An open state log. See the module documentation.
-pub struct StateLog {
-    path: PathBuf,
-    file: File,
-    records: usize,
-}
-
 fn name_of(spec: &DeviceSpec) -> String {
     super::name_of(spec)
 }
 
-/// Replay the log at `path` into a table (in first-attached order). A missing
-/// file is an empty table; an unreadable line (a torn last write) is skipped.
-pub fn read(path: &Path) -> Result<Vec<DeviceSpec>, StateError> {
-    let shown = path.display().to_string();
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(StateError::Read(shown, e)),
-    };
-    let mut lines = text.lines();
-    match lines.next().map(serde_json::from_str::<Header>) {
-        Some(Ok(h)) if h.loopd_state == 1 => {}
-        None => return Ok(Vec::new()),
-        _ => return Err(StateError::NotState(shown)),
+/// What a state file holds: the table, and the lines that could not be read.
+#[derive(Debug, Default, PartialEq)]
+pub struct Parsed {
+    /// The devices, in first-attached order.
+    pub table: Vec<DeviceSpec>,
+    /// One entry per damaged line: `line N: why`.
+    pub damaged: Vec<String>,
+}
+
+/// Whether `text` starts with a loopd state header line.
+fn has_header(text: &[u8]) -> bool {
+    let first = text.split(|&b| b == b'\n').next().unwrap_or_default();
+    matches!(serde_json::from_slice::<Header>(first), Ok(h) if h.loopd_state == 1)
+}
+
+/// Whether `start` (the first bytes of a file) is a loopd state file: it has the
+/// header, or (a damaged header) its first whole line after the first is a
+/// record. A disk image or a text file is neither.
+fn looks_like_state(start: &[u8]) -> bool {
+    if has_header(start) {
+        return true;
     }
-    let mut table: Vec<DeviceSpec> = Vec::new();
-    for (i, line) in lines.enumerate() {
-        match serde_json::from_str::<Record>(line) {
-            Ok(Record::Put(spec)) => {
-                let name = name_of(&spec);
-                match table.iter_mut().find(|s| name_of(s) == name) {
-                    Some(slot) => *slot = spec,
-                    None => table.push(spec),
-                }
-            }
-            Ok(Record::Del(name)) => table.retain(|s| name_of(s) != name),
-            Err(e) => tracing::warn!("{shown}: skipping unreadable record {}: {e}", i + 2),
+    let mut lines = start.split(|&b| b == b'\n');
+    let first_record = lines.nth(1);
+    // Only whole lines: the 4 KiB window may cut the last one.
+    lines.next().is_some()
+        && first_record.is_some_and(|l| serde_json::from_slice::<Record>(l).is_ok())
+}
+
+/// Replay the records of a state file (pure, any bytes). Damaged lines (the
+/// header line included) are reported, never fatal.
+pub fn parse(text: &[u8]) -> Parsed {
+    let mut p = Parsed::default();
+    if !has_header(text) {
+        p.damaged
+            .push("line 1: not the {\"loopd_state\":1} header".into());
+    }
+    let mut lines: Vec<&[u8]> = text.split(|&b| b == b'\n').collect();
+    // The piece after the last newline: empty for a whole file, else torn.
+    let tail = lines.pop().unwrap_or_default();
+    for (i, line) in lines.iter().enumerate().skip(1) {
+        match serde_json::from_slice::<Record>(line) {
+            Ok(r) => apply(&mut p.table, r),
+            Err(e) => p.damaged.push(format!("line {}: {e}", i + 1)),
         }
     }
-    Ok(table)
+    if !tail.is_empty() && !lines.is_empty() {
+        p.damaged.push(format!(
+            "line {}: torn (no newline at the end of the file)",
+            lines.len() + 1
+        ));
+    }
+    p
+}
+
+fn apply(table: &mut Vec<DeviceSpec>, r: Record) {
+    match r {
+        Record::Put(spec) => {
+            let name = name_of(&spec);
+            match table.iter_mut().find(|s| name_of(s) == name) {
+                Some(slot) => *slot = spec,
+                None => table.push(spec),
+            }
+        }
+        Record::Del(name) => table.retain(|s| name_of(s) != name),
+    }
 }
 
 fn encode(r: &Record) -> Vec<u8> {
@@ -88,49 +148,385 @@ fn encode(r: &Record) -> Vec<u8> {
     v
 }
 
+/// `path` + `suffix` (`nbd.state` → `nbd.state.lock`).
+fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
+    let mut s = path.as_os_str().to_owned();
+    s.push(suffix);
+    PathBuf::from(s)
+}
+
+/// `YYYYmmddTHHMMSSZ` for a time in seconds since the epoch (UTC).
+pub fn utc_stamp(secs: u64) -> String {
+    let days = secs / 86_400;
+    let rem = secs % 86_400;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z % 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + u64::from(m <= 2);
+    format!(
+        "{y:04}{m:02}{d:02}T{:02}{:02}{:02}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
+}
+
+fn sync_dir(path: &Path) -> std::io::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    File::open(dir)?.sync_all()
+}
+
+/// An open, locked state log. See the module documentation.
+pub struct StateLog {
+    path: PathBuf,
+    /// The log, open for appends; `None` until the file exists and is whole (the
+    /// next record then rewrites the file from `table`).
+    file: Option<File>,
+    /// Bytes of whole records in `file` (a failed append is cut back to this).
+    len: u64,
+    table: Vec<DeviceSpec>,
+    records: usize,
+    /// The file exists (so a compaction must keep it up to date).
+    exists: bool,
+    _lock: File,
+}
+
 impl StateLog {
-    /// Write `table` as a fresh log (temporary file + rename) and open it for appends.
-    pub fn create(path: &Path, table: &[DeviceSpec]) -> Result<StateLog, StateError> {
-        let shown = || path.display().to_string();
+    /// Lock and read the state file at `path` (a missing file is an empty table).
+    /// Damaged records are logged and the file is first copied aside.
+    pub fn open(path: &Path) -> Result<StateLog, StateError> {
+        let shown = path.display().to_string();
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            if !dir.exists() {
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(dir)
+                    .map_err(|e| StateError::Write(shown.clone(), e))?;
+            }
+        }
+        // Refuse a foreign file before creating anything beside it.
+        precheck(path)?;
+        let lock = lock(path)?;
+        let mut log = StateLog {
+            path: path.to_path_buf(),
+            file: None,
+            len: 0,
+            table: Vec::new(),
+            records: 0,
+            exists: false,
+            _lock: lock,
+        };
+        let mut f = match File::open(path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(log),
+            Err(e) => return Err(StateError::Read(shown, e)),
+        };
+        let meta = f
+            .metadata()
+            .map_err(|e| StateError::Read(shown.clone(), e))?;
+        if !meta.is_file() {
+            return Err(StateError::NotState(shown, "not a regular file"));
+        }
+        log.exists = true;
+        if meta.len() == 0 {
+            return Ok(log);
+        }
+        // Look at the start before reading it all: a mistyped path may name a
+        // large disk image.
+        let mut text = Vec::new();
+        (&mut f)
+            .take(4096)
+            .read_to_end(&mut text)
+            .map_err(|e| StateError::Read(shown.clone(), e))?;
+        if !looks_like_state(&text) {
+            return Err(StateError::NotState(
+                shown,
+                "its first line is not {\"loopd_state\":1}",
+            ));
+        }
+        f.read_to_end(&mut text)
+            .map_err(|e| StateError::Read(shown.clone(), e))?;
+        let parsed = parse(&text);
+        log.table = parsed.table;
+        log.records = log.table.len();
+        if !parsed.damaged.is_empty() {
+            let secs = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0);
+            let stamp = utc_stamp(secs);
+            let mut aside = with_suffix(path, &format!(".damaged-{stamp}"));
+            let mut n = 1;
+            loop {
+                match save_copy(&text, &aside) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && n < 100 => {
+                        aside = with_suffix(path, &format!(".damaged-{stamp}.{n}"));
+                        n += 1;
+                    }
+                    Err(e) => {
+                        let to = aside.display().to_string();
+                        return Err(StateError::SaveDamaged(shown, to, e));
+                    }
+                }
+            }
+            tracing::error!(
+                "state file {shown}: {} damaged record(s) skipped ({}); kept {} device(s); \
+                 the file as it was is saved in {}",
+                parsed.damaged.len(),
+                parsed.damaged.join("; "),
+                log.table.len(),
+                aside.display()
+            );
+            return Ok(log);
+        }
+        let file = OpenOptions::new()
+            .append(true)
+            .open(path)
+            .map_err(|e| StateError::Write(shown, e))?;
+        log.len = meta.len();
+        log.file = Some(file);
+        Ok(log)
+    }
+
+    /// The devices recorded, in first-attached order.
+    pub fn table(&self) -> &[DeviceSpec] {
+        &self.table
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Record an attach or a change of `spec` (durably, see the module docs).
+    pub fn put(&mut self, spec: &DeviceSpec) -> Result<(), StateError> {
+        self.record(Record::Put(spec.clone()))
+    }
+
+    /// Record a detach (durably).
+    pub fn del(&mut self, name: &str) -> Result<(), StateError> {
+        self.record(Record::Del(name.to_owned()))
+    }
+
+    /// Drop `name` from the table without a record of its own (it is gone from
+    /// the file at the next rewrite, e.g. [`StateLog::compact`]).
+    pub fn forget(&mut self, name: &str) {
+        self.table.retain(|s| name_of(s) != name);
+    }
+
+    fn record(&mut self, r: Record) -> Result<(), StateError> {
+        let mut table = self.table.clone();
+        let line = encode(&r);
+        apply(&mut table, r);
+        if self.file.is_none() {
+            self.rewrite(&table)?;
+            self.table = table;
+            return Ok(());
+        }
+        self.append(&line)?;
+        self.table = table;
+        self.records += 1;
+        if self.records > 2 * self.table.len() + 256 {
+            if let Err(e) = self.compact() {
+                // The record itself is durable; the long log stays.
+                tracing::warn!("state file compaction failed: {e}");
+            }
+        }
+        Ok(())
+    }
+
+    fn append(&mut self, line: &[u8]) -> Result<(), StateError> {
+        let shown = || self.path.display().to_string();
+        let Some(f) = self.file.as_mut() else {
+            return Err(StateError::Write(
+                shown(),
+                std::io::Error::other("state file not open"),
+            ));
+        };
+        // One write(2) per record (O_APPEND), then fdatasync: durable before
+        // the reply. On failure cut the file back so no partial line is left for
+        // the next record to be glued to.
+        let r = f.write_all(line).and_then(|()| f.sync_data());
+        if let Err(e) = r {
+            let len = self.len;
+            if f.set_len(len).and_then(|()| f.sync_data()).is_err() {
+                // The file may end in a partial line: rewrite it next time.
+                self.file = None;
+            }
+            return Err(StateError::Write(shown(), e));
+        }
+        self.len += line.len() as u64;
+        Ok(())
+    }
+
+    /// Rewrite the file from the table (when it exists or has anything to hold).
+    pub fn compact(&mut self) -> Result<(), StateError> {
+        if !self.exists && self.table.is_empty() {
+            return Ok(());
+        }
+        let table = self.table.clone();
+        self.rewrite(&table)
+    }
+
+    /// Write `table` as a fresh log: temporary file (0600, synced), rename,
+    /// directory sync; then open it for appends.
+    fn rewrite(&mut self, table: &[DeviceSpec]) -> Result<(), StateError> {
+        let shown = || self.path.display().to_string();
         let mut body = serde_json::to_vec(&Header { loopd_state: 1 }).unwrap_or_default();
         body.push(b'\n');
         for spec in table {
             body.extend(encode(&Record::Put(spec.clone())));
         }
-        let tmp = path.with_extension("state.tmp");
-        std::fs::write(&tmp, &body).map_err(|e| StateError::Write(shown(), e))?;
-        std::fs::rename(&tmp, path).map_err(|e| StateError::Write(shown(), e))?;
+        let name = self
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let tmp = self
+            .path
+            .with_file_name(format!(".{name}.tmp.{}", std::process::id()));
+        let _ = std::fs::remove_file(&tmp);
+        let written = (|| {
+            let mut f = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(MODE)
+                .open(&tmp)?;
+            f.set_permissions(std::fs::Permissions::from_mode(MODE))?;
+            f.write_all(&body)?;
+            f.sync_data()?;
+            std::fs::rename(&tmp, &self.path)?;
+            sync_dir(&self.path)
+        })();
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(StateError::Write(shown(), e));
+        }
+        self.exists = true;
         let file = OpenOptions::new()
             .append(true)
-            .open(path)
+            .open(&self.path)
             .map_err(|e| StateError::Write(shown(), e))?;
-        Ok(StateLog {
-            path: path.to_path_buf(),
-            file,
-            records: table.len(),
-        })
-    }
-
-    fn append(&mut self, r: &Record) -> Result<(), StateError> {
-        // One write(2) per record: with O_APPEND it lands whole or not at all as
-        // far as a killed process is concerned.
-        self.file
-            .write_all(&encode(r))
-            .map_err(|e| StateError::Write(self.path.display().to_string(), e))?;
-        self.records += 1;
+        self.file = Some(file);
+        self.len = body.len() as u64;
+        self.records = table.len();
         Ok(())
     }
+}
 
-    pub fn put(&mut self, spec: &DeviceSpec) -> Result<(), StateError> {
-        self.append(&Record::Put(spec.clone()))
+/// Whether `path` may be used as a state file: absent, or a regular file that
+/// is empty or starts with the header. Reads at most 4 KiB; writes nothing.
+fn precheck(path: &Path) -> Result<(), StateError> {
+    let shown = path.display().to_string();
+    let mut f = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(StateError::Read(shown, e)),
+    };
+    let meta = f
+        .metadata()
+        .map_err(|e| StateError::Read(shown.clone(), e))?;
+    if !meta.is_file() {
+        return Err(StateError::NotState(shown, "not a regular file"));
     }
-
-    pub fn del(&mut self, name: &str) -> Result<(), StateError> {
-        self.append(&Record::Del(name.to_owned()))
+    let mut start = Vec::new();
+    (&mut f)
+        .take(4096)
+        .read_to_end(&mut start)
+        .map_err(|e| StateError::Read(shown.clone(), e))?;
+    if !start.is_empty() && !looks_like_state(&start) {
+        return Err(StateError::NotState(
+            shown,
+            "its first line is not {\"loopd_state\":1}",
+        ));
     }
+    Ok(())
+}
 
-    /// Whether the log is worth compacting for a table of `live` devices.
-    pub fn bloated(&self, live: usize) -> bool {
-        self.records > 2 * live + 256
+/// Take the state file's lock (`STATE.lock`, an exclusive `flock`) and write our
+/// pid into it. The lock file is removed when the log is dropped (by its holder),
+/// so a lock taken on a file that was meanwhile unlinked is retried.
+fn lock(path: &Path) -> Result<File, StateError> {
+    let lock_path = with_suffix(path, ".lock");
+    let shown = path.display().to_string();
+    let lock_err = |e: std::io::Error| StateError::Lock(lock_path.display().to_string(), e);
+    let mut tries = 0;
+    let mut f = loop {
+        tries += 1;
+        let mut f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(MODE)
+            .open(&lock_path)
+            .map_err(lock_err)?;
+        match rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::WOULDBLOCK) => {
+                let mut pid = String::new();
+                let _ = f.read_to_string(&mut pid);
+                let pid = match pid.trim() {
+                    "" => "unknown".to_owned(),
+                    p => p.to_owned(),
+                };
+                return Err(StateError::Locked { path: shown, pid });
+            }
+            Err(e) => return Err(lock_err(e.into())),
+        }
+        // Still the file at that path (not one its last holder just removed)?
+        let ours = f.metadata().map_err(lock_err)?;
+        match std::fs::metadata(&lock_path) {
+            Ok(m) if m.dev() == ours.dev() && m.ino() == ours.ino() => break f,
+            Ok(_) | Err(_) if tries < 10 => continue,
+            Ok(_) => {
+                return Err(lock_err(std::io::Error::other(
+                    "the lock file keeps changing",
+                )));
+            }
+            Err(e) => return Err(lock_err(e)),
+        }
+    };
+    let pid = format!("{}\n", std::process::id());
+    let r = f
+        .set_len(0)
+        .and_then(|()| f.seek(SeekFrom::Start(0)))
+        .and_then(|_| f.write_all(pid.as_bytes()));
+    if let Err(e) = r {
+        // The lock holds without the pid; only the message of a loser suffers.
+        tracing::warn!("cannot write the pid into {}: {e}", lock_path.display());
+    }
+    Ok(f)
+}
+
+impl Drop for StateLog {
+    fn drop(&mut self) {
+        // Still holding the lock: a waiting opener retries on the new file.
+        let _ = std::fs::remove_file(with_suffix(&self.path, ".lock"));
     }
 }
+
+/// Copy the damaged file's bytes to `aside` (new file, 0600, synced).
+fn save_copy(text: &[u8], aside: &Path) -> std::io::Result<()> {
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(MODE)
+        .open(aside)?;
+    f.write_all(text)?;
+    f.sync_data()?;
+    sync_dir(aside)
+}
+
+#[cfg(test)]
+mod tests;

@@ -12,8 +12,13 @@
 //!   configuration — drains to zero. Only this export's requests wait; nothing
 //!   else is touched. A `set` that changes nothing the data path sees never
 //!   freezes (see `Daemon::set`).
-//! - `closing` marks a detach in progress: connections stop reading and close
-//!   once their requests are answered.
+//! - Clients: a connection counts as a client from the moment its handshake
+//!   selects the export ([`Export::join`], which hands out a [`ClientRef`]) until
+//!   that reference is dropped with the connection. [`Export::close`] shuts the
+//!   door in the same atomic word: once it succeeds no connection can join, so a
+//!   detach that finds no clients knows none can appear later. A forced close
+//!   also sets `forced`: connections shut their sockets down, cancel their file
+//!   I/O and go.
 //! - Locks: `current` (RwLock, read on connect and on epoch change only),
 //!   `waiters` (held to register or wake), `control` (serialises control
 //!   operations on this one export; never taken by reactors).
@@ -34,8 +39,10 @@ pub struct Export {
     epoch: AtomicU64,
     in_flight: AtomicU64,
     frozen: AtomicBool,
-    closing: AtomicBool,
+    /// Client count, with [`CLOSED`] set once no client may join any more.
     clients: AtomicU32,
+    /// A forced detach: connections are cut off, not drained.
+    forced: AtomicBool,
     /// Whether any client ever connected (autoclear fires only after one did).
     had_client: AtomicBool,
     waiters: Mutex<Vec<Arc<dyn Wake>>>,
@@ -61,8 +68,8 @@ impl Export {
             epoch: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
             frozen: AtomicBool::new(false),
-            closing: AtomicBool::new(false),
             clients: AtomicU32::new(0),
+            forced: AtomicBool::new(false),
             had_client: AtomicBool::new(false),
             waiters: Mutex::new(Vec::new()),
             control: Mutex::new(()),
@@ -155,18 +162,66 @@ impl Export {
         held
     }
 
+    /// Connections counted as clients (handshakes that selected this export
+    /// included).
     pub fn clients(&self) -> u32 {
-        self.clients.load(SeqCst)
+        self.clients.load(SeqCst) & !CLOSED
     }
 
-    pub fn client_connected(&self) {
+    /// A handshake selects this export: count the connection as a client until
+    /// the returned reference is dropped. `None` once the export is closed (a
+    /// detach has begun or finished): the client is refused as if the export
+    /// did not exist.
+    pub fn join(self: &Arc<Self>) -> Option<ClientRef> {
+        let mut cur = self.clients.load(SeqCst);
+        loop {
+            if cur & CLOSED != 0 || cur & !CLOSED == !CLOSED {
+                return None;
+            }
+            match self
+                .clients
+                .compare_exchange_weak(cur, cur + 1, SeqCst, SeqCst)
+            {
+                Ok(_) => break,
+                Err(now) => cur = now,
+            }
+        }
         self.had_client.store(true, SeqCst);
-        self.clients.fetch_add(1, SeqCst);
+        Some(ClientRef {
+            export: Arc::clone(self),
+        })
     }
 
-    /// A client went away; returns `true` if it was the last one.
-    pub fn client_disconnected(&self) -> bool {
-        self.clients.fetch_sub(1, SeqCst) == 1
+    /// Close the export to new clients. Without `force` this succeeds only
+    /// while it has no client (`Err(n)`: it has `n` and stays open); with it,
+    /// connections are told to go. Returns the clients at the moment it closed.
+    pub fn close(&self, force: bool) -> Result<u32, u32> {
+        if force {
+            self.forced.store(true, SeqCst);
+            return Ok(self.clients.fetch_or(CLOSED, SeqCst) & !CLOSED);
+        }
+        match self.clients.compare_exchange(0, CLOSED, SeqCst, SeqCst) {
+            Ok(_) => Ok(0),
+            Err(n) if n & CLOSED != 0 => Ok(n & !CLOSED),
+            Err(n) => Err(n),
+        }
+    }
+
+    /// Undo a [`Export::close`] that could not be completed (the detach failed
+    /// before the export was unpublished).
+    pub fn reopen(&self) {
+        self.forced.store(false, SeqCst);
+        self.clients.fetch_and(!CLOSED, SeqCst);
+    }
+
+    /// Whether the export is closed to new clients (a detach has begun).
+    pub fn closing(&self) -> bool {
+        self.clients.load(SeqCst) & CLOSED != 0
+    }
+
+    /// Whether connections must be cut off now (a forced detach).
+    pub fn forced(&self) -> bool {
+        self.forced.load(SeqCst)
     }
 
     pub fn had_client(&self) -> bool {
@@ -178,22 +233,138 @@ impl Export {
         *lock(&self.idle_tx) = Some(tx);
     }
 
-    /// Called by a reactor when the last client disconnected: an autoclear export
-    /// asks the daemon to remove it (the daemon re-checks, a client may be back).
-    pub fn last_client_gone(&self) {
+    /// The last client disconnected: an autoclear export asks the daemon to
+    /// remove it (the daemon re-checks, a client may be back).
+    fn last_client_gone(&self) {
         if lock(&self.spec).autoclear {
             if let Some(tx) = lock(&self.idle_tx).as_ref() {
                 let _ = tx.send(self.name.clone());
             }
         }
     }
+}
 
-    /// Start a detach: connections stop reading and close when answered.
-    pub fn start_closing(&self) {
-        self.closing.store(true, SeqCst);
+/// The high bit of [`Export::clients`]: the export takes no new clients.
+const CLOSED: u32 = 1 << 31;
+
+/// A connection counted as a client of an export (see [`Export::join`]); the
+/// count drops when this is dropped, and an autoclear export whose last client
+/// left asks to be removed.
+pub struct ClientRef {
+    export: Arc<Export>,
+}
+
+impl ClientRef {
+    pub fn export(&self) -> &Arc<Export> {
+        &self.export
+    }
+}
+
+impl Drop for ClientRef {
+    fn drop(&mut self) {
+        let before = self.export.clients.fetch_sub(1, SeqCst);
+        if before & !CLOSED == 1 {
+            self.export.last_client_gone();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{CacheMode, DeviceParams};
+
+    fn export() -> (Arc<Export>, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let p = DeviceParams {
+            path: dir.path().join("x.img"),
+            name: "x".into(),
+            cache: CacheMode::Buffered,
+            create: Some(1 << 20),
+            ..DeviceParams::default()
+        };
+        let dev = Device::open(&p).unwrap();
+        let spec = DeviceSpec {
+            image: p.path.clone(),
+            name: Some("x".into()),
+            offset: 0,
+            size_limit: None,
+            block_size: None,
+            cache: CacheMode::Buffered,
+            read_only: false,
+            autoclear: false,
+            create: None,
+            shared: false,
+            format: None,
+        };
+        (Arc::new(Export::new(dev, spec, false)), dir)
     }
 
-    pub fn closing(&self) -> bool {
-        self.closing.load(SeqCst)
+    #[test]
+    fn close_without_force_refuses_while_a_client_is_joined() {
+        let (e, _d) = export();
+        let c = e.join().expect("open export takes clients");
+        assert_eq!(e.clients(), 1);
+        assert_eq!(e.close(false), Err(1));
+        assert!(!e.closing());
+        drop(c);
+        assert_eq!(e.clients(), 0);
+        assert_eq!(e.close(false), Ok(0));
+        assert!(e.closing());
+    }
+
+    #[test]
+    fn closed_export_refuses_late_joins_until_reopened() {
+        let (e, _d) = export();
+        assert_eq!(e.close(false), Ok(0));
+        assert!(e.join().is_none(), "a late connection must be refused");
+        assert_eq!(e.clients(), 0);
+        e.reopen();
+        let c = e.join().expect("reopened");
+        assert_eq!(e.clients(), 1);
+        drop(c);
+    }
+
+    #[test]
+    fn forced_close_counts_clients_and_marks_forced() {
+        let (e, _d) = export();
+        let a = e.join().unwrap();
+        let b = e.join().unwrap();
+        assert_eq!(e.close(true), Ok(2));
+        assert!(e.forced() && e.closing());
+        assert!(e.join().is_none());
+        drop(a);
+        drop(b);
+        assert_eq!(e.clients(), 0);
+    }
+
+    #[test]
+    fn join_and_close_race_never_lose_a_client() {
+        // Many joiners against one closer: every join that succeeded is counted
+        // in what close saw or made close refuse.
+        for _ in 0..200 {
+            let (e, _d) = export();
+            let joiners: Vec<_> = (0..4)
+                .map(|_| {
+                    let e = Arc::clone(&e);
+                    std::thread::spawn(move || e.join())
+                })
+                .collect();
+            let closed = e.close(false);
+            let refs: Vec<ClientRef> = joiners
+                .into_iter()
+                .filter_map(|j| j.join().unwrap())
+                .collect();
+            let joined = u32::try_from(refs.len()).unwrap();
+            match closed {
+                Ok(0) => assert!(
+                    e.clients() == joined && joined == 0,
+                    "closed with no clients, yet {joined} joined"
+                ),
+                Ok(n) => panic!("non-forced close returned {n} clients"),
+                Err(n) => assert!(n >= 1 && n <= joined),
+            }
+            drop(refs);
+        }
     }
 }

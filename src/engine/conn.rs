@@ -8,6 +8,7 @@
 //! connection, which keeps the byte streams in order; file operations of different
 //! slots run concurrently and complete in any order.
 
+use super::admit::Permit;
 use super::affinity::{Follow, Peer};
 use super::buffer::AlignedBuf;
 use super::ops;
@@ -15,7 +16,7 @@ use super::reactor::{Io, TAG_CANCEL, TAG_FILE, TAG_RECV, TAG_SEND, ud};
 use super::splice::{MAX_PIPES, Pipe, PipePool, SPLICE_MIN, part_len};
 use super::sync;
 use super::task::{Next, Task};
-use crate::device::export::Export;
+use crate::device::export::{ClientRef, Export};
 use crate::device::range_lock::{Place, Ticket};
 use crate::device::stats::Path;
 use crate::device::{Device, status};
@@ -150,6 +151,10 @@ pub enum RecvState {
 pub struct Conn {
     pub sock: OwnedFd,
     pub export: Arc<Export>,
+    /// Counts this connection as a client of `export` until it is dropped.
+    _client: ClientRef,
+    /// Its place among the server's connections.
+    _permit: Permit,
     /// The configuration this connection uses, as of `epoch`.
     pub dev: Arc<Device>,
     pub epoch: u64,
@@ -197,11 +202,13 @@ unsafe impl Send for Conn {}
 impl Conn {
     pub fn new(
         sock: OwnedFd,
-        export: Arc<Export>,
+        client: ClientRef,
+        permit: Permit,
         structured: bool,
         meta_context: bool,
         peer: Peer,
     ) -> Conn {
+        let export = Arc::clone(client.export());
         let (dev, epoch) = export.current();
         let view = ExportView {
             size: dev.size,
@@ -218,6 +225,8 @@ impl Conn {
         Conn {
             sock,
             export,
+            _client: client,
+            _permit: permit,
             dev,
             epoch,
             view,
@@ -321,6 +330,22 @@ impl Conn {
         self.cancel_recv(io, ci);
     }
 
+    /// Ask the kernel to cancel every file operation of this connection in
+    /// flight (each still completes, with `ECANCELED` or its result).
+    fn cancel_file_ops(&mut self, io: &mut Io, ci: u32) {
+        if self.file_ops == 0 {
+            return;
+        }
+        for si in 0..SLOTS {
+            if self.slots[si as usize].state == SlotState::Io {
+                let e = opcode::AsyncCancel::new(ud(TAG_FILE, ci, si))
+                    .build()
+                    .user_data(ud(TAG_CANCEL, ci, 0));
+                io.push(e);
+            }
+        }
+    }
+
     /// Cancel the receive in flight, if any (once).
     fn cancel_recv(&mut self, io: &mut Io, ci: u32) {
         if self.recv_inflight && !self.cancel_sent {
@@ -334,7 +359,15 @@ impl Conn {
 
     /// Parse what is buffered and keep a receive posted, as far as budget allows.
     pub(super) fn pump(&mut self, io: &mut Io, ci: u32) {
-        if self.export.closing() && !self.read_closed {
+        if self.export.forced() && !self.dead {
+            // A forced detach: cut the connection off now. Shutting the socket
+            // down fails a send stuck on a client that does not read; file I/O in
+            // flight is cancelled where the kernel can, and its buffers are
+            // released when it completes.
+            let _ = rustix::net::shutdown(&self.sock, rustix::net::Shutdown::Both);
+            self.cancel_file_ops(io, ci);
+            self.kill(io, ci);
+        } else if self.export.closing() && !self.read_closed {
             // Detached: stop reading (cancelling a receive an idle client left
             // posted); the connection closes once its requests are answered.
             self.close_reading(io, ci);

@@ -2,6 +2,7 @@
 //! against backing files, plus the plain-syscall engine used as fallback and
 //! test oracle, and the direct-I/O alignment probe.
 
+pub mod admit;
 pub mod affinity;
 pub mod align;
 pub mod buffer;

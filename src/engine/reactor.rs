@@ -29,12 +29,13 @@
 //! - Before sleeping it may busy-poll (see [`super::poll`]) for up to `--poll-us`,
 //!   never while file I/O is in flight and never after a large batch.
 
+use super::admit::Permit;
 use super::affinity::{self, CpuLoad, Peer};
 use super::buffer::Pool;
 use super::conn::Conn;
 use super::poll::AdaptivePoll;
 use super::splice::PipePool;
-use crate::device::export::Export;
+use crate::device::export::ClientRef;
 use crate::device::range_lock::Wake;
 use io_uring::{IoUring, opcode, squeue, types};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -93,7 +94,10 @@ pub enum ReactorError {
 /// A negotiated connection, ready for the transmission phase.
 pub struct NewConn {
     pub sock: OwnedFd,
-    pub export: Arc<Export>,
+    /// Its registration as a client of the export its handshake selected.
+    pub client: ClientRef,
+    /// Its place among the server's connections.
+    pub permit: Permit,
     pub structured: bool,
     pub meta_context: bool,
     /// How to find where the client runs.
@@ -538,10 +542,10 @@ impl Reactor {
     fn on_msg(&mut self, m: Msg) {
         match m {
             Msg::Conn(nc) => {
-                nc.export.client_connected();
                 let c = Box::new(Conn::new(
                     nc.sock,
-                    nc.export,
+                    nc.client,
+                    nc.permit,
                     nc.structured,
                     nc.meta_context,
                     nc.peer,
@@ -715,9 +719,7 @@ impl Reactor {
                 continue;
             };
             if c.service(&mut self.io, ci) {
-                if c.export.client_disconnected() {
-                    c.export.last_client_gone();
-                }
+                // Dropping the connection drops its client registration.
                 self.conns[ci as usize] = None;
                 self.free_conns.push(ci);
                 self.handle.load.fetch_sub(1, Ordering::Relaxed);

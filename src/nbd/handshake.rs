@@ -1,10 +1,17 @@
-//! The fixed-newstyle handshake, driven over a blocking socket.
+//! The fixed-newstyle handshake as a state machine with no I/O of its own.
 //!
-//! Runs on a short-lived thread per connection (with a socket timeout set by the
-//! caller), so a slow or hostile client costs one thread for at most the timeout
-//! and never stalls the reactors or the acceptor. It reads exactly the bytes each
-//! message declares (after capping them), so nothing of the transmission phase is
-//! consumed here. Parsing is in [`super::wire`].
+//! A [`Handshake`] says how many bytes it wants next ([`Handshake::want`]), takes
+//! them ([`Handshake::feed`]) and leaves what to send in [`Handshake::out`]. It never
+//! asks for a byte past the end of the handshake, so nothing of the transmission
+//! phase is consumed here, and it holds at most one option's data (capped at
+//! `MAX_OPTION_LEN`; longer options are counted off and refused). The server drives
+//! it on one event loop over non-blocking sockets (a pending handshake costs its
+//! buffers, no thread); [`negotiate`] drives it over a blocking `Read + Write`
+//! (tests, fuzzing). Parsing is in [`super::wire`].
+//!
+//! A client counts as a client of an export from the moment `GO` or
+//! `EXPORT_NAME` selects it: [`Exports::join`] hands back the registration
+//! (`Exports::Client`), which travels with the connection.
 
 use super::proto::*;
 use super::wire::{self, WireError};
@@ -14,9 +21,17 @@ use std::sync::Arc;
 use thiserror::Error;
 
 /// Where the handshake finds exports by name.
-pub trait Exports: Send + Sync {
-    /// The device exported as `name` (`""` is the default export).
+pub trait Exports {
+    /// What selecting an export hands back: the connection's registration as a
+    /// client, held for as long as the connection lives.
+    type Client;
+    /// The device exported as `name` (`""` is the default export), for
+    /// `INFO` and meta-context queries.
     fn find(&self, name: &str) -> Option<Arc<Device>>;
+    /// Select `name` for the transmission phase: from now on the connection
+    /// counts as its client. `None` if there is no such export or it takes no
+    /// new clients (a detach has begun).
+    fn join(&self, name: &str) -> Option<(Arc<Device>, Self::Client)>;
     /// Every export's name, for `NBD_OPT_LIST`.
     fn names(&self) -> Vec<String>;
 }
@@ -33,16 +48,35 @@ pub enum HandshakeError {
     UnknownExport(String),
     #[error("client sent more than {0} options")]
     TooManyOptions(usize),
+    #[error("client closed the connection in the middle of a message")]
+    Truncated,
 }
 
 /// The outcome of a successful handshake.
-pub struct Negotiated {
+pub struct Negotiated<C> {
     pub dev: Arc<Device>,
+    /// The connection's registration as a client of the export.
+    pub client: C,
     pub structured: bool,
     pub meta_context: bool,
 }
 
+/// What the server allows during the handshake.
+#[derive(Debug, Clone, Copy)]
+pub struct Policy {
+    /// Answer `NBD_OPT_LIST` (else `NBD_REP_ERR_POLICY`).
+    pub list: bool,
+}
+
+impl Default for Policy {
+    fn default() -> Policy {
+        Policy { list: true }
+    }
+}
+
 const MAX_OPTIONS: usize = 4096;
+/// Bytes of an over-long option's data taken per [`Handshake::feed`].
+const DISCARD_CHUNK: usize = 64 << 10;
 
 /// Transmission flags for a device.
 pub fn transmission_flags(dev: &Device, structured: bool) -> u16 {
@@ -67,213 +101,307 @@ pub fn block_sizes(dev: &Device) -> (u32, u32, u32) {
     (dev.block_size, dev.block_size.max(4096), MAX_PAYLOAD)
 }
 
-struct Session<'a, S> {
-    s: &'a mut S,
-    exports: &'a dyn Exports,
+/// What the handshake is waiting for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// The client's 4-byte flags.
+    Flags,
+    /// A 16-byte option header.
+    Header,
+    /// `len` bytes of data of `option`.
+    Data { option: u32, len: u32 },
+    /// The rest of an over-long option's data, thrown away.
+    Discard { option: u32, left: u64 },
+}
+
+/// Progress after [`Handshake::feed`].
+pub enum Step<C> {
+    /// Wants more bytes ([`Handshake::want`]).
+    More,
+    /// The handshake is over: `Some` enters the transmission phase, `None` means
+    /// the client aborted. Send what [`Handshake::out`] holds first.
+    Done(Option<Negotiated<C>>),
+}
+
+/// One client's handshake. See the module documentation.
+pub struct Handshake {
+    phase: Phase,
+    /// Bytes of the current message received so far.
+    buf: Vec<u8>,
+    /// Bytes to send, in order; the driver drains it.
+    pub out: Vec<u8>,
+    policy: Policy,
     no_zeroes: bool,
     structured: bool,
     meta_context: bool,
-    out: Vec<u8>,
+    options: usize,
 }
 
-/// Run the handshake. `Ok(None)` means the client ended it cleanly (ABORT, or
-/// closed the socket between options).
-pub fn negotiate<S: Read + Write>(
-    s: &mut S,
-    exports: &dyn Exports,
-) -> Result<Option<Negotiated>, HandshakeError> {
-    let mut hello = [0u8; 18];
-    hello[0..8].copy_from_slice(&NBDMAGIC.to_be_bytes());
-    hello[8..16].copy_from_slice(&IHAVEOPT.to_be_bytes());
-    hello[16..18].copy_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
-    s.write_all(&hello)?;
-    let mut cf = [0u8; 4];
-    s.read_exact(&mut cf)?;
-    let client_flags = u32::from_be_bytes(cf);
-    if client_flags & !(CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES) != 0 {
-        return Err(HandshakeError::ClientFlags(client_flags));
-    }
-    let mut sess = Session {
-        s,
-        exports,
-        no_zeroes: client_flags & CLIENT_FLAG_NO_ZEROES != 0,
-        structured: false,
-        meta_context: false,
-        out: Vec::with_capacity(256),
-    };
-    for _ in 0..MAX_OPTIONS {
-        let mut h = [0u8; 16];
-        match sess.s.read_exact(&mut h) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-            Err(e) => return Err(e.into()),
+impl Handshake {
+    /// A new handshake; `out` already holds the server's greeting.
+    pub fn new(policy: Policy) -> Handshake {
+        let mut out = Vec::with_capacity(256);
+        out.extend_from_slice(&NBDMAGIC.to_be_bytes());
+        out.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        out.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+        Handshake {
+            phase: Phase::Flags,
+            buf: Vec::with_capacity(16),
+            out,
+            policy,
+            no_zeroes: false,
+            structured: false,
+            meta_context: false,
+            options: 0,
         }
-        let opt = wire::parse_option_header(&h)?;
-        if opt.len > MAX_OPTION_LEN {
-            sess.discard(u64::from(opt.len))?;
-            sess.reply(opt.option, REP_ERR_TOO_BIG, b"option too long")?;
-            continue;
-        }
-        let mut data = vec![0u8; opt.len as usize];
-        sess.s.read_exact(&mut data)?;
-        if let Some(done) = sess.option(opt.option, &data)? {
-            return Ok(done);
-        }
-    }
-    Err(HandshakeError::TooManyOptions(MAX_OPTIONS))
-}
-
-impl<S: Read + Write> Session<'_, S> {
-    fn discard(&mut self, mut n: u64) -> std::io::Result<()> {
-        let mut buf = [0u8; 4096];
-        while n > 0 {
-            let k = usize::try_from(n).map_or(buf.len(), |n| n.min(buf.len()));
-            self.s.read_exact(&mut buf[..k])?;
-            n -= k as u64;
-        }
-        Ok(())
     }
 
-    fn reply(&mut self, option: u32, kind: u32, payload: &[u8]) -> std::io::Result<()> {
-        self.out.clear();
+    /// How many bytes to read next (at least one): never more than the current
+    /// message still lacks.
+    pub fn want(&self) -> usize {
+        let total = match self.phase {
+            Phase::Flags => 4,
+            Phase::Header => 16,
+            Phase::Data { len, .. } => len as usize,
+            Phase::Discard { left, .. } => {
+                return usize::try_from(left).map_or(DISCARD_CHUNK, |l| l.min(DISCARD_CHUNK));
+            }
+        };
+        total - self.buf.len()
+    }
+
+    /// Whether the client may close the connection here without error (between
+    /// options).
+    pub fn at_boundary(&self) -> bool {
+        self.phase == Phase::Header && self.buf.is_empty()
+    }
+
+    /// Take `input` (at most [`Handshake::want`] bytes; any more is an error of
+    /// the caller and is ignored) and act on every complete message.
+    pub fn feed<E: Exports + ?Sized>(
+        &mut self,
+        input: &[u8],
+        exports: &E,
+    ) -> Result<Step<E::Client>, HandshakeError> {
+        let input = &input[..input.len().min(self.want())];
+        if let Phase::Discard { option, left } = self.phase {
+            let left = left - input.len() as u64;
+            if left > 0 {
+                self.phase = Phase::Discard { option, left };
+                return Ok(Step::More);
+            }
+            self.phase = Phase::Header;
+            self.reply(option, REP_ERR_TOO_BIG, b"option too long");
+            return Ok(Step::More);
+        }
+        self.buf.extend_from_slice(input);
+        if self.want() > 0 {
+            return Ok(Step::More);
+        }
+        let msg = std::mem::take(&mut self.buf);
+        let step = self.message(&msg, exports);
+        // Reuse the allocation for the next message.
+        self.buf = msg;
+        self.buf.clear();
+        step
+    }
+
+    fn message<E: Exports + ?Sized>(
+        &mut self,
+        msg: &[u8],
+        exports: &E,
+    ) -> Result<Step<E::Client>, HandshakeError> {
+        match self.phase {
+            Phase::Flags => {
+                let mut cf = [0u8; 4];
+                cf.copy_from_slice(msg);
+                let client_flags = u32::from_be_bytes(cf);
+                if client_flags & !(CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES) != 0 {
+                    return Err(HandshakeError::ClientFlags(client_flags));
+                }
+                self.no_zeroes = client_flags & CLIENT_FLAG_NO_ZEROES != 0;
+                self.phase = Phase::Header;
+                Ok(Step::More)
+            }
+            Phase::Header => {
+                if self.options == MAX_OPTIONS {
+                    return Err(HandshakeError::TooManyOptions(MAX_OPTIONS));
+                }
+                self.options += 1;
+                let opt = wire::parse_option_header(msg)?;
+                if opt.len > MAX_OPTION_LEN {
+                    self.phase = Phase::Discard {
+                        option: opt.option,
+                        left: u64::from(opt.len),
+                    };
+                    return Ok(Step::More);
+                }
+                self.phase = Phase::Data {
+                    option: opt.option,
+                    len: opt.len,
+                };
+                if opt.len == 0 {
+                    return self.message(&[], exports);
+                }
+                Ok(Step::More)
+            }
+            Phase::Data { option, .. } => {
+                self.phase = Phase::Header;
+                self.option(option, msg, exports)
+            }
+            // Handled in `feed`; never a complete message.
+            Phase::Discard { .. } => Ok(Step::More),
+        }
+    }
+
+    fn reply(&mut self, option: u32, kind: u32, payload: &[u8]) {
         wire::option_reply(&mut self.out, option, kind, payload);
-        self.s.write_all(&self.out)
     }
 
-    /// Handle one option. `Some(outcome)` ends the handshake.
-    fn option(
+    /// Handle one option.
+    fn option<E: Exports + ?Sized>(
         &mut self,
         option: u32,
         data: &[u8],
-    ) -> Result<Option<Option<Negotiated>>, HandshakeError> {
+        exports: &E,
+    ) -> Result<Step<E::Client>, HandshakeError> {
         match option {
             OPT_EXPORT_NAME => {
                 let name = std::str::from_utf8(data)
                     .map_err(|_| WireError::Malformed("export name is not UTF-8"))?;
-                let Some(dev) = self.exports.find(name) else {
+                // This option has no error reply: an unknown export closes.
+                let Some((dev, client)) = exports.join(name) else {
                     return Err(HandshakeError::UnknownExport(name.to_owned()));
                 };
-                let mut b = Vec::with_capacity(134);
-                b.extend_from_slice(&dev.size.to_be_bytes());
-                b.extend_from_slice(&transmission_flags(&dev, self.structured).to_be_bytes());
+                self.out.extend_from_slice(&dev.size.to_be_bytes());
+                self.out
+                    .extend_from_slice(&transmission_flags(&dev, self.structured).to_be_bytes());
                 if !self.no_zeroes {
-                    b.extend_from_slice(&[0u8; 124]);
+                    self.out.extend_from_slice(&[0u8; 124]);
                 }
-                self.s.write_all(&b)?;
-                Ok(Some(Some(self.done(dev))))
+                Ok(Step::Done(Some(self.done(dev, client))))
             }
             OPT_ABORT => {
-                // The client may already have closed; an error here changes nothing.
-                let _ = self.reply(option, REP_ACK, &[]);
-                Ok(Some(None))
+                self.reply(option, REP_ACK, &[]);
+                Ok(Step::Done(None))
             }
             OPT_LIST => {
                 if !data.is_empty() {
-                    self.reply(option, REP_ERR_INVALID, b"LIST takes no data")?;
-                    return Ok(None);
+                    self.reply(option, REP_ERR_INVALID, b"LIST takes no data");
+                } else if !self.policy.list {
+                    self.reply(option, REP_ERR_POLICY, b"listing exports is turned off");
+                } else {
+                    for name in exports.names() {
+                        self.reply(option, REP_SERVER, &wire::rep_server(&name));
+                    }
+                    self.reply(option, REP_ACK, &[]);
                 }
-                for name in self.exports.names() {
-                    self.reply(option, REP_SERVER, &wire::rep_server(&name))?;
-                }
-                self.reply(option, REP_ACK, &[])?;
-                Ok(None)
+                Ok(Step::More)
             }
-            OPT_INFO | OPT_GO => self.info_or_go(option, data),
+            OPT_INFO | OPT_GO => self.info_or_go(option, data, exports),
             OPT_STRUCTURED_REPLY => {
                 if !data.is_empty() {
-                    self.reply(option, REP_ERR_INVALID, b"STRUCTURED_REPLY takes no data")?;
+                    self.reply(option, REP_ERR_INVALID, b"STRUCTURED_REPLY takes no data");
                 } else {
                     self.structured = true;
-                    self.reply(option, REP_ACK, &[])?;
+                    self.reply(option, REP_ACK, &[]);
                 }
-                Ok(None)
+                Ok(Step::More)
             }
             OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
-                self.meta(option, data)?;
-                Ok(None)
+                self.meta(option, data, exports);
+                Ok(Step::More)
             }
             _ => {
-                self.reply(option, REP_ERR_UNSUP, b"option not supported by loopd")?;
-                Ok(None)
+                self.reply(option, REP_ERR_UNSUP, b"option not supported by loopd");
+                Ok(Step::More)
             }
         }
     }
 
-    fn done(&mut self, dev: Arc<Device>) -> Negotiated {
+    fn done<C>(&mut self, dev: Arc<Device>, client: C) -> Negotiated<C> {
         Negotiated {
             dev,
+            client,
             structured: self.structured,
             meta_context: self.meta_context,
         }
     }
 
-    fn info_or_go(
+    fn info_or_go<E: Exports + ?Sized>(
         &mut self,
         option: u32,
         data: &[u8],
-    ) -> Result<Option<Option<Negotiated>>, HandshakeError> {
+        exports: &E,
+    ) -> Result<Step<E::Client>, HandshakeError> {
         let req = match wire::parse_info_request(data) {
             Ok(r) => r,
             Err(e) => {
-                self.reply(option, REP_ERR_INVALID, e.to_string().as_bytes())?;
-                return Ok(None);
+                self.reply(option, REP_ERR_INVALID, e.to_string().as_bytes());
+                return Ok(Step::More);
             }
         };
-        let Some(dev) = self.exports.find(&req.name) else {
-            let msg = format!("no export named {:?}", req.name);
-            self.reply(option, REP_ERR_UNKNOWN, msg.as_bytes())?;
-            return Ok(None);
+        // GO joins before it answers: by the time the client reads the reply
+        // it is counted, so a detach cannot miss it.
+        let (dev, client) = if option == OPT_GO {
+            match exports.join(&req.name) {
+                Some((d, c)) => (d, Some(c)),
+                None => return self.unknown(option, &req.name),
+            }
+        } else {
+            match exports.find(&req.name) {
+                Some(d) => (d, None),
+                None => return self.unknown(option, &req.name),
+            }
         };
         let flags = transmission_flags(&dev, self.structured);
-        self.reply(option, REP_INFO, &wire::info_export(dev.size, flags))?;
+        self.reply(option, REP_INFO, &wire::info_export(dev.size, flags));
         for &kind in &req.requests {
             match kind {
-                INFO_NAME => {
-                    self.reply(option, REP_INFO, &wire::info_string(INFO_NAME, &dev.name))?
-                }
-                INFO_DESCRIPTION => {
-                    let desc = format!("loopd: {}", dev.path.display());
-                    self.reply(
-                        option,
-                        REP_INFO,
-                        &wire::info_string(INFO_DESCRIPTION, &desc),
-                    )?
-                }
+                INFO_NAME => self.reply(option, REP_INFO, &wire::info_string(INFO_NAME, &dev.name)),
                 INFO_BLOCK_SIZE => {
                     let (min, pref, max) = block_sizes(&dev);
-                    self.reply(option, REP_INFO, &wire::info_block_size(min, pref, max))?
+                    self.reply(option, REP_INFO, &wire::info_block_size(min, pref, max))
                 }
-                _ => {} // unknown info requests are ignored, as the spec allows
+                // No description: it would tell any client where the image lives.
+                // Unknown requests are ignored, as the spec allows.
+                _ => {}
             }
         }
-        self.reply(option, REP_ACK, &[])?;
-        if option == OPT_GO {
-            return Ok(Some(Some(self.done(dev))));
+        self.reply(option, REP_ACK, &[]);
+        match client {
+            Some(c) => Ok(Step::Done(Some(self.done(dev, c)))),
+            None => Ok(Step::More),
         }
-        Ok(None)
     }
 
-    fn meta(&mut self, option: u32, data: &[u8]) -> Result<(), HandshakeError> {
+    fn unknown<C>(&mut self, option: u32, name: &str) -> Result<Step<C>, HandshakeError> {
+        let msg = format!("no export named {name:?}");
+        self.reply(option, REP_ERR_UNKNOWN, msg.as_bytes());
+        Ok(Step::More)
+    }
+
+    fn meta<E: Exports + ?Sized>(&mut self, option: u32, data: &[u8], exports: &E) {
         let listing = option == OPT_LIST_META_CONTEXT;
         if !self.structured {
             self.reply(
                 option,
                 REP_ERR_INVALID,
                 b"negotiate structured replies first",
-            )?;
-            return Ok(());
+            );
+            return;
         }
         let req = match wire::parse_meta_context_request(data) {
             Ok(r) => r,
             Err(e) => {
-                self.reply(option, REP_ERR_INVALID, e.to_string().as_bytes())?;
-                return Ok(());
+                self.reply(option, REP_ERR_INVALID, e.to_string().as_bytes());
+                return;
             }
         };
-        if self.exports.find(&req.name).is_none() {
+        if exports.find(&req.name).is_none() {
             let msg = format!("no export named {:?}", req.name);
-            self.reply(option, REP_ERR_UNKNOWN, msg.as_bytes())?;
-            return Ok(());
+            self.reply(option, REP_ERR_UNKNOWN, msg.as_bytes());
+            return;
         }
         let selected = if listing && req.queries.is_empty() {
             true
@@ -287,13 +415,55 @@ impl<S: Read + Write> Session<'_, S> {
                 option,
                 REP_META_CONTEXT,
                 &wire::rep_meta_context(BASE_ALLOCATION_ID, BASE_ALLOCATION),
-            )?;
+            );
         }
         if !listing {
             self.meta_context = selected;
         }
-        self.reply(option, REP_ACK, &[])?;
-        Ok(())
+        self.reply(option, REP_ACK, &[]);
+    }
+}
+
+/// Run the handshake over a blocking stream with the default policy. `Ok(None)`
+/// means the client ended it cleanly (ABORT, or closed the socket between
+/// options).
+pub fn negotiate<S: Read + Write, E: Exports + ?Sized>(
+    s: &mut S,
+    exports: &E,
+) -> Result<Option<Negotiated<E::Client>>, HandshakeError> {
+    negotiate_with(s, exports, Policy::default())
+}
+
+/// [`negotiate`] with a policy.
+pub fn negotiate_with<S: Read + Write, E: Exports + ?Sized>(
+    s: &mut S,
+    exports: &E,
+    policy: Policy,
+) -> Result<Option<Negotiated<E::Client>>, HandshakeError> {
+    let mut h = Handshake::new(policy);
+    let mut buf = vec![0u8; DISCARD_CHUNK];
+    loop {
+        s.write_all(&h.out)?;
+        h.out.clear();
+        let want = h.want().min(buf.len());
+        let n = match s.read(&mut buf[..want]) {
+            Ok(0) if h.at_boundary() => return Ok(None),
+            Ok(0) => return Err(HandshakeError::Truncated),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e.into()),
+        };
+        match h.feed(&buf[..n], exports)? {
+            Step::More => {}
+            Step::Done(done) => {
+                let sent = s.write_all(&h.out);
+                // After ABORT the client may already be gone: that changes nothing.
+                if done.is_some() {
+                    sent?;
+                }
+                return Ok(done);
+            }
+        }
     }
 }
 

@@ -753,9 +753,70 @@ pub struct ServerBuilder {
     tcp: bool,
     name: Option<String>,
     socket_path: Option<PathBuf>,
+    /// Process limits and umask for the server (set in the child before exec).
+    limits: ChildLimits,
+    /// Leave out the `--state` the harness adds (test the default path).
+    default_state: bool,
+}
+
+/// What a server process starts with, set between fork and exec.
+#[derive(Clone, Copy, Default)]
+pub struct ChildLimits {
+    /// RLIMIT_NOFILE, soft and hard.
+    pub nofile: Option<u64>,
+    pub umask: Option<u32>,
+}
+
+impl ChildLimits {
+    /// Apply to `cmd` (in the child, before exec).
+    pub fn apply(self, cmd: &mut Command) {
+        use std::os::unix::process::CommandExt;
+        if self.nofile.is_none() && self.umask.is_none() {
+            return;
+        }
+        // SAFETY: the closure runs in the forked child before exec and only
+        // makes async-signal-safe system calls (setrlimit, umask).
+        unsafe {
+            cmd.pre_exec(move || {
+                if let Some(n) = self.nofile {
+                    let lim = libc::rlimit {
+                        rlim_cur: n,
+                        rlim_max: n,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                if let Some(m) = self.umask {
+                    libc::umask(m);
+                }
+                Ok(())
+            });
+        }
+    }
 }
 
 impl ServerBuilder {
+    /// Start the server with this open-file limit (soft and hard).
+    pub fn nofile(mut self, n: u64) -> Self {
+        self.limits.nofile = Some(n);
+        self
+    }
+
+    /// Start the server with this umask.
+    pub fn umask(mut self, m: u32) -> Self {
+        self.limits.umask = Some(m);
+        self
+    }
+
+    /// Do not pass `--state` (by default the harness passes the control
+    /// socket's path with extension `.state`, so parallel servers never share
+    /// the persistent default state file).
+    pub fn default_state(mut self) -> Self {
+        self.default_state = true;
+        self
+    }
+
     /// Use this Unix socket path instead of a fresh one in a private tempdir.
     pub fn socket_path(mut self, p: &Path) -> Self {
         self.socket_path = Some(p.to_path_buf());
@@ -846,6 +907,24 @@ impl ServerBuilder {
             cmd.arg("--name").arg(n);
         }
         cmd.args(&self.args);
+        self.limits.apply(&mut cmd);
+        let has = |flag: &str| {
+            self.args.iter().any(|a| {
+                let a = a.to_string_lossy();
+                a == flag || a.starts_with(&format!("{flag}="))
+            })
+        };
+        if !self.default_state && !has("--state") {
+            let ctl = self
+                .args
+                .iter()
+                .position(|a| a == "--control")
+                .and_then(|i| self.args.get(i + 1))
+                .map(PathBuf::from)
+                .or_else(|| socket.as_ref().map(|s| s.with_extension("ctl")))
+                .unwrap_or_else(|| dir.path().join("nbd.ctl"));
+            cmd.arg("--state").arg(ctl.with_extension("state"));
+        }
         cmd.env("PATH", tool_path_env())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -999,6 +1078,8 @@ impl Server {
             tcp: false,
             name: None,
             socket_path: None,
+            limits: ChildLimits::default(),
+            default_state: false,
         }
     }
 
@@ -1014,6 +1095,8 @@ impl Server {
             tcp: false,
             name: None,
             socket_path: None,
+            limits: ChildLimits::default(),
+            default_state: false,
         }
     }
 

@@ -178,6 +178,15 @@ proptest! {
         prop_assert!(parse_request(&line.as_bytes()[..n]).is_err());
     }
 
+    /// A field the document does not name is refused, whatever the op.
+    #[test]
+    fn unknown_fields_are_refused_for_every_op(r in request(), k in "x[a-z_]{0,8}") {
+        let mut j: serde_json::Value = serde_json::from_str(&encode_request(&r)).unwrap();
+        j[k.as_str()] = 1.into();
+        let e = parse_request(j.to_string().as_bytes()).unwrap_err();
+        prop_assert_eq!(e.code, ErrorCode::BadRequest);
+    }
+
     /// Any other version number is refused as such, whatever the request.
     #[test]
     fn other_versions_are_refused(r in request(), v in any::<u64>()) {
@@ -187,4 +196,25 @@ proptest! {
         let e = parse_request(j.to_string().as_bytes()).unwrap_err();
         prop_assert_eq!(e.code, ErrorCode::UnsupportedVersion);
     }
+}
+
+#[test]
+fn list_and_version_with_fields_are_rejected() {
+    for (line, field) in [
+        (&br#"{"v":1,"op":"list","all":true}"#[..], "all"),
+        (&br#"{"v":1,"op":"version","x":1}"#[..], "x"),
+    ] {
+        let e = parse_request(line).unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadRequest, "{line:?}");
+        assert!(
+            e.message.contains(&format!("unknown field `{field}`")),
+            "{}",
+            e.message
+        );
+    }
+    assert_eq!(parse_request(br#"{"v":1,"op":"list"}"#), Ok(Request::List));
+    assert_eq!(
+        parse_request(br#"{"op":"version","v":1}"#),
+        Ok(Request::Version)
+    );
 }

@@ -1,0 +1,248 @@
+//! Where the server listens: the default runtime directory, Unix sockets bound
+//! with an explicit mode (never the umask's), TCP listeners.
+//!
+//! A Unix socket is bound under a temporary name, given its mode (and group),
+//! then renamed into place, so it is never reachable with looser permissions.
+//! The default runtime directory is refused unless it is a real directory owned
+//! by this user and writable by nobody else: another user could otherwise
+//! replace the socket, or read the state kept beside it.
+
+use rustix::fs::{Gid, Mode, Uid};
+use std::net::TcpListener;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ListenError {
+    #[error("cannot create directory {0} for the socket")]
+    SocketDir(PathBuf, #[source] std::io::Error),
+    #[error(
+        "{0} is in use by another server (stop it, or give this one its own --socket and --control)"
+    )]
+    SocketInUse(PathBuf),
+    #[error("cannot listen on {0}")]
+    BindUnix(PathBuf, #[source] std::io::Error),
+    #[error("cannot set the mode or group of {0}")]
+    SocketMode(PathBuf, #[source] std::io::Error),
+    #[error("cannot listen on {0}")]
+    BindTcp(String, #[source] std::io::Error),
+    #[error(
+        "refusing the runtime directory {path}: {why}; remove it, or set XDG_RUNTIME_DIR or --socket/--control"
+    )]
+    UnsafeDir { path: PathBuf, why: String },
+    #[error("unknown group {0:?}")]
+    UnknownGroup(String),
+}
+
+/// The default socket directory: `/run/loopd` for root, else
+/// `$XDG_RUNTIME_DIR/loopd`, else `/tmp/loopd-UID`.
+pub fn default_socket_dir() -> PathBuf {
+    let uid = rustix::process::geteuid();
+    if uid.is_root() {
+        return PathBuf::from("/run/loopd");
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) if !d.is_empty() => Path::new(&d).join("loopd"),
+        _ => PathBuf::from(format!("/tmp/loopd-{}", uid.as_raw())),
+    }
+}
+
+/// Make sure the default runtime directory `dir` exists and is safe: created
+/// 0755 (root) or 0700 (others) if missing; if present, a directory (not a
+/// symlink) owned by this user and not writable by group or others.
+pub fn ensure_runtime_dir(dir: &Path) -> Result<(), ListenError> {
+    let uid = rustix::process::geteuid();
+    if !dir.exists() {
+        if let Some(parent) = dir.parent() {
+            if !parent.as_os_str().is_empty() && !parent.exists() {
+                std::fs::create_dir_all(parent)
+                    .map_err(|e| ListenError::SocketDir(parent.to_path_buf(), e))?;
+            }
+        }
+        let mode = if uid.is_root() { 0o755 } else { 0o700 };
+        match std::fs::DirBuilder::new().mode(mode).create(dir) {
+            Ok(()) => {
+                // The umask may have taken bits away; set exactly this mode.
+                std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
+                    .map_err(|e| ListenError::SocketDir(dir.to_path_buf(), e))?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(ListenError::SocketDir(dir.to_path_buf(), e)),
+        }
+    }
+    check_private_dir(dir, uid)
+}
+
+fn check_private_dir(dir: &Path, uid: Uid) -> Result<(), ListenError> {
+    let refuse = |why: String| ListenError::UnsafeDir {
+        path: dir.to_path_buf(),
+        why,
+    };
+    let st =
+        rustix::fs::lstat(dir).map_err(|e| ListenError::SocketDir(dir.to_path_buf(), e.into()))?;
+    let kind = rustix::fs::FileType::from_raw_mode(st.st_mode);
+    if kind != rustix::fs::FileType::Directory {
+        return Err(refuse(format!("it is a {kind:?}, not a directory")));
+    }
+    if st.st_uid != uid.as_raw() {
+        return Err(refuse(format!(
+            "it is owned by uid {}, not by this user (uid {})",
+            st.st_uid,
+            uid.as_raw()
+        )));
+    }
+    if st.st_mode & 0o022 != 0 {
+        return Err(refuse(format!(
+            "its mode {:o} lets others write to it",
+            st.st_mode & 0o7777
+        )));
+    }
+    Ok(())
+}
+
+/// Bind a Unix socket at `path` with exactly `mode` (and `group`, if given).
+/// A stale socket file (nobody answers on it) is replaced; a live one is an
+/// error. A missing parent directory is created 0755.
+pub fn bind_unix(path: &Path, mode: u32, group: Option<Gid>) -> Result<UnixListener, ListenError> {
+    if let Some(dir) = path.parent() {
+        if !dir.as_os_str().is_empty() && !dir.exists() {
+            std::fs::DirBuilder::new()
+                .mode(0o755)
+                .recursive(true)
+                .create(dir)
+                .map_err(|e| ListenError::SocketDir(dir.to_path_buf(), e))?;
+        }
+    }
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            return Err(ListenError::SocketInUse(path.to_path_buf()));
+        }
+        // A stale socket from a server that died: nobody answers on it.
+        let _ = std::fs::remove_file(path);
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    let l = UnixListener::bind(&tmp).map_err(|e| ListenError::BindUnix(path.to_path_buf(), e))?;
+    let placed = (|| {
+        if let Some(g) = group {
+            rustix::fs::chown(&tmp, None, Some(g))?;
+        }
+        rustix::fs::chmod(&tmp, Mode::from_raw_mode(mode))?;
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(ListenError::SocketMode(path.to_path_buf(), e));
+    }
+    Ok(l)
+}
+
+/// A group given by name or number.
+pub fn group_id(g: &str) -> Result<Gid, ListenError> {
+    if let Ok(n) = g.parse::<u32>() {
+        return Ok(Gid::from_raw(n));
+    }
+    let name = std::ffi::CString::new(g).map_err(|_| ListenError::UnknownGroup(g.into()))?;
+    let mut buf = vec![0u8; 16 << 10];
+    // SAFETY: `group` and `result` are plain C out-parameters; `buf` outlives
+    // the call and its length is passed; `name` is a NUL-terminated string.
+    let mut group: libc::group = unsafe { std::mem::zeroed() };
+    let mut result: *mut libc::group = std::ptr::null_mut();
+    // SAFETY: see above; getgrnam_r writes only into `group`, `buf` and `result`.
+    let rc = unsafe {
+        libc::getgrnam_r(
+            name.as_ptr(),
+            &mut group,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            &mut result,
+        )
+    };
+    if rc != 0 || result.is_null() {
+        return Err(ListenError::UnknownGroup(g.into()));
+    }
+    Ok(Gid::from_raw(group.gr_gid))
+}
+
+/// Bind a TCP listener; warn when it is reachable from other hosts.
+pub fn bind_tcp(addr: &str) -> Result<TcpListener, ListenError> {
+    let l = TcpListener::bind(addr).map_err(|e| ListenError::BindTcp(addr.to_owned(), e))?;
+    if let Ok(a) = l.local_addr() {
+        if !a.ip().is_loopback() {
+            tracing::warn!(
+                "listening on {a} with no TLS and no client authentication: any host that can \
+                 reach it can read and write every device (and list them unless --no-list); \
+                 listen on 127.0.0.1 or a Unix socket, or firewall it"
+            );
+        }
+    }
+    Ok(l)
+}
+
+/// `HOST:PORT` of a listener, as it goes in a URI.
+pub fn uri_host(addr: &std::net::SocketAddr) -> String {
+    match addr {
+        std::net::SocketAddr::V4(a) => format!("{}:{}", a.ip(), a.port()),
+        std::net::SocketAddr::V6(a) => format!("[{}]:{}", a.ip(), a.port()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn socket_gets_the_mode_asked_whatever_the_umask() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("s.sock");
+        let old = rustix::process::umask(Mode::empty());
+        let r = bind_unix(&p, 0o600, None);
+        rustix::process::umask(old);
+        let _l = r.unwrap();
+        let m = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(m, 0o600);
+    }
+
+    #[test]
+    fn runtime_dir_writable_by_others_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("rt");
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = ensure_runtime_dir(&dir).unwrap_err().to_string();
+        assert!(e.contains("lets others write"), "{e}");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        ensure_runtime_dir(&dir).unwrap();
+    }
+
+    #[test]
+    fn runtime_dir_symlink_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let real = d.path().join("real");
+        std::fs::create_dir(&real).unwrap();
+        let link = d.path().join("link");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        let e = ensure_runtime_dir(&link).unwrap_err().to_string();
+        assert!(e.contains("not a directory"), "{e}");
+    }
+
+    #[test]
+    fn missing_runtime_dir_is_created_private_under_umask_000() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("new");
+        let old = rustix::process::umask(Mode::empty());
+        let r = ensure_runtime_dir(&dir);
+        rustix::process::umask(old);
+        r.unwrap();
+        let m = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+        // Tests run as root.
+        let want = if rustix::process::geteuid().is_root() {
+            0o755
+        } else {
+            0o700
+        };
+        assert_eq!(m, want);
+    }
+}

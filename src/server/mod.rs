@@ -1,0 +1,295 @@
+//! The server: listeners, the accept loop, signals, and the hand-off of negotiated
+//! connections to reactors.
+//!
+//! Threads: the caller's thread runs the accept loop, which also runs every
+//! pending handshake (see [`accept`]); reactors run the transmission phase; the
+//! control socket has its own threads. Stopping (SIGINT/SIGTERM): stop accepting,
+//! let each reactor finish and answer what it has in flight, flush every device,
+//! remove the socket files.
+
+mod accept;
+pub mod listen;
+
+use crate::control::server::{self as control, ControlError};
+use crate::daemon::{Daemon, Endpoints};
+use crate::engine::admit::Admission;
+use crate::engine::reactor::{self, ReactorError, ReactorHandle};
+use crate::nbd::handshake::Policy;
+pub use accept::MAX_PENDING;
+pub use listen::{ListenError, default_socket_dir};
+use std::io::Write;
+use std::net::TcpListener;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use thiserror::Error;
+
+/// Default for `--max-connections`.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// Default for `--handshake-timeout`.
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default mode of the NBD Unix socket (owner only; see `--socket-mode`).
+pub const DEFAULT_SOCKET_MODE: u32 = 0o600;
+
+#[derive(Debug, Error)]
+pub enum ServerError {
+    #[error(transparent)]
+    Listen(#[from] ListenError),
+    #[error("cannot set up signal handling")]
+    Signals(#[source] std::io::Error),
+    #[error(transparent)]
+    Reactor(#[from] ReactorError),
+    #[error(transparent)]
+    Control(#[from] ControlError),
+    #[error("waiting for connections failed")]
+    Poll(#[source] std::io::Error),
+}
+
+/// Where and how to serve.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// NBD Unix socket; `None` with no `listen` means the default path.
+    pub socket: Option<PathBuf>,
+    /// Mode of the NBD Unix socket.
+    pub socket_mode: u32,
+    /// Group of the NBD Unix socket (name or number).
+    pub socket_group: Option<String>,
+    /// TCP addresses (`HOST:PORT`).
+    pub listen: Vec<String>,
+    /// Reactor threads (0 = one per core).
+    pub reactors: usize,
+    /// Keep each connection on the reactor it started on (never move it to the
+    /// reactor running where its client runs).
+    pub no_follow: bool,
+    /// Move connections after their clients even on an idle machine (tests).
+    pub follow_idle: bool,
+    /// Longest adaptive busy-poll before a reactor sleeps (zero: never poll).
+    pub poll: Duration,
+    /// Control socket; `None` = no control socket.
+    pub control: Option<PathBuf>,
+    /// NBD connections at most (handshakes included).
+    pub max_connections: usize,
+    /// Deadline for a client's whole handshake.
+    pub handshake_timeout: Duration,
+    /// Refuse `NBD_OPT_LIST`.
+    pub no_list: bool,
+    /// How long a control client may stay idle.
+    pub control_idle: Duration,
+}
+
+impl Default for ServeOptions {
+    fn default() -> ServeOptions {
+        ServeOptions {
+            socket: None,
+            socket_mode: DEFAULT_SOCKET_MODE,
+            socket_group: None,
+            listen: Vec::new(),
+            reactors: 0,
+            no_follow: false,
+            follow_idle: false,
+            poll: Duration::ZERO,
+            control: None,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+            no_list: false,
+            control_idle: control::IDLE_TIMEOUT,
+        }
+    }
+}
+
+/// A bound NBD endpoint.
+pub(crate) enum Listener {
+    Unix(UnixListener),
+    Tcp(TcpListener),
+}
+
+impl Listener {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Listener::Unix(u) => u.as_fd(),
+            Listener::Tcp(t) => t.as_fd(),
+        }
+    }
+}
+
+/// The NBD socket path `opts` asks for (the default when nothing is given).
+pub fn nbd_socket_path(opts: &ServeOptions) -> Option<PathBuf> {
+    match (&opts.socket, opts.listen.is_empty()) {
+        (Some(p), _) => Some(p.clone()),
+        (None, true) => Some(default_socket_dir().join("loopd.sock")),
+        (None, false) => None,
+    }
+}
+
+/// Descriptors kept for everything but NBD connections: the control plane,
+/// images, the state file, and per reactor its ring, eventfd and splice pipes.
+fn reserved_fds(reactors: usize) -> u64 {
+    256 + 96 * reactors as u64
+}
+
+/// `--max-connections` as the open-file limit allows it (at least one).
+fn connection_limit(asked: usize, reactors: usize) -> usize {
+    let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .current
+        .unwrap_or(u64::MAX);
+    let room = nofile
+        .saturating_sub(reserved_fds(reactors))
+        .max(nofile / 2);
+    let fit = usize::try_from(room).unwrap_or(usize::MAX).max(1);
+    if fit < asked {
+        tracing::warn!(
+            "--max-connections {asked} lowered to {fit}: the open-file limit is {nofile} and \
+             {} descriptors are kept for the control plane, images and reactors",
+            nofile - room
+        );
+        return fit;
+    }
+    asked
+}
+
+/// Serve the daemon's exports until SIGINT or SIGTERM.
+/// Prints one line per endpoint with its URI on stdout once ready.
+pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError> {
+    raise_open_file_limit();
+    let group = opts
+        .socket_group
+        .as_deref()
+        .map(listen::group_id)
+        .transpose()?;
+    let mut listeners = Vec::new();
+    let socket = nbd_socket_path(opts);
+    // The default runtime directory is checked before anything is put in it.
+    let default_dir = default_socket_dir();
+    let in_default =
+        |p: Option<&PathBuf>| p.and_then(|p| p.parent()) == Some(default_dir.as_path());
+    if in_default(socket.as_ref()) || in_default(opts.control.as_ref()) {
+        listen::ensure_runtime_dir(&default_dir)?;
+    }
+    if let Some(p) = &socket {
+        listeners.push(Listener::Unix(listen::bind_unix(
+            p,
+            opts.socket_mode,
+            group,
+        )?));
+    }
+    let mut tcp = Vec::new();
+    for addr in &opts.listen {
+        let l = listen::bind_tcp(addr)?;
+        if let Ok(a) = l.local_addr() {
+            tcp.push(listen::uri_host(&a));
+        }
+        listeners.push(Listener::Tcp(l));
+    }
+    daemon.set_endpoints(Endpoints {
+        unix: socket.clone(),
+        tcp,
+    });
+    let control = match &opts.control {
+        Some(p) => {
+            let l = control::bind(p)?;
+            control::spawn(l, Arc::clone(&daemon), opts.control_idle)?;
+            Some(p.clone())
+        }
+        None => None,
+    };
+
+    let (sig_rx, sig_tx) = UnixStream::pair().map_err(ServerError::Signals)?;
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        let tx = sig_tx.try_clone().map_err(ServerError::Signals)?;
+        signal_hook::low_level::pipe::register(sig, tx).map_err(ServerError::Signals)?;
+    }
+    sig_rx.set_nonblocking(true).map_err(ServerError::Signals)?;
+    let (kick_rx, kick_tx) = UnixStream::pair().map_err(ServerError::Signals)?;
+    kick_rx
+        .set_nonblocking(true)
+        .map_err(ServerError::Signals)?;
+    kick_tx
+        .set_nonblocking(true)
+        .map_err(ServerError::Signals)?;
+    daemon.set_handshake_kick(Box::new(move || {
+        let _ = (&kick_tx).write(&[1]);
+    }));
+
+    let n = if opts.reactors == 0 {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        opts.reactors
+    };
+    let reactors: Vec<Arc<ReactorHandle>> = (0..n)
+        .map(|i| reactor::spawn(i, opts.poll))
+        .collect::<Result<_, _>>()?;
+    // Connections follow their clients between reactors (engine::affinity).
+    if n > 1 && !opts.no_follow {
+        for r in &reactors {
+            r.set_peers(reactors.clone(), opts.follow_idle);
+        }
+    }
+    daemon.set_reactors(reactors.clone());
+    daemon.run_janitor();
+    let admission = Admission::new(connection_limit(opts.max_connections, n));
+
+    let name = daemon
+        .export("")
+        .map(|e| e.name.clone())
+        .unwrap_or_default();
+    for uri in daemon.endpoints().uris(&name) {
+        println!("{uri}");
+    }
+    if let Some(c) = &control {
+        println!("control: {}", c.display());
+    }
+    for l in &listeners {
+        let _ = match l {
+            Listener::Unix(u) => u.set_nonblocking(true),
+            Listener::Tcp(t) => t.set_nonblocking(true),
+        };
+    }
+
+    let cfg = accept::AcceptConfig {
+        handshake_timeout: opts.handshake_timeout,
+        policy: Policy {
+            list: !opts.no_list,
+        },
+        admission,
+    };
+    let result = accept::AcceptLoop::new(&listeners, &sig_rx, &kick_rx, &daemon, &reactors, cfg)
+        .run()
+        .map_err(|e| ServerError::Poll(e.into()));
+
+    tracing::info!("stopping: finishing in-flight requests");
+    daemon.set_stopping();
+    daemon.close_state();
+    for r in reactors.iter() {
+        r.shutdown();
+    }
+    for e in daemon.all() {
+        let (dev, _) = e.current();
+        if !dev.read_only {
+            if let Err(err) = rustix::fs::fdatasync(&dev.file) {
+                tracing::error!("flushing {} failed: {err}", dev.path.display());
+            }
+        }
+        tracing::info!("device {:?}: {}", e.name, e.stats.summary());
+    }
+    if let Some(p) = &socket {
+        let _ = std::fs::remove_file(p);
+    }
+    if let Some(p) = &control {
+        let _ = std::fs::remove_file(p);
+    }
+    result
+}
+
+/// Every connection, backing file and spliced read holds descriptors; the common
+/// soft limit of 1024 is low for a server. Raise it to the hard limit (failure
+/// leaves it as it was).
+fn raise_open_file_limit() {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut lim = getrlimit(Resource::Nofile);
+    if lim.current < lim.maximum {
+        lim.current = lim.maximum;
+        let _ = setrlimit(Resource::Nofile, lim);
+    }
+}
