@@ -131,6 +131,8 @@ fn spec(image: &Path, name: &str) -> DeviceSpec {
         read_only: false,
         autoclear: false,
         create: None,
+        shared: false,
+        format: None,
     }
 }
 

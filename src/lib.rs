@@ -3,6 +3,7 @@
 //! Data flows client → [`nbd`] (handshake, wire) → [`engine`] (reactor,
 //! io_uring) → [`device`] (window, range lock, stats) → backing file.
 
+pub mod backing;
 pub mod control;
 pub mod daemon;
 pub mod device;

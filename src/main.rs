@@ -83,7 +83,7 @@ struct ServeArgs {
     #[arg(long, hide = true, value_name = "SECS", default_value_t = 60.0)]
     control_idle_timeout: f64,
     /// TOML file of devices to attach at start ([[device]] tables with image,
-    /// name, offset, size_limit, block_size, cache, read_only, autoclear).
+    /// name, offset, size_limit, block_size, cache, read_only, autoclear, shared, format).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Control socket (mode 0600) [default: beside the NBD socket, with extension .ctl].

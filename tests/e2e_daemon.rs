@@ -378,6 +378,8 @@ fn attach_list_status_detach() {
         "--cache",
         "buffered",
         "--read-only",
+        // disk1 writes this image: a second device on it is on purpose.
+        "--shared",
     ]);
     assert_eq!(ro.at("name").str(), "win");
     assert_eq!(ro.at("offset").u64(), MIB);
@@ -573,6 +575,7 @@ fn failed_attach_leaves_no_trace() {
         path_str(&keep),
         "--name",
         "keep2",
+        "--shared",
         "--create",
         "1G",
     ]);
@@ -1126,7 +1129,7 @@ fn state_survives_kill9() {
         "buffered",
     ]);
     srv.ctl_ok(&["attach", path_str(&c), "--read-only"]);
-    srv.ctl_ok(&["attach", path_str(&c), "--name", "temp"]);
+    srv.ctl_ok(&["attach", path_str(&c), "--name", "temp", "--shared"]);
     srv.ctl_ok(&["detach", "temp"]);
     qemu_io(
         &uri(&srv, "alpha"),
@@ -1308,7 +1311,7 @@ fn no_default_device_without_image() {
     std::fs::write(
         &cfg,
         format!(
-            "[[device]]\nimage = \"{0}\"\nname = \"zz\"\n[[device]]\nimage = \"{0}\"\nname = \"bb\"\n",
+            "[[device]]\nimage = \"{0}\"\nname = \"zz\"\n[[device]]\nimage = \"{0}\"\nname = \"bb\"\nshared = true\n",
             path_str(&img)
         ),
     )

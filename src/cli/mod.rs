@@ -4,6 +4,7 @@ pub mod kernel;
 
 use anyhow::{Context, Result};
 use clap::ValueEnum;
+use loopd::backing::format::ImageFormat;
 use loopd::control::proto::DeviceSpec;
 use loopd::device::CacheMode;
 use loopd::size::parse_size;
@@ -57,6 +58,28 @@ pub struct DeviceArgs {
     /// Refuse writes (EPERM) and advertise the export as read-only.
     #[arg(long)]
     pub read_only: bool,
+    /// Serve the image even if another writer (QEMU, another device) has it open,
+    /// and let others open it too (QEMU's force-share). Default: one writer.
+    #[arg(long)]
+    pub shared: bool,
+    /// Declare the image's format: `raw` serves its bytes as they are, even if they
+    /// look like qcow2, vmdk, ... [default: probe and refuse non-raw images].
+    #[arg(long, value_enum, value_name = "FORMAT")]
+    pub format: Option<Format>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum Format {
+    /// The file is the disk, byte for byte.
+    Raw,
+}
+
+impl From<Format> for ImageFormat {
+    fn from(f: Format) -> ImageFormat {
+        match f {
+            Format::Raw => ImageFormat::Raw,
+        }
+    }
 }
 
 impl DeviceArgs {
@@ -73,6 +96,8 @@ impl DeviceArgs {
             read_only: self.read_only,
             autoclear: false,
             create: self.create,
+            shared: self.shared,
+            format: self.format.map(Into::into),
         }
     }
 }

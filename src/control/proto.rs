@@ -5,6 +5,7 @@
 //! `{"v":1,"ok":false,"error":{"code":…,"message":…}}`. `docs/control.md` is the
 //! user-facing description; keep the two in step.
 
+use crate::backing::format::ImageFormat;
 use crate::device::CacheMode;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -35,6 +36,17 @@ pub struct DeviceSpec {
     pub autoclear: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub create: Option<u64>,
+    /// Let other writers (QEMU, other devices) use the image too (QEMU's
+    /// force-share); default: refuse an image another writer holds.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub shared: bool,
+    /// The declared image format (`raw`); absent: probe and refuse non-raw images.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<ImageFormat>,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// Live changes to a device; absent fields stay as they are.

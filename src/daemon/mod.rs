@@ -23,6 +23,7 @@
 pub mod info;
 pub mod state;
 
+use crate::backing::lock::LockError;
 use crate::control::proto::{
     DeviceSpec, ErrorBody, ErrorCode, Request, SetSpec, err_reply, ok_reply,
 };
@@ -97,9 +98,17 @@ impl CtlError {
                 | DeviceError::Empty
                 | DeviceError::TooLarge { .. }
                 | DeviceError::NotAFile { .. } => ErrorCode::Invalid,
+                DeviceError::NotRaw { .. } => ErrorCode::Invalid,
                 DeviceError::DirectRefused { .. } => ErrorCode::DirectRefused,
+                DeviceError::Lock(l) => match l {
+                    LockError::InUse { .. } => ErrorCode::Busy,
+                    LockError::Open { .. }
+                    | LockError::Replaced { .. }
+                    | LockError::Fcntl { .. } => ErrorCode::Io,
+                },
                 DeviceError::Create { .. }
                 | DeviceError::Open { .. }
+                | DeviceError::Probe { .. }
                 | DeviceError::Stat { .. } => ErrorCode::Io,
             },
         }
@@ -212,6 +221,8 @@ fn params_with(spec: &DeviceSpec, name: &str, tuning: Tuning) -> DeviceParams {
         no_inline_reads: tuning.no_inline_reads,
         no_inline_writes: tuning.no_inline_writes,
         no_splice: tuning.no_splice,
+        shared: spec.shared,
+        format: spec.format,
     }
 }
 
@@ -414,6 +425,10 @@ impl Daemon {
         // Record what was asked; `create` has done its job.
         spec.name = Some(name.clone());
         spec.create = None;
+        // The image probed raw (or was declared so): a restart restores it as raw
+        // whatever its clients write at byte 0 meanwhile.
+        spec.format
+            .get_or_insert(crate::backing::format::ImageFormat::Raw);
         let persist = source != Source::Static;
         let export = Arc::new(Export::new(dev, spec.clone(), persist));
         if let Ok(tx) = self.idle_tx.lock() {

@@ -294,6 +294,8 @@ mod tests {
             read_only: false,
             autoclear: false,
             create: None,
+            shared: false,
+            format: None,
         };
         (Arc::new(Export::new(dev, spec, false)), dir)
     }

@@ -5,12 +5,23 @@
 //! alignment probed, sizes checked) and only then shared (`Arc<Device>`) with the
 //! reactors, so nothing ever sees a half-configured device. Its fields are
 //! immutable after open except the atomics (`file_size`, stats) and the range lock.
+//!
+//! Opening also guards the image (see [`crate::backing`]): the device takes the
+//! QEMU-compatible image lock for its export name (held until the `Device` is
+//! dropped, i.e. until the last connection lets go of it) and refuses an image
+//! that probes as a container format (qcow2, vmdk, ...) unless the user declared
+//! `format: raw`. An image this open creates is raw by construction, and a
+//! reconfiguration of a live export (`set`, `resize`: the same name already holds
+//! the image) is not probed again: a guest may have written anything at byte 0
+//! since the image was checked.
 
 pub mod export;
 pub mod range_lock;
 pub mod stats;
 pub mod status;
 
+use crate::backing::format::{self, Detected, ImageFormat};
+use crate::backing::lock::{ImageLock, LockError, Mode};
 use crate::engine::align::{self, DioAlign};
 use range_lock::RangeLock;
 use stats::Stats;
@@ -54,6 +65,10 @@ pub struct DeviceParams {
     pub no_inline_writes: bool,
     /// Benchmark switch: large buffered reads are copied, never spliced.
     pub no_splice: bool,
+    /// Share the image with other writers on purpose (QEMU's force-share).
+    pub shared: bool,
+    /// The format the user declared; `None`: probe, and refuse a non-raw image.
+    pub format: Option<ImageFormat>,
 }
 
 #[derive(Debug, Error)]
@@ -98,6 +113,24 @@ pub enum DeviceError {
     TooLarge { offset: u64, size: u64 },
     #[error("cannot stat {path}")]
     Stat {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Lock(#[from] LockError),
+    #[error(
+        "{path} is a {format} image; loopd serves raw images only: convert it with \
+         'qemu-img convert -f {format} -O raw {path} {raw}', or pass --format raw to serve \
+         its bytes as they are"
+    )]
+    NotRaw {
+        path: PathBuf,
+        format: Detected,
+        raw: PathBuf,
+    },
+    #[error("cannot read the first bytes of {path} to probe its format")]
+    Probe {
         path: PathBuf,
         #[source]
         source: std::io::Error,
@@ -150,6 +183,8 @@ pub struct Device {
     pub nowait_writes: AtomicBool,
     /// Large buffered reads are spliced from the page cache to the socket.
     pub splice_reads: bool,
+    /// This device's hold on the image lock; released when the device drops.
+    pub image_lock: ImageLock,
 }
 
 /// Whether `f` is on a filesystem whose I/O waits only for local disks (or is a
@@ -224,6 +259,40 @@ fn create_sparse(path: &Path, size: u64) -> Result<bool, DeviceError> {
     }
 }
 
+/// Refuse an image whose first bytes name a container format.
+fn check_raw(path: &Path, f: &File) -> Result<(), DeviceError> {
+    use std::os::unix::fs::FileExt;
+    let mut head = [0u8; format::PROBE_LEN];
+    let mut got = 0;
+    while got < head.len() {
+        match f.read_at(&mut head[got..], got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(source) => {
+                return Err(DeviceError::Probe {
+                    path: path.to_path_buf(),
+                    source,
+                });
+            }
+        }
+    }
+    match format::probe(&head[..got]) {
+        None => Ok(()),
+        Some(format) => {
+            let mut raw = path.with_extension("raw");
+            if raw == path {
+                raw = path.with_extension("converted.raw");
+            }
+            Err(DeviceError::NotRaw {
+                path: path.to_path_buf(),
+                format,
+                raw,
+            })
+        }
+    }
+}
+
 fn dup(f: &File, path: &Path) -> Result<File, DeviceError> {
     f.try_clone().map_err(|source| DeviceError::Open {
         path: path.to_path_buf(),
@@ -249,7 +318,7 @@ impl Device {
             Some(size) if !p.path.exists() => create_sparse(&p.path, size)?,
             _ => false,
         };
-        match Self::open_existing(p, stats) {
+        match Self::open_existing(p, stats, created) {
             Ok(mut d) => {
                 d.created = created;
                 Ok(d)
@@ -263,7 +332,11 @@ impl Device {
         }
     }
 
-    fn open_existing(p: &DeviceParams, stats: Arc<Stats>) -> Result<Device, DeviceError> {
+    fn open_existing(
+        p: &DeviceParams,
+        stats: Arc<Stats>,
+        created: bool,
+    ) -> Result<Device, DeviceError> {
         let plain = open_file(&p.path, p.read_only, false).map_err(|source| DeviceError::Open {
             path: p.path.clone(),
             source,
@@ -288,6 +361,14 @@ impl Device {
                 path: p.path.clone(),
             });
         };
+        let mode = Mode {
+            read_only: p.read_only,
+            shared: p.shared,
+        };
+        let image_lock = ImageLock::acquire(&p.path, &plain, &p.name, mode)?;
+        if p.format.is_none() && !created && !image_lock.is_reconfiguration() {
+            check_raw(&p.path, &plain)?;
+        }
         let align = align::probe(&plain);
         let local_fs = on_local_disk(&plain);
         let default_bs = align.offset.clamp(512, 4096);
@@ -411,6 +492,7 @@ impl Device {
             local_fs,
             nowait_writes: AtomicBool::new(true),
             splice_reads: !p.no_splice,
+            image_lock,
         })
     }
 

@@ -13,6 +13,8 @@ fn attach_round_trips() {
         read_only: true,
         autoclear: true,
         create: None,
+        shared: true,
+        format: Some(crate::backing::format::ImageFormat::Raw),
     });
     assert_eq!(parse_request(encode_request(&r).as_bytes()), Ok(r));
 }
@@ -90,12 +92,14 @@ fn device_spec() -> impl Strategy<Value = DeviceSpec> {
             any::<bool>(),
             proptest::option::of(any::<u64>()),
         ),
+        (any::<bool>(), any::<bool>()),
     )
         .prop_map(
             |(
                 (image, name, offset),
                 (size_limit, block_size, cache),
                 (read_only, autoclear, create),
+                (shared, raw),
             )| {
                 DeviceSpec {
                     image: image.into(),
@@ -107,6 +111,8 @@ fn device_spec() -> impl Strategy<Value = DeviceSpec> {
                     read_only,
                     autoclear,
                     create,
+                    shared,
+                    format: raw.then_some(crate::backing::format::ImageFormat::Raw),
                 }
             },
         )

@@ -12,6 +12,8 @@ fn spec(name: &str) -> DeviceSpec {
         read_only: false,
         autoclear: false,
         create: None,
+        shared: false,
+        format: None,
     }
 }
 
