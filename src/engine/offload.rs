@@ -19,6 +19,7 @@ use crate::device::range_lock::Wake;
 use crate::device::{Device, status};
 use crate::nbd::wire::NbdErrno;
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -53,6 +54,9 @@ pub struct StatusDone {
 /// Where a reactor's answered jobs wait until it wakes.
 pub struct Inbox {
     done: Mutex<Vec<StatusDone>>,
+    /// Answers waiting in `done`: the reactor looks at this every turn and takes
+    /// the lock only when it is not zero (no lock on the data path otherwise).
+    waiting: AtomicUsize,
     waker: Arc<dyn Wake>,
 }
 
@@ -60,12 +64,17 @@ impl Inbox {
     pub fn new(waker: Arc<dyn Wake>) -> Inbox {
         Inbox {
             done: Mutex::new(Vec::new()),
+            waiting: AtomicUsize::new(0),
             waker,
         }
     }
 
     /// Take every answered job.
     pub fn take(&self) -> Vec<StatusDone> {
+        if self.waiting.load(Ordering::Acquire) == 0 {
+            return Vec::new();
+        }
+        self.waiting.store(0, Ordering::Release);
         match self.done.lock() {
             Ok(mut d) => std::mem::take(&mut *d),
             Err(p) => std::mem::take(&mut *p.into_inner()),
@@ -77,6 +86,9 @@ impl Inbox {
             Ok(mut q) => q.push(d),
             Err(p) => p.into_inner().push(d),
         }
+        // After the push: a reader that sees the count finds the answer (one
+        // that took the list just before finds it on the next wake-up).
+        self.waiting.fetch_add(1, Ordering::AcqRel);
         self.waker.wake();
     }
 }

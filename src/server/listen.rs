@@ -169,16 +169,22 @@ pub fn group_id(g: &str) -> Result<Gid, ListenError> {
 /// Bind a TCP listener; warn when it is reachable from other hosts.
 pub fn bind_tcp(addr: &str) -> Result<TcpListener, ListenError> {
     let l = TcpListener::bind(addr).map_err(|e| ListenError::BindTcp(addr.to_owned(), e))?;
-    if let Ok(a) = l.local_addr() {
-        if !a.ip().is_loopback() {
-            tracing::warn!(
-                "listening on {a} with no TLS and no client authentication: any host that can \
-                 reach it can read and write every device (and list them unless --no-list); \
-                 listen on 127.0.0.1 or a Unix socket, or firewall it"
-            );
-        }
+    if let Some(w) = l.local_addr().ok().and_then(exposure_warning) {
+        tracing::warn!("{w}");
     }
     Ok(l)
+}
+
+/// The warning for a TCP listener other hosts may reach (any address but
+/// loopback), or `None`.
+pub fn exposure_warning(a: std::net::SocketAddr) -> Option<String> {
+    (!a.ip().is_loopback()).then(|| {
+        format!(
+            "listening on {a} with no TLS and no client authentication: any host that can \
+             reach it can read and write every device (and list them unless --no-list); \
+             listen on 127.0.0.1 or a Unix socket, or firewall it"
+        )
+    })
 }
 
 /// `HOST:PORT` of a listener, as it goes in a URI.
@@ -215,6 +221,17 @@ mod tests {
         assert!(e.contains("lets others write"), "{e}");
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
         ensure_runtime_dir(&dir).unwrap();
+    }
+
+    #[test]
+    fn only_non_loopback_listeners_are_warned_about() {
+        let warn = |s: &str| exposure_warning(s.parse().unwrap());
+        assert!(warn("127.0.0.1:10809").is_none());
+        assert!(warn("[::1]:10809").is_none());
+        let w = warn("0.0.0.0:10809").expect("all addresses");
+        assert!(w.contains("no TLS") && w.contains("0.0.0.0:10809"), "{w}");
+        assert!(warn("[::]:10809").is_some());
+        assert!(warn("192.0.2.7:10809").is_some());
     }
 
     #[test]
