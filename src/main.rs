@@ -303,6 +303,23 @@ fn run() -> Result<()> {
     }
 }
 
+/// Before this version the default state file lived beside the control socket
+/// (in /run, gone at reboot). Say so if one is still there and the new default
+/// does not exist yet: its devices are not restored from there any more.
+fn warn_old_default_state(control: &std::path::Path, state: &std::path::Path) {
+    let old = control.with_extension("state");
+    if old != state && old.is_file() && !state.exists() {
+        tracing::warn!(
+            "{} is a state file at the old default location; the state now lives in {}, so \
+             its devices are not restored. To keep them, stop loopd and move it there \
+             (or pass --state {})",
+            old.display(),
+            state.display(),
+            old.display()
+        );
+    }
+}
+
 /// An octal file mode (`600`, `0660`).
 fn parse_mode(s: &str) -> Result<u32, String> {
     match u32::from_str_radix(s, 8) {
@@ -358,6 +375,9 @@ fn serve(a: ServeArgs) -> Result<()> {
         .state
         .clone()
         .unwrap_or_else(|| daemon::default_state_path(&control));
+    if a.state.is_none() {
+        warn_old_default_state(&control, &state);
+    }
     let d = Daemon::new(Some(state));
     // Before anything is attached or bound: refuse a state file that is another
     // daemon's, or not a state file at all.

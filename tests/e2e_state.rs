@@ -498,6 +498,48 @@ fn default_state_is_in_var_lib() {
     srv.stop_ok();
 }
 
+/// A state file left at the old default location (beside the control socket)
+/// is not used any more; the daemon says so, naming both paths, so an upgrade
+/// does not lose devices silently.
+#[test]
+fn old_default_state_location_is_pointed_out() {
+    let dir = tempdir();
+    let stem = format!("e2e-oldstate-{}", std::process::id());
+    let ctl = dir.path().join(format!("{stem}.ctl"));
+    let old = ctl.with_extension("state");
+    let lock = PathBuf::from(format!("/var/lib/loopd/{stem}.state.lock"));
+    let new = PathBuf::from(format!("/var/lib/loopd/{stem}.state"));
+    struct Cleanup(Vec<PathBuf>);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            for p in &self.0 {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+    }
+    let _c = Cleanup(vec![new.clone(), lock]);
+    std::fs::write(&old, "{\"loopd_state\":1}\n").unwrap();
+    let mut srv = Server::daemon()
+        .default_state()
+        .arg("--control")
+        .arg(&ctl)
+        .start();
+    let log = srv.stderr_text();
+    assert!(
+        log.contains(&format!(
+            "{} is a state file at the old default location",
+            old.display()
+        )) && log.contains(&format!("--state {}", old.display())),
+        "no word about the old state file:\n{log}"
+    );
+    srv.stop_ok();
+    assert_eq!(
+        std::fs::read(&old).unwrap(),
+        b"{\"loopd_state\":1}\n",
+        "left alone"
+    );
+}
+
 fn rustix_is_root() -> bool {
     // SAFETY: geteuid(2) cannot fail and has no preconditions.
     unsafe { libc::geteuid() == 0 }
