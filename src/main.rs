@@ -171,8 +171,9 @@ struct AttachArgs {
 struct DetachArgs {
     /// Device name.
     name: String,
-    /// Detach even with clients connected: in-flight requests finish, clients are
-    /// disconnected.
+    /// Detach even with clients connected: their sockets are shut down and their
+    /// file I/O in flight cancelled; the command returns once they are gone (or
+    /// says how many still wait for a backing file that does not answer, after 5 s).
     #[arg(long)]
     force: bool,
     #[command(flatten)]
