@@ -874,6 +874,24 @@ impl ServerBuilder {
 
     /// Spawns the server and waits until it printed its ready line(s).
     pub fn start(self) -> Server {
+        // A port from `free_port` is free when chosen, not necessarily when
+        // loopd binds it (another test's client may take it as its ephemeral
+        // port in between): try again with another port.
+        for attempt in 1.. {
+            match self.start_once() {
+                Ok(s) => return s,
+                Err(e) if self.tcp && attempt < 4 && e.contains("Address already in use") => {
+                    eprintln!("retrying with another port: {e}");
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        unreachable!("the loop returns or panics")
+    }
+
+    /// One try of [`ServerBuilder::start`]: the server, or why it exited before
+    /// it was ready.
+    fn start_once(&self) -> Result<Server, String> {
         let dir = tempfile::Builder::new()
             .prefix("loopd-sock")
             .tempdir()
@@ -990,12 +1008,12 @@ impl ServerBuilder {
         let deadline = Instant::now() + READY_TIMEOUT;
         while !(seen_unix && seen_tcp) {
             if let Some(st) = server.try_wait() {
-                panic!(
+                return Err(format!(
                     "loopd exited ({st}) before it was ready: {}\n--- stdout ---\n{}\n--- stderr ---\n{}",
                     server.desc,
                     server.stdout_lines.lock().unwrap().join("\n"),
                     server.stderr_text()
-                );
+                ));
             }
             let now = Instant::now();
             if now >= deadline {
@@ -1033,7 +1051,7 @@ impl ServerBuilder {
                 .find_map(|l| l.strip_prefix("control: ").map(PathBuf::from));
             server.control = line;
         }
-        server
+        Ok(server)
     }
 }
 
