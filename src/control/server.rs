@@ -2,22 +2,21 @@
 //!
 //! One thread accepts; each client gets a thread of its own that reads a request
 //! line, runs it ([`Daemon::handle`]) and writes the reply line, so a slow client
-//! or a long action (a forced detach) holds up nobody else. The socket is created
-//! mode 0600 (owner only): it is bound under a temporary name, chmod-ed, then
-//! renamed into place, so it is never reachable with looser permissions.
+//! or a long action (a forced detach) holds up nobody else. The server binds the
+//! socket mode 0600 (owner only) with `server::listen::bind_unix`, which gives it
+//! its mode before renaming it into place, so it is never reachable with looser
+//! permissions.
 //!
 //! Limits: at most [`MAX_CLIENTS`] clients at once (one more gets a `busy` error
 //! line and is closed), and a client that sends no request (or takes no reply)
-//! for [`IDLE_TIMEOUT`] (`--control-idle-timeout`) is closed. NBD clients cannot use up the descriptors the
-//! control plane needs (the accept loop keeps them below the open-file limit);
+//! for [`IDLE_TIMEOUT`] (`--control-idle-timeout`) is closed. NBD clients cannot
+//! use up the descriptors the control plane needs (the accept loop keeps them below the open-file limit);
 //! should accepting fail anyway, the thread pauses instead of spinning.
 
 use super::proto::{self, ErrorBody, ErrorCode, MAX_LINE, err_reply};
 use crate::daemon::Daemon;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::time::Duration;
@@ -25,12 +24,6 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum ControlError {
-    #[error("cannot create directory {0} for the control socket")]
-    Dir(PathBuf, #[source] std::io::Error),
-    #[error("{0} is in use by another daemon")]
-    InUse(PathBuf),
-    #[error("cannot listen on control socket {0}")]
-    Bind(PathBuf, #[source] std::io::Error),
     #[error("cannot start the control thread")]
     Spawn(#[source] std::io::Error),
 }
@@ -42,32 +35,6 @@ pub const MAX_CLIENTS: usize = 32;
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Pause after a failed accept (out of descriptors, say).
 const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
-
-/// Bind the control socket at `path`, owner-only.
-pub fn bind(path: &Path) -> Result<UnixListener, ControlError> {
-    if let Some(dir) = path.parent() {
-        if !dir.as_os_str().is_empty() && !dir.exists() {
-            std::fs::DirBuilder::new()
-                .mode(0o755)
-                .recursive(true)
-                .create(dir)
-                .map_err(|e| ControlError::Dir(dir.to_path_buf(), e))?;
-        }
-    }
-    if path.exists() {
-        if UnixStream::connect(path).is_ok() {
-            return Err(ControlError::InUse(path.to_path_buf()));
-        }
-        let _ = std::fs::remove_file(path);
-    }
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    let _ = std::fs::remove_file(&tmp);
-    let l = UnixListener::bind(&tmp).map_err(|e| ControlError::Bind(path.to_path_buf(), e))?;
-    let perms = std::fs::Permissions::from_mode(0o600);
-    std::fs::set_permissions(&tmp, perms).map_err(|e| ControlError::Bind(path.to_path_buf(), e))?;
-    std::fs::rename(&tmp, path).map_err(|e| ControlError::Bind(path.to_path_buf(), e))?;
-    Ok(l)
-}
 
 /// Serve control clients on `listener` for the life of the process.
 pub fn spawn(

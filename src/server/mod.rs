@@ -32,6 +32,9 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default mode of the NBD Unix socket (owner only; see `--socket-mode`).
 pub const DEFAULT_SOCKET_MODE: u32 = 0o600;
+/// Mode of the control socket: owner only, always (`docs/control.md` says how
+/// to let others in).
+const CONTROL_SOCKET_MODE: u32 = 0o600;
 
 #[derive(Debug, Error)]
 pub enum ServerError {
@@ -192,7 +195,7 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
     });
     let control = match &opts.control {
         Some(p) => {
-            let l = control::bind(p)?;
+            let l = listen::bind_unix(p, CONTROL_SOCKET_MODE, None)?;
             control::spawn(l, Arc::clone(&daemon), opts.control_idle)?;
             Some(p.clone())
         }
