@@ -456,17 +456,8 @@ impl Daemon {
             return Err(CtlError::NameTaken(name));
         }
         if source == Source::Control {
-            if log.is_none() && self.state.is_some() && self.stopping.load(Ordering::SeqCst) {
-                return Err(undo(CtlError::ShuttingDown));
-            }
-            if let Some(log) = log.as_mut() {
-                if let Err(e) = log.put(&spec) {
-                    return Err(undo(CtlError::State {
-                        msg: format!("cannot attach {name:?}: the state file cannot record it"),
-                        source: e,
-                    }));
-                }
-            }
+            self.write_record(&mut log, &format!("attach {name:?}"), |l| l.put(&spec))
+                .map_err(undo)?;
         }
         {
             let mut t = self.exports.write().map_err(|_| CtlError::ShuttingDown)?;
@@ -538,15 +529,26 @@ impl Daemon {
             return Ok(());
         }
         let mut log = self.log.lock().map_err(|_| CtlError::ShuttingDown)?;
+        self.write_record(&mut log, &format!("detach {:?}", e.name), |l| {
+            l.del(&e.name)
+        })
+    }
+
+    /// Write one record to the state log (the caller holds its lock), durably,
+    /// before the change it records takes effect. Once the log is closed at stop
+    /// nothing may change unrecorded; a daemon without a state file records
+    /// nothing. A failed write fails the request `what` (e.g. `attach "a"`).
+    fn write_record(
+        &self,
+        log: &mut Option<state::StateLog>,
+        what: &str,
+        f: impl FnOnce(&mut state::StateLog) -> Result<(), state::StateError>,
+    ) -> Result<(), CtlError> {
         match log.as_mut() {
-            Some(l) => l.del(&e.name).map_err(|source| CtlError::State {
-                msg: format!(
-                    "cannot detach {:?}: the state file cannot record it",
-                    e.name
-                ),
+            Some(l) => f(l).map_err(|source| CtlError::State {
+                msg: format!("cannot {what}: the state file cannot record it"),
                 source,
             }),
-            // Closed at stop: nothing may change unrecorded.
             None if self.state.is_some() && self.stopping.load(Ordering::SeqCst) => {
                 Err(CtlError::ShuttingDown)
             }
@@ -561,16 +563,8 @@ impl Daemon {
             Err(_) => return Some(Err(CtlError::ShuttingDown)),
         };
         self.missing_spec(name)?;
-        if log.is_none() && self.state.is_some() && self.stopping.load(Ordering::SeqCst) {
-            return Some(Err(CtlError::ShuttingDown));
-        }
-        if let Some(l) = log.as_mut() {
-            if let Err(source) = l.del(name) {
-                return Some(Err(CtlError::State {
-                    msg: format!("cannot detach {name:?}: the state file cannot record it"),
-                    source,
-                }));
-            }
+        if let Err(e) = self.write_record(&mut log, &format!("detach {name:?}"), |l| l.del(name)) {
+            return Some(Err(e));
         }
         if let Ok(mut m) = self.missing.lock() {
             m.remove(name);
@@ -743,20 +737,7 @@ impl Daemon {
             return Ok(());
         }
         let mut log = self.log.lock().map_err(|_| CtlError::ShuttingDown)?;
-        match log.as_mut() {
-            Some(l) => l.put(spec).map_err(|source| CtlError::State {
-                msg: format!(
-                    "cannot change {:?}: the state file cannot record it",
-                    e.name
-                ),
-                source,
-            }),
-            // Closed at stop: nothing may change unrecorded.
-            None if self.state.is_some() && self.stopping.load(Ordering::SeqCst) => {
-                Err(CtlError::ShuttingDown)
-            }
-            None => Ok(()),
-        }
+        self.write_record(&mut log, &format!("change {:?}", e.name), |l| l.put(spec))
     }
 
     /// Lock and read the state file (first thing at start: a second daemon on
