@@ -226,33 +226,14 @@ impl StateLog {
             exists: false,
             _lock: lock,
         };
-        let mut f = match File::open(path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(log),
-            Err(e) => return Err(StateError::Read(shown, e)),
+        // Now under the lock: the file as it is (checked again, it may have
+        // changed since `precheck`).
+        let Some((mut f, meta, mut text)) = read_head(path)? else {
+            return Ok(log);
         };
-        let meta = f
-            .metadata()
-            .map_err(|e| StateError::Read(shown.clone(), e))?;
-        if !meta.is_file() {
-            return Err(StateError::NotState(shown, "not a regular file"));
-        }
         log.exists = true;
         if meta.len() == 0 {
             return Ok(log);
-        }
-        // Look at the start before reading it all: a mistyped path may name a
-        // large disk image.
-        let mut text = Vec::new();
-        (&mut f)
-            .take(4096)
-            .read_to_end(&mut text)
-            .map_err(|e| StateError::Read(shown.clone(), e))?;
-        if !looks_like_state(&text) {
-            return Err(StateError::NotState(
-                shown,
-                "its first line is not {\"loopd_state\":1}",
-            ));
         }
         f.read_to_end(&mut text)
             .map_err(|e| StateError::Read(shown.clone(), e))?;
@@ -427,10 +408,18 @@ impl StateLog {
 /// Whether `path` may be used as a state file: absent, or a regular file that
 /// is empty or starts with the header. Reads at most 4 KiB; writes nothing.
 fn precheck(path: &Path) -> Result<(), StateError> {
+    read_head(path).map(|_| ())
+}
+
+/// Open the state file at `path` and read its first 4 KiB, refusing anything
+/// that is not a state file: not a regular file, or a start that is not the
+/// header (a mistyped path may name a large disk image, so the rest is not read
+/// here). `None`: there is no file.
+fn read_head(path: &Path) -> Result<Option<(File, std::fs::Metadata, Vec<u8>)>, StateError> {
     let shown = path.display().to_string();
     let mut f = match File::open(path) {
         Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(StateError::Read(shown, e)),
     };
     let meta = f
@@ -450,7 +439,7 @@ fn precheck(path: &Path) -> Result<(), StateError> {
             "its first line is not {\"loopd_state\":1}",
         ));
     }
-    Ok(())
+    Ok(Some((f, meta, start)))
 }
 
 /// Take the state file's lock (`STATE.lock`, an exclusive `flock`) and write our
