@@ -57,18 +57,27 @@ fn greeted(c: &mut UnixStream) -> bool {
     }
 }
 
+/// Connect until the server greets the client (a place is free), within
+/// `within`; `what` says what the wait was for.
+fn admitted(srv: &Server, within: Duration, what: &str) -> UnixStream {
+    let t = Instant::now();
+    loop {
+        let mut s = UnixStream::connect(srv.socket()).unwrap();
+        if greeted(&mut s) {
+            return s;
+        }
+        assert!(
+            t.elapsed() < within,
+            "{what}: no client admitted in {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// A client of `name` (admitted once a place is free, within 20 s) does a
 /// write and reads it back.
 fn healthy_io(srv: &Server, name: &str, byte: u8) {
-    let t = Instant::now();
-    let mut s = loop {
-        let mut s = UnixStream::connect(srv.socket()).unwrap();
-        if greeted(&mut s) {
-            break s;
-        }
-        assert!(t.elapsed() < Duration::from_secs(20), "never admitted");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let mut s = admitted(srv, Duration::from_secs(20), "healthy client");
     s.write_all(&3u32.to_be_bytes()).unwrap();
     let mut c = RawClient { s };
     c.send_option(NBD_OPT_EXPORT_NAME, name.as_bytes());
@@ -135,18 +144,11 @@ fn handshake_flood_costs_no_thread_and_never_aborts() {
 
     drop(flood);
     // Refused and dropped connections are counted off as they close.
-    let t = Instant::now();
-    loop {
-        let mut c = UnixStream::connect(srv.socket()).unwrap();
-        if greeted(&mut c) {
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "no client admitted 30 s after the flood ended"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    drop(admitted(
+        &srv,
+        Duration::from_secs(30),
+        "after the flood ended",
+    ));
     healthy_io(&srv, "f", 0x31);
     srv.assert_running();
     let log = srv.stderr_text();
@@ -241,18 +243,11 @@ fn at_the_descriptor_limit_clients_are_refused_and_control_answers() {
         "the refusal is logged once per burst (and a count after 10 s), {n} times:\n{log}"
     );
     drop(held);
-    let t = Instant::now();
-    loop {
-        let mut c = UnixStream::connect(srv.socket()).unwrap();
-        if greeted(&mut c) {
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "never admitted again"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    drop(admitted(
+        &srv,
+        Duration::from_secs(20),
+        "after the clients left",
+    ));
     healthy_io(&srv, "d", 0x22);
 }
 
