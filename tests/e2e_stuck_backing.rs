@@ -244,17 +244,11 @@ fn a_paused_fuse_store_stalls_its_own_clients_only() {
     assert_eq!(answered, (8..8 + STUCK_READS).collect::<Vec<_>>());
     assert_eq!(s.read(9, 8 * MIB, 4096), data, "the stuck write's bytes");
     let mut bs = bs;
-    let t = Instant::now();
-    let status = loop {
-        if let Some(st) = bs.0.try_wait().expect("wait nbdsh") {
-            break st;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "BLOCK_STATUS never completed"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = exit_within(
+        &mut bs.0,
+        Duration::from_secs(20),
+        "BLOCK_STATUS never completed",
+    );
     let mut out = String::new();
     for o in [
         bs.0.stdout
@@ -351,17 +345,11 @@ fn block_status_on_a_paused_fuse_server_stalls_its_own_device_only() {
         "BLOCK_STATUS was answered while the FUSE server was paused: it was not stuck"
     );
     drop(paused);
-    let t = Instant::now();
-    let status = loop {
-        if let Some(st) = bs.0.try_wait().expect("wait nbdsh") {
-            break st;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "BLOCK_STATUS never completed"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = exit_within(
+        &mut bs.0,
+        Duration::from_secs(20),
+        "BLOCK_STATUS never completed",
+    );
     let mut out = String::new();
     if let Some(mut o) = bs.0.stdout.take() {
         let _ = std::io::Read::read_to_string(&mut o, &mut out);
@@ -372,4 +360,21 @@ fn block_status_on_a_paused_fuse_server_stalls_its_own_device_only() {
     );
     drop(srv);
     drop(store);
+}
+
+/// Wait up to `within` for `child` to exit; its status (`what` says what did
+/// not happen otherwise).
+fn exit_within(
+    child: &mut std::process::Child,
+    within: Duration,
+    what: &str,
+) -> std::process::ExitStatus {
+    let t = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait().expect("wait for a child") {
+            return st;
+        }
+        assert!(t.elapsed() < within, "{what} (within {within:?})");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
