@@ -318,8 +318,7 @@ impl<'a> AcceptLoop<'a> {
     /// Move handshake `i` on as far as its socket allows; hand it to a reactor
     /// once negotiated, drop it on error or EOF.
     fn service(&mut self, i: usize) {
-        let daemon = Arc::clone(self.daemon);
-        let fate = step(&mut self.pending[i], &mut self.scratch, daemon.as_ref());
+        let fate = step(&mut self.pending[i], &mut self.scratch, self.daemon);
         match fate {
             Fate::Waiting => {}
             Fate::Dropped => {
