@@ -470,14 +470,6 @@ fn default_state_is_in_var_lib() {
     let ctl = dir.path().join(format!("{stem}.ctl"));
     let state = PathBuf::from(format!("/var/lib/loopd/{stem}.state"));
     let lock = PathBuf::from(format!("/var/lib/loopd/{stem}.state.lock"));
-    struct Cleanup(Vec<PathBuf>);
-    impl Drop for Cleanup {
-        fn drop(&mut self) {
-            for p in &self.0 {
-                let _ = std::fs::remove_file(p);
-            }
-        }
-    }
     let _c = Cleanup(vec![state.clone(), lock]);
     let img = dir.path().join("v.img");
     create_sparse_image(&img, MIB);
@@ -509,14 +501,6 @@ fn old_default_state_location_is_pointed_out() {
     let old = ctl.with_extension("state");
     let lock = PathBuf::from(format!("/var/lib/loopd/{stem}.state.lock"));
     let new = PathBuf::from(format!("/var/lib/loopd/{stem}.state"));
-    struct Cleanup(Vec<PathBuf>);
-    impl Drop for Cleanup {
-        fn drop(&mut self) {
-            for p in &self.0 {
-                let _ = std::fs::remove_file(p);
-            }
-        }
-    }
     let _c = Cleanup(vec![new.clone(), lock]);
     std::fs::write(&old, "{\"loopd_state\":1}\n").unwrap();
     let mut srv = Server::daemon()
@@ -538,6 +522,18 @@ fn old_default_state_location_is_pointed_out() {
         b"{\"loopd_state\":1}\n",
         "left alone"
     );
+}
+
+/// Files under /var/lib/loopd that a test made, removed on drop (also when
+/// the test fails).
+struct Cleanup(Vec<PathBuf>);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
 }
 
 fn rustix_is_root() -> bool {
