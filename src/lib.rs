@@ -1,14 +1,19 @@
-//! loopd: a userspace loop device that serves disk-image files over NBD.
+//! loopd: a userspace loop device that serves disk-image files as block devices.
 //!
-//! Data flows client → [`nbd`] (handshake, wire) → [`engine`] (reactor,
-//! io_uring) → [`device`] (window, range lock, stats) → backing file.
+//! Data flows down, and no module imports one above it:
+//! [`daemon`] / [`server`] → [`reactor`] → [`frontend`] (NBD) → [`ring`] →
+//! [`engine`] → [`device`] → [`backing`] file, all speaking [`block`]'s
+//! vocabulary. `docs/ARCHITECTURE.md` draws the layers and their rules.
 
 pub mod backing;
+pub mod block;
 pub mod control;
 pub mod daemon;
 pub mod device;
 pub mod engine;
+pub mod frontend;
 pub mod kernel_loop;
-pub mod nbd;
+pub mod reactor;
+pub mod ring;
 pub mod server;
 pub mod size;

@@ -113,7 +113,7 @@ struct ServeArgs {
     /// soon after the reactor goes idle (a client at low queue depth) and closes
     /// when they don't, so an idle server never spins. It trades some CPU for
     /// latency where waking a sleeping CPU is slow (virtual machines). 0 = never poll.
-    #[arg(long, value_name = "US", default_value_t = loopd::engine::poll::DEFAULT_MAX_US)]
+    #[arg(long, value_name = "US", default_value_t = loopd::reactor::poll::DEFAULT_MAX_US)]
     poll_us: u64,
     /// Memory for request and reply buffers across the whole daemon, e.g. 512M
     /// [default: 256M; at least 64M]. When it is spent, connections stop reading

@@ -1,4 +1,4 @@
-//! Connections following their clients between reactors (engine::affinity).
+//! Connections following their clients between reactors (frontend::nbd::affinity).
 //!
 //! The two reactors are pinned to CPUs 0 and 1 (with `taskset`, from outside) and
 //! every fio job to CPU 1, so the connections that start on reactor 0 must move

@@ -15,8 +15,8 @@ use loopd::device::{CacheMode, Device, DeviceParams};
 use loopd::engine::buffer::Pool;
 use loopd::engine::task::{Next, Task};
 use loopd::engine::{ops, sync};
-use loopd::nbd::proto::{CMD_FLAG_FAST_ZERO, CMD_FLAG_FUA, CMD_FLAG_NO_HOLE};
-use loopd::nbd::wire::{Command, NbdErrno};
+use loopd::frontend::nbd::proto::{CMD_FLAG_FAST_ZERO, CMD_FLAG_FUA, CMD_FLAG_NO_HOLE};
+use loopd::frontend::nbd::wire::{self, Command, NbdErrno};
 use proptest::prelude::*;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -227,10 +227,14 @@ impl Side {
     /// Run `op`; returns the read data for reads. A write-zeroes with `FAST_ZERO`
     /// may fail with `NotSup` (where the filesystem cannot zero a range cheaply).
     fn run(&mut self, op: &Op) -> Result<Vec<u8>, NbdErrno> {
+        let block_op = op
+            .cmd
+            .op()
+            .expect("a generated command is a block operation");
         let mut task = Task::plan(
             &self.dev,
-            op.cmd,
-            op.flags,
+            block_op,
+            wire::req_flags(op.flags),
             op.offset,
             op.len,
             &mut self.pool,

@@ -5,8 +5,8 @@
 
 use libfuzzer_sys::fuzz_target;
 use loopd::device::{CacheMode, Device, DeviceParams};
-use loopd::nbd::handshake::{Exports, negotiate};
-use loopd::nbd::proto::*;
+use loopd::frontend::nbd::handshake::{Exports, negotiate};
+use loopd::frontend::nbd::proto::*;
 use std::io::{Cursor, Read, Write};
 use std::sync::{Arc, OnceLock};
 

@@ -3,8 +3,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use loopd::nbd::proto::*;
-use loopd::nbd::wire;
+use loopd::frontend::nbd::proto::*;
+use loopd::frontend::nbd::wire;
 
 fn string(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(&(s.len() as u32).to_be_bytes());

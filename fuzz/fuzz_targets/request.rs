@@ -6,8 +6,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use loopd::nbd::proto::*;
-use loopd::nbd::wire::{self, Command, ExportView};
+use loopd::frontend::nbd::proto::*;
+use loopd::frontend::nbd::wire::{self, Command, ExportView};
 
 fuzz_target!(|data: &[u8]| {
     if data.len() < 9 {

@@ -5,49 +5,14 @@
 //! `{"v":1,"ok":false,"error":{"code":…,"message":…}}`. `docs/control.md` is the
 //! user-facing description; keep the two in step.
 
-use crate::backing::format::ImageFormat;
 use crate::device::CacheMode;
+pub use crate::device::spec::DeviceSpec;
 use serde::{Deserialize, Serialize};
-use std::path::PathBuf;
 
 /// The protocol version this build speaks.
 pub const VERSION: u32 = 1;
 /// Longest request line accepted.
 pub const MAX_LINE: usize = 1 << 20;
-
-/// A device as configured: used by `attach`, the `--config` file and the state file.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DeviceSpec {
-    pub image: PathBuf,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub name: Option<String>,
-    #[serde(default)]
-    pub offset: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub size_limit: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub block_size: Option<u32>,
-    #[serde(default)]
-    pub cache: CacheMode,
-    #[serde(default)]
-    pub read_only: bool,
-    #[serde(default)]
-    pub autoclear: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub create: Option<u64>,
-    /// Let other writers (QEMU, other devices) use the image too (QEMU's
-    /// force-share); default: refuse an image another writer holds.
-    #[serde(default, skip_serializing_if = "is_false")]
-    pub shared: bool,
-    /// The declared image format (`raw`); absent: probe and refuse non-raw images.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub format: Option<ImageFormat>,
-}
-
-fn is_false(b: &bool) -> bool {
-    !*b
-}
 
 /// Live changes to a device; absent fields stay as they are.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

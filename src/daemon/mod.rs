@@ -20,6 +20,7 @@
 //! opened at start stays recorded and is listed as *missing* with the reason; it
 //! is retried every [`RETRY_INTERVAL`] and by an attach of the same name.
 
+pub mod control_socket;
 pub mod info;
 pub mod state;
 
@@ -29,8 +30,8 @@ use crate::control::proto::{
 };
 use crate::device::export::{ClientRef, Export};
 use crate::device::{Device, DeviceError, DeviceParams};
-use crate::engine::reactor::{CONTROL_GEN, ReactorHandle};
-use crate::nbd::handshake::Exports;
+use crate::frontend::nbd::handshake::Exports;
+use crate::reactor::{CONTROL_GEN, ReactorHandle};
 use info::{DeviceInfo, DeviceStatus, SetResult};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -25,8 +25,8 @@
 
 use super::Device;
 use super::range_lock::Wake;
+use super::spec::DeviceSpec;
 use super::stats::Stats;
-use crate::control::proto::DeviceSpec;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};

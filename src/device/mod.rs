@@ -17,12 +17,13 @@
 
 pub mod export;
 pub mod range_lock;
+pub mod spec;
 pub mod stats;
 pub mod status;
 
+use crate::backing::align::{self, DioAlign};
 use crate::backing::format::{self, Detected, ImageFormat};
 use crate::backing::lock::{ImageLock, LockError, Mode};
-use crate::engine::align::{self, DioAlign};
 use range_lock::RangeLock;
 use stats::Stats;
 use std::fs::{File, OpenOptions};

@@ -1,7 +1,7 @@
 //! Per-device counters, updated lock-free by every reactor (relaxed atomics: they
 //! are statistics, not synchronisation).
 
-use crate::nbd::wire::{Command, NbdErrno};
+use crate::block::{Errno, Op};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 /// How a data request reached the backing file.
@@ -52,17 +52,8 @@ pub struct Stats {
 }
 
 /// Position of an errno in [`Stats::errors`].
-pub fn errno_index(e: NbdErrno) -> usize {
-    match e {
-        NbdErrno::Perm => 0,
-        NbdErrno::Io => 1,
-        NbdErrno::NoMem => 2,
-        NbdErrno::Inval => 3,
-        NbdErrno::NoSpc => 4,
-        NbdErrno::Overflow => 5,
-        NbdErrno::NotSup => 6,
-        NbdErrno::Shutdown => 7,
-    }
+pub fn errno_index(e: Errno) -> usize {
+    e.index()
 }
 
 /// Names for [`Stats::errors`], in index order.
@@ -78,33 +69,37 @@ pub const ERRNO_NAMES: [&str; 8] = [
 ];
 
 impl Stats {
-    pub fn command(&self, cmd: Command, bytes: u64) {
-        let c = match cmd {
-            Command::Read => {
+    /// Count an operation of `bytes` (0 for a flush).
+    pub fn op(&self, op: Op, bytes: u64) {
+        let c = match op {
+            Op::Read => {
                 self.bytes_read.fetch_add(bytes, Relaxed);
                 &self.reads
             }
-            Command::Write => {
+            Op::Write => {
                 self.bytes_written.fetch_add(bytes, Relaxed);
                 &self.writes
             }
-            Command::Flush => &self.flushes,
-            Command::Trim => {
+            Op::Flush => &self.flushes,
+            Op::Trim => {
                 self.bytes_trimmed.fetch_add(bytes, Relaxed);
                 &self.trims
             }
-            Command::WriteZeroes => {
+            Op::WriteZeroes => {
                 self.bytes_zeroed.fetch_add(bytes, Relaxed);
                 &self.write_zeroes
             }
-            Command::Cache => {
+            Op::Cache => {
                 self.bytes_cached.fetch_add(bytes, Relaxed);
                 &self.caches
             }
-            Command::BlockStatus => &self.block_status,
-            Command::Disc => return,
         };
         c.fetch_add(1, Relaxed);
+    }
+
+    /// Count an allocation query (NBD's BLOCK_STATUS).
+    pub fn status_query(&self) {
+        self.block_status.fetch_add(1, Relaxed);
     }
 
     pub fn path(&self, p: Path) {
@@ -119,7 +114,7 @@ impl Stats {
         c.fetch_add(1, Relaxed);
     }
 
-    pub fn error(&self, e: NbdErrno) {
+    pub fn error(&self, e: Errno) {
         self.errors[errno_index(e)].fetch_add(1, Relaxed);
     }
 

@@ -3,62 +3,64 @@
 //! do not wait for data I/O.
 
 use super::Device;
-use crate::nbd::proto::{STATE_HOLE, STATE_ZERO};
-use crate::nbd::wire::{NbdErrno, block_descriptor};
+use crate::block::{Errno, Extent};
 use rustix::fs::{SeekFrom, seek};
 use std::sync::atomic::Ordering;
 
 /// Most descriptors in one reply; the client asks again for the rest.
 pub const MAX_DESCRIPTORS: usize = 256;
 
-/// Describe `[off, off+len)` of the export into `out` (8 bytes per descriptor),
-/// returning the number of descriptors. Covers at least the first byte.
+/// Describe `[off, off+len)` of the export into `out` (at most
+/// [`MAX_DESCRIPTORS`] extents; with `one`, only the first), returning how many.
+/// Covers at least the first byte.
 pub fn describe(
     dev: &Device,
     off: u64,
     len: u32,
     one: bool,
-    out: &mut [u8],
-) -> Result<usize, NbdErrno> {
+    out: &mut [Extent],
+) -> Result<usize, Errno> {
     let end = off + u64::from(len);
     let file_size = dev.file_size.load(Ordering::Relaxed).max(current_size(dev));
     let mut pos = off;
     let mut n = 0;
-    let max = (out.len() / 8).min(MAX_DESCRIPTORS);
+    let max = out.len().min(MAX_DESCRIPTORS);
     while pos < end && n < max {
         let foff = dev.file_offset(pos);
-        let (run_end, flags) = if foff >= file_size {
-            (end, STATE_HOLE | STATE_ZERO)
+        let (run_end, hole) = if foff >= file_size {
+            (end, true)
         } else {
             match seek(&dev.plain, SeekFrom::Data(foff)) {
-                Ok(d) if d > foff => (export_pos(dev, d), STATE_HOLE | STATE_ZERO),
+                Ok(d) if d > foff => (export_pos(dev, d), true),
                 Ok(_) => match seek(&dev.plain, SeekFrom::Hole(foff)) {
-                    Ok(h) => (export_pos(dev, h), 0),
-                    Err(e) => return Err(NbdErrno::from_os(e.raw_os_error())),
+                    Ok(h) => (export_pos(dev, h), false),
+                    Err(e) => return Err(Errno::from_os(e.raw_os_error())),
                 },
                 // ENXIO: no data after foff: a hole to the end of the file.
-                Err(e) if e == rustix::io::Errno::NXIO => {
-                    (export_pos(dev, file_size), STATE_HOLE | STATE_ZERO)
-                }
-                Err(e) => return Err(NbdErrno::from_os(e.raw_os_error())),
+                Err(e) if e == rustix::io::Errno::NXIO => (export_pos(dev, file_size), true),
+                Err(e) => return Err(Errno::from_os(e.raw_os_error())),
             }
         };
         // Keep descriptors whole blocks: a hole shrinks to block boundaries and
         // data grows to them (calling zeros "data" is always safe).
         let bs = u64::from(dev.block_size);
-        let (run_end, flags) = if flags != 0 {
+        let (run_end, hole) = if hole {
             let down = run_end - run_end % bs;
             if down > pos {
-                (down, flags)
+                (down, true)
             } else {
-                (pos + bs, 0)
+                (pos + bs, false)
             }
         } else {
-            (run_end.div_ceil(bs) * bs, flags)
+            (run_end.div_ceil(bs) * bs, false)
         };
         let run_end = run_end.clamp(pos + 1, end);
         let run = u32::try_from(run_end - pos).unwrap_or(u32::MAX);
-        block_descriptor(&mut out[n * 8..n * 8 + 8], run, flags);
+        out[n] = Extent {
+            len: run,
+            hole,
+            zero: hole,
+        };
         n += 1;
         pos += u64::from(run);
         if one {

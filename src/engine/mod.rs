@@ -1,17 +1,20 @@
-//! The data path: reactors (one io_uring each) that run connections' requests
-//! against backing files, plus the plain-syscall engine used as fallback and
-//! test oracle, and the direct-I/O alignment probe.
+//! The file engine: the request state machine ([`task`]) over owned buffers,
+//! the execution step every frontend shares ([`exec`]: range lock, inline
+//! page-cache paths), the translation of file operations into io_uring entries
+//! ([`ops`]), the plain-syscall engine used as fallback and test oracle
+//! ([`sync`]), and the shared resources of the data path: buffers and the
+//! daemon-wide memory budget, the connection admission limit, splice pipes and
+//! the offload workers for calls io_uring has no opcode for.
+//!
+//! The engine never imports a frontend, the reactor, the daemon or the control
+//! plane.
 
 pub mod admit;
-pub mod affinity;
-pub mod align;
 pub mod budget;
 pub mod buffer;
-pub mod conn;
+pub mod exec;
 pub mod offload;
 pub mod ops;
-pub mod poll;
-pub mod reactor;
 pub mod splice;
 pub mod sync;
 pub mod task;

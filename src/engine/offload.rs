@@ -14,10 +14,9 @@
 //!   delay them.
 //! - The queue's lock is held only to push or pop a job, never during a call.
 
-use super::buffer::AlignedBuf;
+use crate::block::{Errno, Extent};
 use crate::device::range_lock::Wake;
 use crate::device::{Device, status};
-use crate::nbd::wire::NbdErrno;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -28,15 +27,16 @@ pub const MAX_WORKERS: usize = 16;
 /// An idle worker exits after this long.
 pub const IDLE_EXIT: Duration = Duration::from_secs(10);
 
-/// A block-status request to answer off the reactor.
+/// An allocation query (NBD's BLOCK_STATUS) to answer off the reactor.
 pub struct StatusJob {
     pub dev: Arc<Device>,
     pub off: u64,
     pub len: u32,
     pub one: bool,
-    /// The descriptor buffer, handed back in [`StatusDone`].
-    pub out: AlignedBuf,
-    /// The connection and slot on the submitting reactor.
+    /// Room for the extents (its length is how many may be described), handed
+    /// back in [`StatusDone`].
+    pub out: Vec<Extent>,
+    /// The session and slot on the submitting reactor.
     pub conn: u32,
     pub slot: u16,
     pub inbox: Arc<Inbox>,
@@ -46,9 +46,9 @@ pub struct StatusJob {
 pub struct StatusDone {
     pub conn: u32,
     pub slot: u16,
-    /// Descriptors written into `out`, or the error to reply with.
-    pub res: Result<usize, NbdErrno>,
-    pub out: AlignedBuf,
+    /// Extents written into `out`, or the error to reply with.
+    pub res: Result<usize, Errno>,
+    pub out: Vec<Extent>,
 }
 
 /// Where a reactor's answered jobs wait until it wakes.
@@ -142,7 +142,7 @@ pub fn submit(job: StatusJob) {
                 job.inbox.deliver(StatusDone {
                     conn: job.conn,
                     slot: job.slot,
-                    res: Err(NbdErrno::Io),
+                    res: Err(Errno::Io),
                     out: job.out,
                 });
             }
@@ -177,7 +177,7 @@ fn work() {
             }
         };
         let mut out = job.out;
-        let res = status::describe(&job.dev, job.off, job.len, job.one, out.as_mut_slice());
+        let res = status::describe(&job.dev, job.off, job.len, job.one, &mut out);
         job.inbox.deliver(StatusDone {
             conn: job.conn,
             slot: job.slot,

@@ -1,15 +1,17 @@
 //! Translation of a [`FileOp`] into an io_uring submission entry.
 
-use super::task::FileOp;
+use super::task::{FileOp, Kind};
 use io_uring::{opcode, squeue, types};
 
-/// Build the SQE for `op` (the caller tags it with its `user_data`).
+/// Build the SQE for `op` (the caller tags it with its `user_data`). Building
+/// is safe; submitting it is not: the caller keeps the task that yielded `op`
+/// alive and its buffers untouched until the completion.
 pub fn sqe(op: FileOp) -> squeue::Entry {
-    match op {
-        FileOp::Read { fd, buf, len, off } => opcode::Read::new(types::Fd(fd), buf, len)
+    match op.0 {
+        Kind::Read { fd, buf, len, off } => opcode::Read::new(types::Fd(fd), buf, len)
             .offset(off)
             .build(),
-        FileOp::Write {
+        Kind::Write {
             fd,
             buf,
             len,
@@ -22,14 +24,14 @@ pub fn sqe(op: FileOp) -> squeue::Entry {
                 .rw_flags(flags)
                 .build()
         }
-        FileOp::Fdatasync { fd } => opcode::Fsync::new(types::Fd(fd))
+        Kind::Fdatasync { fd } => opcode::Fsync::new(types::Fd(fd))
             .flags(types::FsyncFlags::DATASYNC)
             .build(),
-        FileOp::Fallocate { fd, mode, off, len } => opcode::Fallocate::new(types::Fd(fd), len)
+        Kind::Fallocate { fd, mode, off, len } => opcode::Fallocate::new(types::Fd(fd), len)
             .offset(off)
             .mode(mode)
             .build(),
-        FileOp::WillNeed { fd, off, len } => {
+        Kind::WillNeed { fd, off, len } => {
             opcode::Fadvise::new(types::Fd(fd), len_i64(len), libc::POSIX_FADV_WILLNEED)
                 .offset(off)
                 .build()

@@ -5,8 +5,8 @@
 //! [`Task`] state machine driven by either must leave the same bytes.
 
 use super::buffer::Pool;
-use super::task::{FileOp, Next, Task};
-use crate::nbd::wire::NbdErrno;
+use super::task::{FileOp, Kind, Next, Task};
+use crate::block::Errno;
 use std::os::fd::BorrowedFd;
 
 fn errno_of(e: rustix::io::Errno) -> i32 {
@@ -20,11 +20,15 @@ fn res_of(n: usize) -> i32 {
 }
 
 /// Run one operation synchronously.
-pub fn run_op(op: FileOp) -> i32 {
-    match op {
-        FileOp::Read { fd, buf, len, off } => {
-            // SAFETY: the task that yielded `op` owns `len` bytes at `buf` and keeps
-            // them alive and untouched until the op completes, which is on return.
+///
+/// # Safety
+/// `op` was yielded by a [`Task`] that is still alive, whose buffers nobody else
+/// touches during the call, and whose device (its file descriptors) is open.
+pub(crate) unsafe fn run_op(op: FileOp) -> i32 {
+    match op.0 {
+        Kind::Read { fd, buf, len, off } => {
+            // SAFETY: by the caller's contract the task that yielded `op` owns `len`
+            // bytes at `buf`, alive and untouched until we return.
             let slice = unsafe { std::slice::from_raw_parts_mut(buf, len as usize) };
             // SAFETY: fd is the device's open file, alive for the task's lifetime.
             let fd = unsafe { BorrowedFd::borrow_raw(fd) };
@@ -33,7 +37,7 @@ pub fn run_op(op: FileOp) -> i32 {
                 Err(e) => errno_of(e),
             }
         }
-        FileOp::Write {
+        Kind::Write {
             fd,
             buf,
             len,
@@ -54,18 +58,18 @@ pub fn run_op(op: FileOp) -> i32 {
                 Err(e) => errno_of(e),
             }
         }
-        FileOp::Fdatasync { fd } => {
+        Kind::Fdatasync { fd } => {
             // SAFETY: fd is the device's open file, alive for the task's lifetime.
             let fd = unsafe { BorrowedFd::borrow_raw(fd) };
             rustix::fs::fdatasync(fd).map_or_else(errno_of, |()| 0)
         }
-        FileOp::Fallocate { fd, mode, off, len } => {
+        Kind::Fallocate { fd, mode, off, len } => {
             // SAFETY: fd is the device's open file, alive for the task's lifetime.
             let fd = unsafe { BorrowedFd::borrow_raw(fd) };
             let mode = rustix::fs::FallocateFlags::from_bits_retain(mode as u32);
             rustix::fs::fallocate(fd, mode, off, len).map_or_else(errno_of, |()| 0)
         }
-        FileOp::WillNeed { fd, off, len } => {
+        Kind::WillNeed { fd, off, len } => {
             // SAFETY: fd is the device's open file, alive for the task's lifetime.
             let fd = unsafe { BorrowedFd::borrow_raw(fd) };
             let len = std::num::NonZeroU64::new(len);
@@ -76,13 +80,15 @@ pub fn run_op(op: FileOp) -> i32 {
 }
 
 /// Drive a started task to completion synchronously.
-pub fn drive(task: &mut Task, pool: &mut Pool) -> Result<u32, NbdErrno> {
+pub fn drive(task: &mut Task, pool: &mut Pool) -> Result<u32, Errno> {
     let mut next = task.start();
     loop {
         match next {
             Next::Done(r) => return r,
             Next::Submit(op) => {
-                let res = run_op(op);
+                // SAFETY: `op` comes from `task`, which we hold borrowed (alive,
+                // untouched by anyone else) until it has been completed below.
+                let res = unsafe { run_op(op) };
                 next = task.complete(res, pool);
             }
         }

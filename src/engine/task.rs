@@ -7,21 +7,29 @@
 //! [`super::sync`] (the plain syscall engine used as a test oracle) — until it yields
 //! [`Next::Done`]. At most one operation of a task is in flight at a time.
 //!
-//! Ownership: the buffers stay inside the task; a yielded `FileOp` holds raw
-//! pointers into them, valid until the op's completion is handed to `complete`.
-//! The caller must keep the task alive (and not touch its buffers) until then.
+//! Ownership: the buffers stay inside the task; a yielded [`FileOp`] refers to
+//! them (and to the device's file descriptors), valid until the op's completion
+//! is handed to `complete`. A `FileOp` is opaque outside this crate: only a task
+//! makes one, and only the engines here run one (the ring, whose submission is
+//! `unsafe`, and [`super::sync::drive`], which runs a task's ops while it holds
+//! the task). The caller must keep the task alive (and not touch its buffers)
+//! until then.
 
 use super::buffer::{AlignedBuf, Pool};
+use crate::block::{Errno, Op, ReqFlags};
 use crate::device::Device;
 use crate::device::range_lock::Mode;
 use crate::device::stats::Path;
-use crate::nbd::proto::*;
-use crate::nbd::wire::{Command, NbdErrno};
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 
-/// One operation on the backing file.
+/// One operation on the backing file, made by a [`Task`] (opaque outside the
+/// crate: it refers to the task's buffers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FileOp {
+pub struct FileOp(pub(crate) Kind);
+
+/// What a [`FileOp`] does. The pointers are into the yielding task's buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
     Read {
         fd: RawFd,
         buf: *mut u8,
@@ -67,7 +75,7 @@ pub enum Nowait {
 pub enum Next {
     Submit(FileOp),
     /// Finished: the number of reply data bytes (reads), or the error to send.
-    Done(Result<u32, NbdErrno>),
+    Done(Result<u32, Errno>),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,8 +109,8 @@ pub const INLINE_WRITE_MAX: usize = 64 << 10;
 
 /// The file I/O of one request. See the module documentation.
 pub struct Task {
-    pub cmd: Command,
-    pub flags: u16,
+    pub op: Op,
+    pub flags: ReqFlags,
     /// Export offset and length from the request.
     pub offset: u64,
     pub len: u32,
@@ -143,11 +151,11 @@ fn align_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
 
-/// Bytes of data buffer [`Task::plan`] takes for `cmd` at export `offset`,
-/// `len` (0 for commands without one): the request's bytes, widened to direct-I/O
-/// blocks when they are bounced.
-pub fn buffer_len(dev: &Device, cmd: Command, offset: u64, len: u32) -> usize {
-    if !matches!(cmd, Command::Read | Command::Write) {
+/// Bytes of data buffer [`Task::plan`] takes for `op` at export `offset`,
+/// `len` (0 for operations without data): the request's bytes, widened to
+/// direct-I/O blocks when they are bounced.
+pub fn buffer_len(dev: &Device, op: Op, offset: u64, len: u32) -> usize {
+    if !op.has_data() {
         return 0;
     }
     let foff = dev.file_offset(offset);
@@ -165,8 +173,8 @@ impl Task {
     /// size, so `offset + len` fits). Takes buffers from `pool`.
     pub fn plan(
         dev: &Device,
-        cmd: Command,
-        flags: u16,
+        op: Op,
+        flags: ReqFlags,
         offset: u64,
         len: u32,
         pool: &mut Pool,
@@ -175,7 +183,7 @@ impl Task {
         let fend = foff.saturating_add(u64::from(len));
         let align = u64::from(dev.dio_align.max(1));
         let mut t = Task {
-            cmd,
+            op,
             flags,
             offset,
             len,
@@ -200,8 +208,8 @@ impl Task {
             align_len: to_len(align),
             grows_to: None,
         };
-        match cmd {
-            Command::Read | Command::Write => {
+        match op {
+            Op::Read | Op::Write => {
                 if dev.direct && (foff % align != 0 || fend % align != 0) {
                     let a0 = align_down(foff, align);
                     let a1 = align_up(fend, align);
@@ -211,34 +219,31 @@ impl Task {
                     t.lock_start = a0;
                     t.lock_end = a1;
                     t.path = Path::Bounced;
-                    if cmd == Command::Write {
+                    if op == Op::Write {
                         t.lock_mode = Mode::Exclusive;
                     }
                 }
                 // The benchmark's baseline (seed 001): one device-wide lock that
                 // every write holds exclusively, as an inode lock would.
-                if cmd == Command::Write && dev.lock.is_whole_device() {
+                if op == Op::Write && dev.lock.is_whole_device() {
                     t.lock_mode = Mode::Exclusive;
                 }
-                if cmd == Command::Write && dev.extends_file(t.lock_end) {
+                if op == Op::Write && dev.extends_file(t.lock_end) {
                     t.lock_mode = Mode::Exclusive;
                     // The whole span is written, so the file reaches its end.
                     t.grows_to = Some(t.lock_end);
                 }
                 t.buf = Some(pool.get(t.span_len));
             }
-            Command::Trim | Command::WriteZeroes => t.lock_mode = Mode::Exclusive,
-            Command::Flush | Command::Cache | Command::BlockStatus | Command::Disc => {}
+            Op::Trim | Op::WriteZeroes => t.lock_mode = Mode::Exclusive,
+            Op::Flush | Op::Cache => {}
         }
         t
     }
 
     /// Whether this task touches the file under the range lock at all.
     pub fn needs_lock(&self) -> bool {
-        matches!(
-            self.cmd,
-            Command::Read | Command::Write | Command::Trim | Command::WriteZeroes
-        )
+        matches!(self.op, Op::Read | Op::Write | Op::Trim | Op::WriteZeroes)
     }
 
     /// The bytes a write's payload must be received into.
@@ -261,7 +266,7 @@ impl Task {
     /// Take a buffer for the span again after [`Task::recycle`] (a spliced read
     /// that falls back to copying).
     pub fn rebuffer(&mut self, pool: &mut Pool) {
-        if self.buf.is_none() && matches!(self.cmd, Command::Read | Command::Write) {
+        if self.buf.is_none() && self.op.has_data() {
             self.buf = Some(pool.get(self.span_len));
         }
     }
@@ -283,7 +288,7 @@ impl Task {
     /// reactor's other connections meanwhile (see the reactor's contract).
     pub fn inline_write_ok(&self) -> bool {
         let page = page_size();
-        self.cmd == Command::Write
+        self.op == Op::Write
             && self.path == Path::Buffered
             && !self.dsync()
             && self.span_len <= INLINE_WRITE_MAX
@@ -325,7 +330,7 @@ impl Task {
     }
 
     fn dsync(&self) -> bool {
-        self.flags & CMD_FLAG_FUA != 0
+        self.flags.fua
     }
 
     fn read_span(&mut self) -> Next {
@@ -335,16 +340,16 @@ impl Task {
         }
         self.phase = Phase::ReadSpan;
         let Some(buf) = self.buf.as_mut() else {
-            return Next::Done(Err(NbdErrno::Io));
+            return Next::Done(Err(Errno::Io));
         };
         // SAFETY: done < span_len <= buf capacity, so the pointer stays in bounds.
         let ptr = unsafe { buf.as_mut_ptr().add(self.done) };
-        Next::Submit(FileOp::Read {
+        Next::Submit(FileOp(Kind::Read {
             fd: self.fd,
             buf: ptr,
             len: clamp_u32(self.span_len - self.done),
             off: self.span_start + self.done as u64,
-        })
+        }))
     }
 
     fn write_span(&mut self) -> Next {
@@ -354,17 +359,17 @@ impl Task {
         }
         self.phase = Phase::WriteSpan;
         let Some(buf) = self.buf.as_ref() else {
-            return Next::Done(Err(NbdErrno::Io));
+            return Next::Done(Err(Errno::Io));
         };
         // SAFETY: done < span_len <= buf capacity, so the pointer stays in bounds.
         let ptr = unsafe { buf.as_ptr().add(self.done) };
-        Next::Submit(FileOp::Write {
+        Next::Submit(FileOp(Kind::Write {
             fd: self.fd,
             buf: ptr,
             len: clamp_u32(self.span_len - self.done),
             off: self.span_start + self.done as u64,
             dsync: self.dsync(),
-        })
+        }))
     }
 
     fn tail_block(&self) -> u64 {
@@ -384,14 +389,14 @@ impl Task {
         self.done = 0;
         let align = self.align_len;
         let Some(edge) = self.edge.as_mut() else {
-            return Next::Done(Err(NbdErrno::Io));
+            return Next::Done(Err(Errno::Io));
         };
-        Next::Submit(FileOp::Read {
+        Next::Submit(FileOp(Kind::Read {
             fd: self.fd,
             buf: edge.as_mut_ptr(),
             len: clamp_u32(align),
             off: block,
-        })
+        }))
     }
 
     /// Copy the parts of `edge` (holding the block at file offset `block`) that lie
@@ -414,9 +419,9 @@ impl Task {
 
     /// First operation (or immediate result).
     pub fn start(&mut self) -> Next {
-        match self.cmd {
-            Command::Read => self.read_span(),
-            Command::Write if self.path == Path::Bounced => {
+        match self.op {
+            Op::Read => self.read_span(),
+            Op::Write if self.path == Path::Bounced => {
                 self.edge = Some(AlignedBuf::new(self.align_len));
                 if self.head_partial() {
                     self.read_edge(Phase::RmwHead, self.span_start)
@@ -424,44 +429,44 @@ impl Task {
                     self.read_edge(Phase::RmwTail, self.tail_block())
                 }
             }
-            Command::Write => self.write_span(),
-            Command::Flush => {
+            Op::Write => self.write_span(),
+            Op::Flush => {
                 self.phase = Phase::Flush;
-                Next::Submit(FileOp::Fdatasync { fd: self.fd })
+                Next::Submit(FileOp(Kind::Fdatasync { fd: self.fd }))
             }
-            Command::Trim | Command::WriteZeroes => {
-                let punch = self.cmd == Command::Trim || self.flags & CMD_FLAG_NO_HOLE == 0;
+            Op::Trim | Op::WriteZeroes => {
+                let punch = self.op == Op::Trim || !self.flags.no_hole;
                 let mode = if punch {
                     libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
                 } else {
                     libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
                 };
                 self.phase = Phase::Allocate;
-                Next::Submit(FileOp::Fallocate {
+                Next::Submit(FileOp(Kind::Fallocate {
                     fd: self.fd,
                     mode,
                     off: self.lock_start,
                     len: u64::from(self.len),
-                })
+                }))
             }
-            Command::Cache if self.path == Path::Buffered => {
+            Op::Cache if self.path == Path::Buffered => {
                 self.phase = Phase::WillNeed;
-                Next::Submit(FileOp::WillNeed {
+                Next::Submit(FileOp(Kind::WillNeed {
                     fd: self.fd,
                     off: self.lock_start,
                     len: u64::from(self.len),
-                })
+                }))
             }
             // Direct mode keeps the image out of the page cache on purpose, so a
             // prefetch into it would only cost memory: CACHE succeeds as a no-op.
-            Command::Cache | Command::BlockStatus | Command::Disc => Next::Done(Ok(0)),
+            Op::Cache => Next::Done(Ok(0)),
         }
     }
 
     fn sync_after_or_done(&mut self) -> Next {
         if self.dsync() {
             self.phase = Phase::SyncAfter;
-            Next::Submit(FileOp::Fdatasync { fd: self.fd })
+            Next::Submit(FileOp(Kind::Fdatasync { fd: self.fd }))
         } else {
             self.phase = Phase::Finished;
             Next::Done(Ok(0))
@@ -481,17 +486,17 @@ impl Task {
             self.buf = Some(b);
         }
         let Some(buf) = self.buf.as_ref() else {
-            return Next::Done(Err(NbdErrno::Io));
+            return Next::Done(Err(Errno::Io));
         };
         // Through the plain (buffered) fd: the range may not be aligned for O_DIRECT,
         // and it is held exclusively, so no direct I/O races with it.
-        Next::Submit(FileOp::Write {
+        Next::Submit(FileOp(Kind::Write {
             fd: self.plain_fd,
             buf: buf.as_ptr(),
             len: clamp_u32(n.min(buf.capacity())),
             off: self.lock_start + self.done as u64,
             dsync: false,
-        })
+        }))
     }
 
     /// Feed the result of the last operation (bytes, or a negative errno).
@@ -550,7 +555,7 @@ impl Task {
                 if res >= 0 {
                     return self.sync_after_or_done();
                 }
-                if self.cmd == Command::Trim {
+                if self.op == Op::Trim {
                     // Trim is advisory: a filesystem that cannot punch holes still
                     // gave correct (unchanged) data.
                     return if -res == libc::EOPNOTSUPP {
@@ -560,9 +565,9 @@ impl Task {
                     };
                 }
                 if -res == libc::EOPNOTSUPP || -res == libc::EINVAL {
-                    if self.flags & CMD_FLAG_FAST_ZERO != 0 {
+                    if self.flags.fast_zero {
                         self.phase = Phase::Finished;
-                        return Next::Done(Err(NbdErrno::NotSup));
+                        return Next::Done(Err(Errno::NotSup));
                     }
                     self.done = 0;
                     return self.zero_fill(pool);
@@ -588,13 +593,13 @@ impl Task {
                 self.phase = Phase::Finished;
                 Next::Done(Ok(0))
             }
-            Phase::Start | Phase::Finished => Next::Done(Err(NbdErrno::Io)),
+            Phase::Start | Phase::Finished => Next::Done(Err(Errno::Io)),
         }
     }
 
     fn fail(&mut self, res: i32) -> Next {
         self.phase = Phase::Finished;
-        Next::Done(Err(NbdErrno::from_os(-res)))
+        Next::Done(Err(Errno::from_os(-res)))
     }
 
     /// File offset just past a write that may have grown the file: after it

@@ -7,7 +7,7 @@
 //! (`loop/dio`, `queue/logical_block_size`). Another process may take the free
 //! device between the two calls (`EBUSY`): then ask for another, a few times.
 
-use crate::engine::align;
+use crate::backing::align;
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;

@@ -10,11 +10,11 @@
 mod accept;
 pub mod listen;
 
-use crate::control::server::{self as control, ControlError};
+use crate::daemon::control_socket::{self as control, ControlError};
 use crate::daemon::{Daemon, Endpoints};
 use crate::engine::admit::Admission;
-use crate::engine::reactor::{self, ReactorError, ReactorHandle};
-use crate::nbd::handshake::Policy;
+use crate::frontend::nbd::handshake::Policy;
+use crate::reactor::{self, ReactorError, ReactorHandle};
 pub use accept::MAX_PENDING;
 pub use listen::{ListenError, default_socket_dir};
 use std::io::Write;
@@ -227,7 +227,7 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
     let reactors: Vec<Arc<ReactorHandle>> = (0..n)
         .map(|i| reactor::spawn(i, opts.poll, opts.memory_budget))
         .collect::<Result<_, _>>()?;
-    // Connections follow their clients between reactors (engine::affinity).
+    // Connections follow their clients between reactors (frontend::nbd::affinity).
     if n > 1 && !opts.no_follow {
         for r in &reactors {
             r.set_peers(reactors.clone(), opts.follow_idle);

@@ -6,6 +6,7 @@
 //! here; the fuzz targets and property tests call in here directly.
 
 use super::proto::*;
+use crate::block::{Extent, Op, ReqFlags};
 use thiserror::Error;
 
 /// What went wrong decoding bytes from a client.
@@ -245,47 +246,13 @@ pub fn encode_request(r: &Request) -> [u8; REQUEST_LEN] {
     b
 }
 
-/// The errors loopd puts on the wire. Values are the spec's (Linux errno numbers).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NbdErrno {
-    Perm,
-    Io,
-    NoMem,
-    Inval,
-    NoSpc,
-    Overflow,
-    NotSup,
-    Shutdown,
-}
+/// The errors loopd puts on the wire are the block layer's; the spec's values
+/// are Linux errno numbers, so an error's code is its errno.
+pub use crate::block::Errno as NbdErrno;
 
-impl NbdErrno {
-    /// The number sent in a reply.
-    pub fn wire(self) -> u32 {
-        match self {
-            NbdErrno::Perm => 1,
-            NbdErrno::Io => 5,
-            NbdErrno::NoMem => 12,
-            NbdErrno::Inval => 22,
-            NbdErrno::NoSpc => 28,
-            NbdErrno::Overflow => 75,
-            NbdErrno::NotSup => 95,
-            NbdErrno::Shutdown => 108,
-        }
-    }
-
-    /// Map an OS errno from the backing file to what the client is told.
-    pub fn from_os(errno: i32) -> NbdErrno {
-        match errno {
-            libc::EPERM | libc::EACCES | libc::EROFS => NbdErrno::Perm,
-            libc::ENOSPC | libc::EDQUOT | libc::EFBIG => NbdErrno::NoSpc,
-            libc::ENOMEM => NbdErrno::NoMem,
-            libc::EINVAL => NbdErrno::Inval,
-            libc::EOVERFLOW => NbdErrno::Overflow,
-            libc::EOPNOTSUPP => NbdErrno::NotSup,
-            libc::ESHUTDOWN => NbdErrno::Shutdown,
-            _ => NbdErrno::Io,
-        }
-    }
+/// The number sent in a reply for `e`.
+pub fn error_code(e: NbdErrno) -> u32 {
+    e.raw().unsigned_abs()
 }
 
 /// A validated command.
@@ -299,6 +266,31 @@ pub enum Command {
     Cache,
     WriteZeroes,
     BlockStatus,
+}
+
+impl Command {
+    /// The block operation this command asks for (`None`: DISC and
+    /// BLOCK_STATUS, which the frontend answers itself).
+    pub fn op(self) -> Option<Op> {
+        match self {
+            Command::Read => Some(Op::Read),
+            Command::Write => Some(Op::Write),
+            Command::Flush => Some(Op::Flush),
+            Command::Trim => Some(Op::Trim),
+            Command::Cache => Some(Op::Cache),
+            Command::WriteZeroes => Some(Op::WriteZeroes),
+            Command::Disc | Command::BlockStatus => None,
+        }
+    }
+}
+
+/// A request's command flags as the block layer's.
+pub fn req_flags(flags: u16) -> ReqFlags {
+    ReqFlags {
+        fua: flags & CMD_FLAG_FUA != 0,
+        no_hole: flags & CMD_FLAG_NO_HOLE != 0,
+        fast_zero: flags & CMD_FLAG_FAST_ZERO != 0,
+    }
 }
 
 /// What the validator needs to know about the export and the connection.
@@ -406,7 +398,7 @@ pub fn reply_header(
 ) -> usize {
     match (structured, result) {
         (false, Ok(_)) | (false, Err(_)) => {
-            let err = result.err().map_or(0, NbdErrno::wire);
+            let err = result.err().map_or(0, error_code);
             let mut h = [0u8; SIMPLE_REPLY_LEN];
             simple_reply(&mut h, err, cookie);
             out[..SIMPLE_REPLY_LEN].copy_from_slice(&h);
@@ -415,7 +407,7 @@ pub fn reply_header(
         (true, Err(e)) => {
             // Error chunk: errno (4) + message length (2), no message.
             chunk_header(out, REPLY_FLAG_DONE, REPLY_TYPE_ERROR, cookie, 6);
-            out[20..24].copy_from_slice(&e.wire().to_be_bytes());
+            out[20..24].copy_from_slice(&error_code(e).to_be_bytes());
             out[24..26].copy_from_slice(&0u16.to_be_bytes());
             26
         }
@@ -461,6 +453,18 @@ pub fn block_status_header(
 pub fn block_descriptor(out: &mut [u8], len: u32, flags: u32) {
     out[0..4].copy_from_slice(&len.to_be_bytes());
     out[4..8].copy_from_slice(&flags.to_be_bytes());
+}
+
+/// Encode `extents` as `base:allocation` descriptors into `out` (8 bytes each;
+/// as many as fit). Returns the number encoded.
+pub fn encode_extents(out: &mut [u8], extents: &[Extent]) -> usize {
+    let mut n = 0;
+    for (e, d) in extents.iter().zip(out.chunks_exact_mut(8)) {
+        let flags = if e.hole { STATE_HOLE } else { 0 } | if e.zero { STATE_ZERO } else { 0 };
+        block_descriptor(d, e.len, flags);
+        n += 1;
+    }
+    n
 }
 
 #[cfg(test)]

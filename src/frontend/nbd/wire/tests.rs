@@ -491,7 +491,7 @@ proptest! {
         prop_assert_eq!(n, SIMPLE_REPLY_LEN);
         prop_assert_eq!(be32_at(&out, 0), SIMPLE_REPLY_MAGIC);
         prop_assert_eq!(SIMPLE_REPLY_MAGIC, 0x6744_6698);
-        prop_assert_eq!(be32_at(&out, 4), result.err().map_or(0, NbdErrno::wire));
+        prop_assert_eq!(be32_at(&out, 4), result.err().map_or(0, error_code));
         prop_assert_eq!(be64_at(&out, 8), cookie);
     }
 
@@ -527,7 +527,7 @@ proptest! {
         prop_assert_eq!(be64_at(&out, 8), cookie);
         // Length covers errno (4) and message length (2): the bytes that follow the header.
         prop_assert_eq!(be32_at(&out, 16) as usize, n - CHUNK_HEADER_LEN);
-        prop_assert_eq!(be32_at(&out, 20), e.wire());
+        prop_assert_eq!(be32_at(&out, 20), error_code(e));
         prop_assert_eq!(u16::from_be_bytes([out[24], out[25]]), 0);
     }
 

@@ -1,0 +1,394 @@
+//! One NBD connection's transmission phase, owned by one reactor.
+//!
+//! A connection has a fixed table of request slots (never reallocated, so reply
+//! headers inside it have stable addresses while a `sendmsg` refers to them), a
+//! receive buffer for request headers, and a queue of slots whose replies wait to
+//! be sent. At most one receive and one send (a `sendmsg` of queued replies, or the
+//! splice of one spliced read's reply out of its pipe) are in flight per
+//! connection, which keeps the byte streams in order; file operations of different
+//! slots run concurrently and complete in any order.
+//!
+//! The work is split by phase: [`super::recv`] reads and parses requests,
+//! [`super::run`] takes them through the engine's shared execution step
+//! ([`crate::engine::exec`]), [`super::splice`] answers large buffered reads
+//! from pipes, [`super::status`] answers BLOCK_STATUS off the reactor, and
+//! [`super::reply`] sends replies. Everything runs on the reactor thread; `ci` is
+//! the connection's session index (for `user_data`) and `io` the reactor's ring
+//! and pools. Memory an SQE refers to belongs to the connection or one of its
+//! slots, which is not freed or reused until the CQE arrives.
+
+use super::affinity::{Follow, Peer};
+use crate::device::Device;
+use crate::device::export::{ClientRef, Export};
+use crate::engine::admit::Permit;
+use crate::engine::buffer::AlignedBuf;
+use crate::engine::exec::Request;
+use crate::engine::splice::{MAX_PIPES, Pipe, PipePool, part_len};
+use crate::frontend::nbd::wire::{ExportView, MAX_REPLY_HEADER};
+use crate::ring::{Io, TAG_CANCEL, TAG_FILE, TAG_RECV, ud};
+use io_uring::opcode;
+use std::collections::VecDeque;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+/// Requests a connection may have between header and reply.
+pub const SLOTS: u16 = 128;
+/// Bytes of request buffers a connection may hold before it stops reading (at
+/// most; a quarter of the daemon's memory budget when that is less).
+pub const BYTES_BUDGET: usize = 128 << 20;
+/// Size of the header receive buffer.
+pub const RBUF: usize = 64 << 10;
+/// iovecs in one `sendmsg`.
+pub const MAX_IOV: usize = 64;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotState {
+    Free,
+    /// A write's payload is arriving into the task's buffer.
+    Receiving,
+    /// Planned, waiting for its range.
+    WaitLock,
+    /// A file operation is in flight.
+    Io,
+    /// The reply is queued or being sent.
+    Queued,
+}
+
+pub struct Slot {
+    pub state: SlotState,
+    pub cookie: u64,
+    /// The request as the engine tracks it (task, range, in-flight count).
+    pub req: Request,
+    pub hdr: [u8; MAX_REPLY_HEADER],
+    pub hdr_len: usize,
+    /// Bytes of reply data after the header (read data or status descriptors).
+    pub data_len: usize,
+    /// Block-status descriptors, when this is a block-status reply.
+    pub extra: Option<AlignedBuf>,
+    /// A spliced read: the pipes holding its reply, in order (the header and the
+    /// first `part` data bytes in the first, the rest in the second).
+    pub pipes: [Option<Pipe>; MAX_PIPES],
+    pub part: usize,
+    /// Data bytes spliced into the pipes so far.
+    pub piped: usize,
+}
+
+impl Slot {
+    fn new() -> Slot {
+        Slot {
+            state: SlotState::Free,
+            cookie: 0,
+            req: Request::default(),
+            hdr: [0; MAX_REPLY_HEADER],
+            hdr_len: 0,
+            data_len: 0,
+            extra: None,
+            pipes: [None, None],
+            part: 0,
+            piped: 0,
+        }
+    }
+
+    /// Pointer to the reply data (valid while the slot is `Queued`).
+    pub fn data_ptr(&self) -> *const u8 {
+        if let Some(e) = &self.extra {
+            return e.as_ptr();
+        }
+        match &self.req.task {
+            Some(t) if self.data_len > 0 => t.read_data().as_ptr(),
+            _ => std::ptr::null(),
+        }
+    }
+
+    pub fn reply_len(&self) -> usize {
+        self.hdr_len + self.data_len
+    }
+
+    /// Whether the reply is spliced out of pipes rather than sent from memory.
+    pub fn spliced(&self) -> bool {
+        self.pipes[0].is_some()
+    }
+
+    /// The pipe holding reply byte `at` of a spliced reply, and how many reply
+    /// bytes it holds from there on.
+    pub(super) fn pipe_at(&self, at: usize) -> Option<(&Pipe, usize)> {
+        let mut end = self.hdr_len;
+        for (i, p) in self.pipes.iter().enumerate() {
+            end += part_len(self.data_len, self.part, i);
+            if at < end {
+                return p.as_ref().map(|p| (p, end - at));
+            }
+        }
+        None
+    }
+
+    /// Give the pipes back to `pool`: for reuse if the whole reply was `sent`
+    /// (they are empty), else closed with whatever they hold.
+    pub(super) fn drop_pipes(&mut self, pool: &mut PipePool, sent: bool) {
+        for p in self.pipes.iter_mut().filter_map(Option::take) {
+            if sent { pool.put(p) } else { pool.discard(p) }
+        }
+        self.piped = 0;
+    }
+}
+
+/// What the next received bytes are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecvState {
+    /// Request headers, into `rbuf`.
+    Header,
+    /// The payload of the write in `slot`; `got` bytes so far.
+    Payload { slot: u16, got: usize },
+    /// The payload of a rejected write, to be thrown away.
+    Discard { remaining: u64 },
+}
+
+pub struct Conn {
+    pub sock: OwnedFd,
+    pub export: Arc<Export>,
+    /// Counts this connection as a client of `export` until it is dropped.
+    _client: ClientRef,
+    /// Its place among the server's connections.
+    _permit: Permit,
+    /// The configuration this connection uses, as of `epoch`.
+    pub dev: Arc<Device>,
+    pub epoch: u64,
+    pub view: ExportView,
+    pub structured: bool,
+    pub rbuf: AlignedBuf,
+    pub rstart: usize,
+    pub rend: usize,
+    pub recv: RecvState,
+    pub recv_inflight: bool,
+    /// No more requests will be read (EOF, DISC, error or shutdown).
+    pub read_closed: bool,
+    /// The socket is broken: replies are dropped, not sent.
+    pub dead: bool,
+    pub slots: Box<[Slot]>,
+    pub free_slots: Vec<u16>,
+    pub bytes_held: usize,
+    pub sendq: VecDeque<u16>,
+    pub send_inflight: bool,
+    /// Bytes of the front reply already sent by earlier partial sends.
+    pub front_sent: usize,
+    /// Slots covered by the send in flight (a prefix of `sendq`).
+    pub sending: usize,
+    pub iov: Box<[libc::iovec; MAX_IOV]>,
+    pub msg: Box<libc::msghdr>,
+    pub file_ops: u32,
+    /// A cancel for the receive has been submitted.
+    pub cancel_sent: bool,
+    /// Where the client runs, and whether to follow it to another reactor.
+    pub peer: Peer,
+    pub follow: Follow,
+    /// A request was read since the reactor last looked where the client runs.
+    pub active: bool,
+    /// Moving to this reactor (an index into the reactor's peers): no more
+    /// requests are read; the move happens once nothing is in flight.
+    pub moving: Option<usize>,
+}
+
+// SAFETY: the raw pointers in `iov`/`msg` point into this connection's own slots
+// and task buffers and are only dereferenced (by the kernel) while a send is in
+// flight; the connection moves between threads only before it is handed to its
+// first reactor and when it moves to another (`ready_to_move`: nothing in flight).
+unsafe impl Send for Conn {}
+
+impl Conn {
+    pub fn new(
+        sock: OwnedFd,
+        client: ClientRef,
+        permit: Permit,
+        structured: bool,
+        meta_context: bool,
+        peer: Peer,
+    ) -> Conn {
+        let export = Arc::clone(client.export());
+        let (dev, epoch) = export.current();
+        let view = ExportView {
+            size: dev.size,
+            read_only: dev.read_only,
+            structured,
+            meta_context,
+        };
+        // SAFETY: msghdr and iovec are plain C structs for which all-zero is valid.
+        let msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        let iov = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; MAX_IOV];
+        Conn {
+            sock,
+            export,
+            _client: client,
+            _permit: permit,
+            dev,
+            epoch,
+            view,
+            structured,
+            rbuf: AlignedBuf::new(RBUF),
+            rstart: 0,
+            rend: 0,
+            recv: RecvState::Header,
+            recv_inflight: false,
+            read_closed: false,
+            dead: false,
+            slots: (0..SLOTS).map(|_| Slot::new()).collect(),
+            free_slots: (0..SLOTS).rev().collect(),
+            bytes_held: 0,
+            sendq: VecDeque::with_capacity(usize::from(SLOTS)),
+            send_inflight: false,
+            front_sent: 0,
+            sending: 0,
+            iov: Box::new(iov),
+            msg: Box::new(msg),
+            file_ops: 0,
+            cancel_sent: false,
+            peer,
+            follow: Follow::default(),
+            active: false,
+            moving: None,
+        }
+    }
+
+    /// Bytes buffered but not yet parsed.
+    pub fn avail(&self) -> usize {
+        self.rend - self.rstart
+    }
+
+    /// Move unparsed bytes to the front of `rbuf`.
+    pub fn compact(&mut self) {
+        if self.rstart > 0 {
+            let (s, e) = (self.rstart, self.rend);
+            self.rbuf.as_mut_slice().copy_within(s..e, 0);
+            self.rend = e - s;
+            self.rstart = 0;
+        }
+    }
+
+    /// Whether every slot is back in the free list.
+    pub fn idle(&self) -> bool {
+        self.free_slots.len() == usize::from(SLOTS)
+    }
+
+    /// Whether a moving connection has nothing in flight (no request, receive,
+    /// send or file operation) and may go to its new reactor.
+    pub fn ready_to_move(&self) -> bool {
+        self.moving.is_some()
+            && !self.read_closed
+            && !self.dead
+            && self.recv == RecvState::Header
+            && !self.ops_in_flight()
+            && self.sendq.is_empty()
+            && self.idle()
+    }
+
+    /// Whether the connection has nothing in flight and can be dropped.
+    pub fn finished(&self) -> bool {
+        self.read_closed && !self.ops_in_flight() && self.idle()
+    }
+
+    /// Whether a receive, send or file operation of this connection is in the ring.
+    pub fn ops_in_flight(&self) -> bool {
+        self.recv_inflight || self.send_inflight || self.file_ops > 0
+    }
+}
+
+impl Conn {
+    /// Pick up the export's new configuration (no request of ours is in flight
+    /// on the old one: the swap waited for them).
+    pub(super) fn reload(&mut self) {
+        let (dev, epoch) = self.export.current();
+        self.view.size = dev.size;
+        self.view.read_only = dev.read_only;
+        self.dev = dev;
+        self.epoch = epoch;
+    }
+
+    /// Stop reading requests; cancel the receive in flight.
+    pub fn close_reading(&mut self, io: &mut Io, ci: u32) {
+        self.read_closed = true;
+        self.cancel_recv(io, ci);
+    }
+
+    /// Ask the kernel to cancel every file operation of this connection in
+    /// flight (each still completes, with `ECANCELED` or its result).
+    pub(super) fn cancel_file_ops(&mut self, io: &mut Io, ci: u32) {
+        if self.file_ops == 0 {
+            return;
+        }
+        for si in 0..SLOTS {
+            if self.slots[si as usize].state == SlotState::Io {
+                let e = opcode::AsyncCancel::new(ud(TAG_FILE, ci, si))
+                    .build()
+                    .user_data(ud(TAG_CANCEL, ci, 0));
+                // SAFETY: a cancel refers to no memory, only to a user_data value.
+                unsafe { io.push(e) };
+            }
+        }
+    }
+
+    /// Cancel the receive in flight, if any (once).
+    pub(super) fn cancel_recv(&mut self, io: &mut Io, ci: u32) {
+        if self.recv_inflight && !self.cancel_sent {
+            self.cancel_sent = true;
+            let e = opcode::AsyncCancel::new(ud(TAG_RECV, ci, 0))
+                .build()
+                .user_data(ud(TAG_CANCEL, ci, 0));
+            // SAFETY: a cancel refers to no memory, only to a user_data value.
+            unsafe { io.push(e) };
+        }
+    }
+
+    /// Free a slot: release its range (or its place in line) and its buffers.
+    pub fn release_slot(&mut self, io: &mut Io, si: u16) {
+        let slot = &mut self.slots[si as usize];
+        if slot.state == SlotState::Free {
+            return;
+        }
+        if let Some(t) = slot.req.release(&self.dev, &self.export, &mut io.pool)
+            && t.op.has_data()
+        {
+            self.bytes_held = self.bytes_held.saturating_sub(t.len as usize);
+        }
+        if let Some(e) = slot.extra.take() {
+            io.pool.put(e);
+        }
+        slot.drop_pipes(&mut io.pipes, false);
+        slot.state = SlotState::Free;
+        slot.data_len = 0;
+        slot.hdr_len = 0;
+        self.free_slots.push(si);
+    }
+
+    /// The socket is unusable: drop queued replies and parked requests; requests
+    /// with a file operation or receive in flight are released when it completes.
+    pub fn kill(&mut self, io: &mut Io, ci: u32) {
+        self.dead = true;
+        self.close_reading(io, ci);
+        self.drop_unsent(io);
+    }
+
+    fn drop_unsent(&mut self, io: &mut Io) {
+        if !self.send_inflight {
+            while let Some(si) = self.sendq.pop_front() {
+                self.release_slot(io, si);
+            }
+        }
+        for si in 0..SLOTS {
+            if self.slots[si as usize].state == SlotState::WaitLock {
+                self.release_slot(io, si);
+            }
+        }
+    }
+
+    /// After a batch: parse, send, and report whether the connection is done.
+    pub fn service(&mut self, io: &mut Io, ci: u32) -> bool {
+        self.pump(io, ci);
+        self.send(io, ci);
+        if self.dead {
+            self.drop_unsent(io);
+        }
+        self.finished()
+    }
+}

@@ -1,0 +1,14 @@
+//! The NBD frontend: protocol constants, pure wire parsing and encoding, the
+//! sans-I/O handshake, and the transmission phase of a connection ([`conn`]),
+//! which runs on a reactor.
+
+pub mod affinity;
+pub mod conn;
+pub mod handshake;
+pub mod proto;
+mod recv;
+mod reply;
+mod run;
+mod splice;
+mod status;
+pub mod wire;

@@ -1,0 +1,245 @@
+//! Reading requests: headers into the connection's buffer, write payloads
+//! straight into their task's buffer, rejected payloads thrown away. A request is
+//! taken only when a slot, the connection's byte allowance and the daemon's
+//! memory budget allow, and while its export is not frozen.
+
+use super::conn::{Conn, RBUF, RecvState, SlotState};
+use crate::block::Op;
+use crate::engine::task::{self, Task};
+use crate::frontend::nbd::proto::*;
+use crate::frontend::nbd::wire::{self, Command};
+use crate::ring::{Io, TAG_RECV, ud};
+use io_uring::{opcode, types};
+use std::os::fd::AsRawFd;
+
+impl Conn {
+    /// Post a receive of up to `len` bytes into `ptr`.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` lies in this connection's receive buffer or in the task
+    /// buffer of one of its slots, which stays put until the receive completes.
+    unsafe fn post_recv(&mut self, io: &mut Io, ci: u32, ptr: *mut u8, len: usize) {
+        self.recv_inflight = true;
+        let len = u32::try_from(len).unwrap_or(u32::MAX);
+        let e = opcode::Recv::new(types::Fd(self.sock.as_raw_fd()), ptr, len)
+            .build()
+            .user_data(ud(TAG_RECV, ci, 0));
+        // SAFETY: by this function's contract.
+        unsafe { io.push(e) };
+    }
+
+    /// Parse what is buffered and keep a receive posted, as far as budget allows.
+    pub fn pump(&mut self, io: &mut Io, ci: u32) {
+        if self.export.forced() && !self.dead {
+            // A forced detach: cut the connection off now. Shutting the socket
+            // down fails a send stuck on a client that does not read; file I/O in
+            // flight is cancelled where the kernel can, and its buffers are
+            // released when it completes.
+            let _ = rustix::net::shutdown(&self.sock, rustix::net::Shutdown::Both);
+            self.cancel_file_ops(io, ci);
+            self.kill(io, ci);
+        } else if self.export.closing() && !self.read_closed {
+            // Detached: stop reading (cancelling a receive an idle client left
+            // posted); the connection closes once its requests are answered.
+            self.close_reading(io, ci);
+        }
+        loop {
+            if self.read_closed || self.recv_inflight || self.dead {
+                return;
+            }
+            match self.recv {
+                RecvState::Discard { remaining } => {
+                    let avail = self.avail();
+                    let take = usize::try_from(remaining).map_or(avail, |r| r.min(avail));
+                    self.rstart += take;
+                    let left = remaining - take as u64;
+                    if left == 0 {
+                        self.recv = RecvState::Header;
+                        continue;
+                    }
+                    self.recv = RecvState::Discard { remaining: left };
+                    self.rstart = 0;
+                    self.rend = 0;
+                    let ptr = self.rbuf.as_mut_ptr();
+                    let n = usize::try_from(left).unwrap_or(RBUF).min(RBUF);
+                    // SAFETY: n <= RBUF bytes of the connection's receive buffer.
+                    unsafe { self.post_recv(io, ci, ptr, n) };
+                    return;
+                }
+                RecvState::Payload { .. } => return,
+                RecvState::Header if self.moving.is_some() => {
+                    // Read no further here: what arrives is the new reactor's.
+                    self.cancel_recv(io, ci);
+                    return;
+                }
+                RecvState::Header => {}
+            }
+            if self.avail() < REQUEST_LEN {
+                self.compact();
+                let at = self.rend;
+                // SAFETY: at <= RBUF, the buffer's capacity.
+                let ptr = unsafe { self.rbuf.as_mut_ptr().add(at) };
+                // SAFETY: the free tail of the connection's receive buffer.
+                unsafe { self.post_recv(io, ci, ptr, RBUF - at) };
+                return;
+            }
+            if self.free_slots.is_empty() || self.bytes_held > io.per_conn_bytes {
+                return; // resumed when a reply has been sent
+            }
+            if !self.export.enter(&io.waker) {
+                io.parked.push(ci);
+                return; // frozen: resumed when the export thaws
+            }
+            if self.export.epoch() != self.epoch {
+                self.reload();
+            }
+            let hdr = &self.rbuf.as_slice()[self.rstart..self.rstart + REQUEST_LEN];
+            let req = match wire::parse_request(hdr) {
+                Ok(r) => r,
+                Err(e) => {
+                    self.export.leave();
+                    tracing::warn!(
+                        "closing a connection to {:?}: framing error: {e}",
+                        self.dev.name
+                    );
+                    self.kill(io, ci);
+                    return;
+                }
+            };
+            // The request's data buffer must fit in the daemon's memory budget
+            // before the request is taken; if it does not, read no further until
+            // budget is released (the header stays buffered).
+            let valid = wire::validate(&req, &self.view);
+            if let Some(op @ (Op::Read | Op::Write)) = valid.ok().and_then(Command::op) {
+                let need = task::buffer_len(&self.dev, op, req.offset, req.len);
+                if !io.pool.reserve(need) {
+                    io.starve();
+                    if !io.pool.reserve(need) {
+                        self.export.leave();
+                        io.parked.push(ci);
+                        return;
+                    }
+                }
+            }
+            self.rstart += REQUEST_LEN;
+            self.active = true;
+            let Some(si) = self.free_slots.pop() else {
+                self.export.leave();
+                return;
+            };
+            self.slots[si as usize].cookie = req.cookie;
+            self.slots[si as usize].req.arrived(None);
+            let cmd = match valid {
+                Err(rej) => {
+                    self.slots[si as usize].state = SlotState::Io;
+                    if rej.payload > 0 {
+                        self.recv = RecvState::Discard {
+                            remaining: u64::from(rej.payload),
+                        };
+                    }
+                    self.finish(io, ci, si, req.kind == CMD_READ, Err(rej.errno));
+                    continue;
+                }
+                Ok(cmd) => cmd,
+            };
+            let Some(op) = cmd.op() else {
+                if cmd == Command::BlockStatus {
+                    self.dev.stats.status_query();
+                    let one = req.flags & CMD_FLAG_REQ_ONE != 0;
+                    self.block_status(io, ci, si, req.offset, req.len, one);
+                    continue;
+                }
+                // DISC: answered by closing once everything before it is.
+                let slot = &mut self.slots[si as usize];
+                slot.req.entered = false;
+                slot.req.started = None;
+                self.export.leave();
+                self.free_slots.push(si);
+                self.read_closed = true;
+                return;
+            };
+            let flags = wire::req_flags(req.flags);
+            let mut task = Task::plan(&self.dev, op, flags, req.offset, req.len, &mut io.pool);
+            let len = req.len as usize;
+            if op.has_data() {
+                self.bytes_held += len;
+            }
+            if op == Op::Write {
+                let have = self.avail().min(len);
+                let (s, e) = (self.rstart, self.rstart + have);
+                task.payload_mut()[..have].copy_from_slice(&self.rbuf.as_slice()[s..e]);
+                self.rstart = e;
+                if have < len {
+                    let ptr = task.payload_mut()[have..].as_mut_ptr();
+                    let slot = &mut self.slots[si as usize];
+                    slot.req.task = Some(task);
+                    slot.state = SlotState::Receiving;
+                    self.recv = RecvState::Payload {
+                        slot: si,
+                        got: have,
+                    };
+                    // SAFETY: the rest of the slot's task buffer, which stays in
+                    // the slot until the receive completes.
+                    unsafe { self.post_recv(io, ci, ptr, len - have) };
+                    return;
+                }
+            }
+            self.slots[si as usize].req.task = Some(task);
+            self.dispatch(io, ci, si);
+        }
+    }
+
+    pub fn on_recv(&mut self, io: &mut Io, ci: u32, res: i32) {
+        self.recv_inflight = false;
+        if self.moving.is_some() && !self.read_closed {
+            // Our cancel, or a receive that beat it: either way none is pending.
+            self.cancel_sent = false;
+            if res == -libc::ECANCELED {
+                return;
+            }
+        }
+        if res <= 0 {
+            if res < 0 && res != -libc::ECANCELED && res != -libc::ECONNRESET {
+                tracing::debug!(
+                    "receive failed on a connection to {:?}: errno {}",
+                    self.dev.name,
+                    -res
+                );
+            }
+            self.read_closed = true;
+            if let RecvState::Payload { slot, .. } = self.recv {
+                // A write cut off mid-payload was never acknowledged: drop it.
+                self.recv = RecvState::Header;
+                self.release_slot(io, slot);
+            }
+            return;
+        }
+        let n = res as usize;
+        match self.recv {
+            RecvState::Header | RecvState::Discard { .. } => self.rend += n,
+            RecvState::Payload { slot, got } => {
+                let got = got + n;
+                let Some(t) = self.slots[slot as usize].req.task.as_mut() else {
+                    return;
+                };
+                let total = t.len as usize;
+                if got < total {
+                    if self.read_closed {
+                        // Stopping: this write will never be complete.
+                        self.recv = RecvState::Header;
+                        self.release_slot(io, slot);
+                        return;
+                    }
+                    let ptr = t.payload_mut()[got..].as_mut_ptr();
+                    self.recv = RecvState::Payload { slot, got };
+                    // SAFETY: the rest of the slot's task buffer, which stays in
+                    // the slot until the receive completes.
+                    unsafe { self.post_recv(io, ci, ptr, total - got) };
+                    return;
+                }
+                self.recv = RecvState::Header;
+                self.dispatch(io, ci, slot);
+            }
+        }
+    }
+}

@@ -1,0 +1,111 @@
+//! Sending replies: queued replies go out in order, many per `sendmsg`, with
+//! partial sends resumed where they stopped; a spliced reply goes out of its
+//! pipes on its own.
+
+use super::conn::{Conn, MAX_IOV};
+use crate::ring::{Io, TAG_SEND, ud};
+use io_uring::{opcode, types};
+use std::os::fd::AsRawFd;
+
+impl Conn {
+    /// Start sending queued replies, if no send is in flight.
+    pub fn send(&mut self, io: &mut Io, ci: u32) {
+        if self.send_inflight || self.sendq.is_empty() || self.dead {
+            return;
+        }
+        let mut n_iov = 0;
+        let mut skip = self.front_sent;
+        for (k, &si) in self.sendq.iter().enumerate() {
+            if n_iov + 2 > MAX_IOV {
+                break;
+            }
+            let s = &self.slots[si as usize];
+            if s.spliced() {
+                if k > 0 {
+                    break; // sent on its own, after the replies before it
+                }
+                let Some((pipe, left)) = s.pipe_at(skip) else {
+                    break;
+                };
+                let left = u32::try_from(left).unwrap_or(0);
+                let sock = types::Fd(self.sock.as_raw_fd());
+                let e = opcode::Splice::new(types::Fd(pipe.r.as_raw_fd()), -1, sock, -1, left)
+                    .build()
+                    .user_data(ud(TAG_SEND, ci, 0));
+                self.send_inflight = true;
+                // SAFETY: a splice refers to no memory; the pipe stays in the
+                // slot until the send completes.
+                unsafe { io.push(e) };
+                return;
+            }
+            for (ptr, len) in [(s.hdr.as_ptr(), s.hdr_len), (s.data_ptr(), s.data_len)] {
+                if skip >= len {
+                    skip -= len;
+                    continue;
+                }
+                // SAFETY: skip < len, so the pointer stays inside the part.
+                let p = unsafe { ptr.add(skip) };
+                self.iov[n_iov] = libc::iovec {
+                    iov_base: p as *mut libc::c_void,
+                    iov_len: len - skip,
+                };
+                skip = 0;
+                n_iov += 1;
+            }
+        }
+        if n_iov == 0 {
+            return; // nothing sendable (cannot happen: a queued reply has a header)
+        }
+        self.msg.msg_iov = self.iov.as_mut_ptr();
+        self.msg.msg_iovlen = n_iov;
+        self.send_inflight = true;
+        let msg: *const libc::msghdr = &*self.msg;
+        let e = opcode::SendMsg::new(types::Fd(self.sock.as_raw_fd()), msg)
+            .flags(libc::MSG_NOSIGNAL as u32)
+            .build()
+            .user_data(ud(TAG_SEND, ci, 0));
+        // SAFETY: `msg` and `iov` live in the connection's boxes and point at
+        // reply headers in its slot table and at data in its slots' buffers; none
+        // of them moves or is freed while `send_inflight` (see `on_send`).
+        unsafe { io.push(e) };
+    }
+
+    pub fn on_send(&mut self, io: &mut Io, ci: u32, res: i32) {
+        self.send_inflight = false;
+        if res == 0 {
+            // Nothing sent although something was asked: a splice whose page went
+            // bad (a page-cache page that could not be confirmed) says so with 0,
+            // and would say it again forever. Give up on the connection.
+            tracing::warn!(
+                "closing a connection to {:?}: a reply could not be sent",
+                self.dev.name
+            );
+            self.kill(io, ci);
+            return;
+        }
+        if res < 0 {
+            if res != -libc::EPIPE && res != -libc::ECONNRESET {
+                tracing::debug!(
+                    "send failed on a connection to {:?}: errno {}",
+                    self.dev.name,
+                    -res
+                );
+            }
+            self.kill(io, ci);
+            return;
+        }
+        let mut n = res as usize + self.front_sent;
+        self.front_sent = 0;
+        while let Some(&si) = self.sendq.front() {
+            let len = self.slots[si as usize].reply_len();
+            if n < len {
+                self.front_sent = n;
+                break;
+            }
+            n -= len;
+            self.sendq.pop_front();
+            self.slots[si as usize].drop_pipes(&mut io.pipes, true);
+            self.release_slot(io, si);
+        }
+    }
+}

@@ -1,0 +1,152 @@
+//! Running a parsed request through the engine's shared execution step
+//! ([`crate::engine::exec`]): its range, its inline paths, its file operations
+//! on the reactor's ring, and its result turned into a queued reply.
+
+use super::conn::{Conn, SlotState};
+use crate::block::Op;
+use crate::device::stats::Path;
+use crate::engine::exec;
+use crate::engine::ops;
+use crate::engine::splice::SPLICE_MIN;
+use crate::engine::task::Next;
+use crate::frontend::nbd::wire::{self, NbdErrno};
+use crate::ring::{Io, TAG_FILE, ud};
+use io_uring::squeue;
+
+impl Conn {
+    /// Start a planned request: take its range, then run its first operation.
+    pub fn dispatch(&mut self, io: &mut Io, ci: u32, si: u16) {
+        let dev = &self.dev;
+        let slot = &mut self.slots[si as usize];
+        if !slot.req.admit(dev, &io.waker) {
+            slot.state = SlotState::WaitLock;
+            io.lock_waiters.push((ci, si));
+            return;
+        }
+        let Some(task) = slot.req.task.as_mut() else {
+            return;
+        };
+        let splice = task.op == Op::Read
+            && task.path == Path::Buffered
+            && dev.splice_reads
+            && task.len as usize >= SPLICE_MIN;
+        if splice && self.start_splice(io, ci, si) {
+            return;
+        }
+        let Some(task) = self.slots[si as usize].req.task.as_mut() else {
+            return;
+        };
+        let next = exec::start(&self.dev, task, &mut io.pool);
+        self.advance(io, ci, si, next);
+    }
+
+    /// Submit `e`, a file operation of slot `si`, counted in flight (per connection
+    /// and per ring) until its completion reaches [`Conn::on_file`].
+    ///
+    /// A file that is not on a local disk (FUSE, NFS, ...) has its operations
+    /// sent straight to the ring's workers (`IOSQE_ASYNC`): issued inline, from
+    /// the reactor's `io_uring_enter`, a FUSE read can block there (its readahead
+    /// waits for a slot in the FUSE server's queue) and stall every connection.
+    ///
+    /// # Safety
+    /// `e` refers only to the slot's task buffers (or its pipes) and the device's
+    /// files, which the slot keeps until the completion arrives.
+    pub(super) unsafe fn submit_file_op(
+        &mut self,
+        io: &mut Io,
+        ci: u32,
+        si: u16,
+        e: squeue::Entry,
+    ) {
+        self.slots[si as usize].state = SlotState::Io;
+        self.file_ops += 1;
+        io.file_ops += 1;
+        let e = if self.dev.local_fs {
+            e
+        } else {
+            e.flags(squeue::Flags::ASYNC)
+        };
+        // SAFETY: by this function's contract.
+        unsafe { io.push(e.user_data(ud(TAG_FILE, ci, si))) };
+    }
+
+    pub(super) fn advance(&mut self, io: &mut Io, ci: u32, si: u16, next: Next) {
+        match next {
+            // SAFETY: the op was yielded by this slot's task, which stays in the
+            // slot (buffers untouched) until its completion reaches `on_file`.
+            Next::Submit(op) => unsafe { self.submit_file_op(io, ci, si, ops::sqe(op)) },
+            Next::Done(r) => {
+                let task = self.slots[si as usize].req.task.as_ref();
+                let is_read = task.is_some_and(|t| t.op == Op::Read);
+                exec::conclude(&self.dev, task, &r);
+                self.finish(io, ci, si, is_read, r);
+            }
+        }
+    }
+
+    pub fn on_file(&mut self, io: &mut Io, ci: u32, si: u16, res: i32) {
+        self.file_ops = self.file_ops.saturating_sub(1);
+        io.file_ops = io.file_ops.saturating_sub(1);
+        if self.dead {
+            // Nobody to answer: stop here (the range is released with the slot).
+            self.release_slot(io, si);
+            return;
+        }
+        if self.slots[si as usize].spliced() {
+            self.on_splice_in(io, ci, si, res);
+            return;
+        }
+        let Some(task) = self.slots[si as usize].req.task.as_mut() else {
+            return;
+        };
+        let next = task.complete(res, &mut io.pool);
+        self.advance(io, ci, si, next);
+    }
+
+    /// Whether slot `si` is parked waiting for its range.
+    pub fn waiting(&self, si: u16) -> bool {
+        self.slots[si as usize].state == SlotState::WaitLock
+    }
+
+    /// The request in `si` is done with the file (see [`exec::Request::settle`]).
+    pub(super) fn settle(&mut self, si: u16) {
+        self.slots[si as usize].req.settle(&self.dev, &self.export);
+    }
+
+    /// Queue the reply of slot `si` (or drop it on a dead socket).
+    pub(super) fn finish(
+        &mut self,
+        io: &mut Io,
+        _ci: u32,
+        si: u16,
+        is_read: bool,
+        r: Result<u32, NbdErrno>,
+    ) {
+        self.settle(si);
+        if let Err(e) = r {
+            self.dev.stats.error(e);
+        }
+        let slot = &mut self.slots[si as usize];
+        let offset = slot.req.task.as_ref().map_or(0, |t| t.offset);
+        let r = if is_read { r } else { r.map(|_| 0) };
+        slot.data_len = r.map_or(0, |n| n as usize);
+        slot.hdr_len = wire::reply_header(
+            &mut slot.hdr,
+            is_read,
+            self.structured,
+            slot.cookie,
+            offset,
+            r,
+        );
+        self.queue(io, si);
+    }
+
+    pub(super) fn queue(&mut self, io: &mut Io, si: u16) {
+        if self.dead {
+            self.release_slot(io, si);
+            return;
+        }
+        self.slots[si as usize].state = SlotState::Queued;
+        self.sendq.push_back(si);
+    }
+}

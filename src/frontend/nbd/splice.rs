@@ -1,0 +1,119 @@
+//! Large buffered reads answered from pipes: the reply header goes into the
+//! first pipe, the data is spliced from the file behind it and from the pipes to
+//! the socket, never passing through loopd's memory. Any failure falls back to
+//! an ordinary copied read.
+
+use super::conn::Conn;
+use crate::device::stats::Path;
+use crate::engine::splice::{MAX_PIPES, part_len};
+use crate::frontend::nbd::wire;
+use crate::ring::Io;
+use io_uring::{opcode, types};
+use std::os::fd::AsRawFd;
+
+impl Conn {
+    /// Answer the read in `si` from pipes: write its reply header into the first,
+    /// then splice the data from the file behind it. False (nothing started) when
+    /// the read needs more pipes than a reply may use, no pipe can be had, or the
+    /// header write fails; the caller copies instead.
+    pub(super) fn start_splice(&mut self, io: &mut Io, ci: u32, si: u16) -> bool {
+        let slot = &mut self.slots[si as usize];
+        let Some(task) = slot.req.task.as_ref() else {
+            return false;
+        };
+        let Some(part) = io.pipes.part_bytes() else {
+            return false;
+        };
+        let parts = (task.len as usize).div_ceil(part);
+        if parts > MAX_PIPES || !io.pipes.can_take(parts) {
+            return false;
+        }
+        slot.part = part;
+        for i in 0..parts {
+            match io.pipes.take() {
+                Some(p) => slot.pipes[i] = Some(p),
+                None => {
+                    slot.drop_pipes(&mut io.pipes, false);
+                    return false;
+                }
+            }
+        }
+        // The success header; should the read fail, the pipes are dropped and an
+        // error reply sent the ordinary way instead.
+        let n = wire::reply_header(
+            &mut slot.hdr,
+            true,
+            self.structured,
+            slot.cookie,
+            task.offset,
+            Ok(task.len),
+        );
+        let written = match &slot.pipes[0] {
+            Some(p) => rustix::io::write(&p.w, &slot.hdr[..n]),
+            None => Ok(0),
+        };
+        if !matches!(written, Ok(w) if w == n) {
+            slot.drop_pipes(&mut io.pipes, false);
+            return false;
+        }
+        // The reply's shape, for `pipe_at`; a fallback to copying sets it anew.
+        slot.hdr_len = n;
+        slot.data_len = task.len as usize;
+        // The data never passes through memory of ours: lend the buffer out.
+        if let Some(t) = slot.req.task.as_mut() {
+            t.recycle(&mut io.pool);
+        }
+        self.splice_in(io, ci, si);
+        true
+    }
+
+    /// Splice the next part of slot `si`'s read from the file into its pipe.
+    fn splice_in(&mut self, io: &mut Io, ci: u32, si: u16) {
+        let slot = &mut self.slots[si as usize];
+        let Some(task) = slot.req.task.as_ref() else {
+            return;
+        };
+        let i = slot.piped / slot.part;
+        let Some(pipe) = slot.pipes.get(i).and_then(Option::as_ref) else {
+            return;
+        };
+        let left = (i * slot.part + part_len(task.len as usize, slot.part, i)) - slot.piped;
+        let off = self.dev.file_offset(task.offset) + slot.piped as u64;
+        let file = types::Fd(self.dev.plain.as_raw_fd());
+        let off = i64::try_from(off).unwrap_or(i64::MAX);
+        let left = u32::try_from(left).unwrap_or(0);
+        let e = opcode::Splice::new(file, off, types::Fd(pipe.w.as_raw_fd()), -1, left).build();
+        // SAFETY: a splice refers to no memory; the pipe stays in the slot and the
+        // file open with the device until the completion arrives.
+        unsafe { self.submit_file_op(io, ci, si, e) };
+    }
+
+    /// A splice into slot `si`'s pipes completed with `res`.
+    pub(super) fn on_splice_in(&mut self, io: &mut Io, ci: u32, si: u16, res: i32) {
+        let slot = &mut self.slots[si as usize];
+        let len = slot.req.task.as_ref().map_or(0, |t| t.len);
+        if res > 0 {
+            slot.piped += res as usize;
+            if slot.piped < len as usize {
+                self.splice_in(io, ci, si);
+            } else {
+                self.dev.stats.path(Path::Spliced);
+                // The header went into the first pipe when the splice began.
+                self.settle(si);
+                self.queue(io, si);
+            }
+            return;
+        }
+        // End of file before the end of the read (the rest reads as zeros), an
+        // error, or a file that cannot splice: drop what the pipes hold and copy
+        // instead; that path zero-fills, and reports errors the usual way.
+        slot.drop_pipes(&mut io.pipes, false);
+        let Some(task) = slot.req.task.as_mut() else {
+            return;
+        };
+        task.rebuffer(&mut io.pool);
+        self.dev.stats.path(Path::Buffered);
+        let next = task.start();
+        self.advance(io, ci, si, next);
+    }
+}

@@ -1,0 +1,76 @@
+//! BLOCK_STATUS (`base:allocation`): asked of the backing file off the reactor
+//! ([`crate::engine::offload`]), answered as one structured reply chunk.
+
+use super::conn::{Conn, SlotState};
+use crate::block::Extent;
+use crate::device::status;
+use crate::engine::offload;
+use crate::frontend::nbd::proto::*;
+use crate::frontend::nbd::wire;
+use crate::ring::Io;
+use std::sync::Arc;
+
+impl Conn {
+    /// Answer a block-status request off the reactor (its `lseek`s can wait on
+    /// the backing file's server): counted in flight like a file operation until
+    /// [`Conn::on_status`].
+    pub(super) fn block_status(
+        &mut self,
+        io: &mut Io,
+        ci: u32,
+        si: u16,
+        off: u64,
+        len: u32,
+        one: bool,
+    ) {
+        let hole = Extent {
+            len: 0,
+            hole: false,
+            zero: false,
+        };
+        let out = vec![hole; status::MAX_DESCRIPTORS];
+        self.slots[si as usize].state = SlotState::Io;
+        self.file_ops += 1;
+        offload::submit(offload::StatusJob {
+            dev: Arc::clone(&self.dev),
+            off,
+            len,
+            one,
+            out,
+            conn: ci,
+            slot: si,
+            inbox: Arc::clone(&io.inbox),
+        });
+    }
+
+    /// A block-status request came back from the workers.
+    pub fn on_status(&mut self, io: &mut Io, ci: u32, d: offload::StatusDone) {
+        self.file_ops = self.file_ops.saturating_sub(1);
+        let si = d.slot;
+        if self.dead {
+            self.release_slot(io, si);
+            return;
+        }
+        match d.res {
+            Ok(n) => {
+                self.settle(si);
+                let slot = &mut self.slots[si as usize];
+                let mut out = io.pool.get(8 * status::MAX_DESCRIPTORS);
+                let n = wire::encode_extents(out.as_mut_slice(), &d.out[..n.min(d.out.len())]);
+                let count = u32::try_from(n).unwrap_or(0);
+                slot.hdr_len = wire::block_status_header(
+                    &mut slot.hdr,
+                    slot.cookie,
+                    BASE_ALLOCATION_ID,
+                    count,
+                );
+                slot.data_len = 8 * n;
+                slot.extra = Some(out);
+                self.queue(io, si);
+            }
+            Err(e) => {
+                self.finish(io, ci, si, false, Err(e));
+            }
+        }
+    }
+}

@@ -1,0 +1,73 @@
+//! The reactor: one thread, one io_uring, many sessions (today: NBD
+//! connections; see [`session`]).
+//!
+//! Layout: [`handle`] is how other threads reach a reactor (hand over a
+//! connection, wake, stop); [`event_loop`] is the thread itself; the ring and
+//! what sessions need of it are [`crate::ring`]'s.
+//!
+//! Contract:
+//! - A connection is handed over ([`ReactorHandle::add`]) and stays on this
+//!   reactor until it closes, or until it moves to the reactor running on the CPU
+//!   its client runs on (see [`crate::frontend::nbd::affinity`]): it stops reading requests,
+//!   cancels its posted receive, and once nothing of it is in flight (no request,
+//!   receive, send or file operation) the whole `Conn`, unparsed bytes included,
+//!   goes to the other reactor's channel. While it lives here its socket I/O and
+//!   its requests' file I/O all go through this reactor's ring, and no other
+//!   thread touches it.
+//! - `user_data` = `tag << 56 | conn << 16 | slot`: the tag says what completed
+//!   (wake-up, receive, send, file op, cancel), `conn` indexes `conns`, `slot` the
+//!   connection's slot table. A connection's index is reused only after every
+//!   operation it submitted has completed, so a completion always finds its owner.
+//! - Buffers referred to by an SQE belong to the slot (or connection) that
+//!   submitted it, which is not freed or reused until the CQE arrives. On exit the
+//!   reactor waits for every in-flight operation before dropping anything.
+//! - The only lock taken is the device's range lock, and only to decide; a request
+//!   that must wait is parked and retried when a release wakes this reactor.
+//! - Large buffered reads are spliced (see [`crate::engine::splice`]): their file → pipe
+//!   and pipe → socket operations run on the kernel's io_uring workers, which may
+//!   block there, never this thread.
+//! - What the thread may block on: the ring (waiting for completions), and
+//!   nothing else that a backing file can hold up. Every file operation goes
+//!   through the ring (whose workers may block, never this thread; up to
+//!   `IOWQ_BOUNDED` of them per ring, so a few hung operations do not hold up
+//!   other devices' syncs and large writes); the calls the
+//!   ring has no opcode for (`SEEK_DATA`/`SEEK_HOLE`, `fstat` of BLOCK_STATUS) run
+//!   on [`crate::engine::offload`]'s workers. The inline page-cache paths of buffered mode
+//!   use `RWF_NOWAIT` (reads always; writes where the filesystem takes it), with
+//!   one exception: on a local disk filesystem without NOWAIT buffered writes
+//!   (ext4, tmpfs) a small whole-page write is copied inline and may wait for the
+//!   journal or dirty-page throttling of that disk. A file on FUSE, NFS or any
+//!   other filesystem whose server may not answer is never touched here — no
+//!   inline path, and its ring operations carry `IOSQE_ASYNC`, since even a
+//!   NOWAIT issue from `io_uring_enter` blocked in FUSE readahead — so a hung
+//!   backing store stalls its own clients only.
+//! - Memory: request buffers are reserved against the daemon's
+//!   [`crate::engine::budget`] before a request is read; a refused connection is parked
+//!   and the reactor is woken when any reactor releases budget. Its pool frees
+//!   its idle buffers when some reactor is refused.
+//! - Heartbeat: the thread publishes when it started its current turn (zero while
+//!   it waits on the ring), so [`ReactorHandle::making_progress`] can tell a
+//!   stuck reactor from an idle one.
+//! - Before sleeping it may busy-poll (see [`poll`]) for up to `--poll-us`,
+//!   never while file I/O is in flight and never after a large batch.
+
+mod event_loop;
+pub mod handle;
+pub mod poll;
+pub mod session;
+
+pub use handle::{NewConn, ReactorError, ReactorHandle, STUCK_AFTER_MS, spawn};
+
+use std::time::Duration;
+
+/// How long a stopping reactor waits for clients to take their replies.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Bumped by the control plane when connections must look at their export again
+/// (a detach started); reactors compare it on every wake-up.
+pub static CONTROL_GEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A session's index as it appears in user_data.
+fn conn_id(i: usize) -> u32 {
+    u32::try_from(i).unwrap_or(u32::MAX)
+}
