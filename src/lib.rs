@@ -12,3 +12,4 @@ pub mod kernel_loop;
 pub mod nbd;
 pub mod server;
 pub mod size;
+pub mod ublk;
