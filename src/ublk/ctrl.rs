@@ -168,6 +168,7 @@ fn hint(cmd: Cmd, errno: i32) -> &'static str {
             " (the ublk_drv device limit is reached: raise the module parameter ublks_max, \
              /sys/module/ublk_drv/parameters/ublks_max, or delete unused ublk devices)"
         }
+        (Cmd::AddDev, libc::ENOSPC) => " (no free ublk device id: delete unused ublk devices)",
         (Cmd::AddDev, libc::EPERM) => " (adding a ublk device needs CAP_SYS_ADMIN: run as root)",
         (Cmd::AddDev, libc::EEXIST) => {
             " (that ublk device id is taken: pick another or let the kernel choose)"
@@ -200,6 +201,9 @@ pub struct AddDev {
     /// when it died. loopd's writes are idempotent (positional), so this is right
     /// for it; without it those requests fail with EIO.
     pub reissue: bool,
+    /// Allow UPDATE_SIZE (`UBLK_F_UPDATE_SIZE`, 6.14+): set it only when
+    /// [`UblkCtrl::features`] has the bit.
+    pub resizable: bool,
 }
 
 impl Default for AddDev {
@@ -211,6 +215,7 @@ impl Default for AddDev {
             max_io_buf_bytes: 512 << 10,
             user_recovery: false,
             reissue: false,
+            resizable: false,
         }
     }
 }
@@ -234,6 +239,9 @@ impl AddDev {
             if self.reissue {
                 flags |= UBLK_F_USER_RECOVERY_REISSUE;
             }
+        }
+        if self.resizable {
+            flags |= UBLK_F_UPDATE_SIZE;
         }
         Ok(UblksrvCtrlDevInfo {
             nr_hw_queues: self.nr_hw_queues,
