@@ -129,7 +129,11 @@ pub enum CtrlError {
         #[source]
         source: std::io::Error,
     },
-    #[error("ublk {cmd} of device {dev_id} failed: {}{hint}", std::io::Error::from_raw_os_error(*.errno))]
+    #[error(
+        "ublk {cmd} of device {} failed: {}{hint}",
+        dev_name(*.dev_id),
+        std::io::Error::from_raw_os_error(*.errno)
+    )]
     Command {
         cmd: Cmd,
         dev_id: u32,
@@ -158,6 +162,14 @@ impl CtrlError {
             | CtrlError::NoDevice
             | CtrlError::Params(_) => None,
         }
+    }
+}
+
+/// `u32::MAX` is ADD_DEV's "any id".
+fn dev_name(dev_id: u32) -> String {
+    match dev_id {
+        u32::MAX => "(any id)".to_owned(),
+        id => id.to_string(),
     }
 }
 
@@ -667,7 +679,18 @@ mod tests {
 
     #[test]
     fn add_dev_limit_names_ublks_max() {
-        assert!(hint(Cmd::AddDev, libc::EACCES).contains("ublks_max"));
+        let err = CtrlError::Command {
+            cmd: Cmd::AddDev,
+            dev_id: u32::MAX,
+            errno: libc::EACCES,
+            hint: hint(Cmd::AddDev, libc::EACCES),
+        };
+        let msg = err.to_string();
+        assert!(
+            msg.starts_with("ublk ADD_DEV of device (any id) failed: Permission denied"),
+            "{msg}"
+        );
+        assert!(msg.contains("ublks_max"), "{msg}");
     }
 
     #[test]
