@@ -494,11 +494,8 @@ fn user_recovery_keeps_the_disk_and_its_data() -> Result<()> {
     let ends = dev.join()?;
     ensure!(ends.contains(&End::Abandoned), "{ends:?}");
     dev.ch = None;
-    let mut state = 0;
-    wait_for("the device to be quiesced", Duration::from_secs(10), || {
-        state = dev.ctrl.dev_info().map(|i| i.state).unwrap_or(u16::MAX);
-        state == UBLK_S_DEV_QUIESCED
-    });
+    dev.ctrl
+        .wait_for_state(UBLK_S_DEV_QUIESCED, Duration::from_secs(10))?;
     ensure!(bdev.exists(), "the disk vanished with its server");
 
     // I/O issued meanwhile waits for the next server instead of failing.
@@ -540,6 +537,13 @@ fn user_recovery_keeps_the_disk_and_its_data() -> Result<()> {
     );
     let back = dd_read(&bdev, dir.path(), 0, 1 << 20);
     ensure!(back == pat, "data differs after recovery");
+    // The recovered device takes writes too.
+    let pat2 = pattern(1 << 20, 99);
+    dd_write(&bdev, dir.path(), 2 << 20, &pat2);
+    ensure!(
+        dd_read(&bdev, dir.path(), 2 << 20, 1 << 20) == pat2,
+        "write after recovery lost"
+    );
 
     let ends = dev.stop_and_delete()?;
     ensure!(ends.iter().all(|e| *e == End::Drained), "{ends:?}");

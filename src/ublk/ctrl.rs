@@ -142,6 +142,15 @@ pub enum CtrlError {
     },
     #[error("ublk {cmd} is not supported by this kernel ({why})")]
     Unsupported { cmd: Cmd, why: &'static str },
+    #[error(
+        "ublk device {dev_id} did not reach state {want} within {waited:?} (last state {last})"
+    )]
+    StateTimeout {
+        dev_id: u32,
+        want: u16,
+        last: u16,
+        waited: std::time::Duration,
+    },
     #[error("no device: call add_dev first")]
     NoDevice,
     #[error("invalid ublk parameters: {0}")]
@@ -159,6 +168,7 @@ impl CtrlError {
             | CtrlError::Ring(_)
             | CtrlError::Submit { .. }
             | CtrlError::Unsupported { .. }
+            | CtrlError::StateTimeout { .. }
             | CtrlError::NoDevice
             | CtrlError::Params(_) => None,
         }
@@ -616,6 +626,33 @@ impl UblkCtrl {
         self.run(Cmd::DelDev, dev, 0, Buf::None)?;
         self.dev_id = None;
         Ok(())
+    }
+
+    /// Poll GET_DEV_INFO every 10 ms until the device is in `state` (a
+    /// `UBLK_S_DEV_*`), e.g. QUIESCED before START_USER_RECOVERY: after the old
+    /// server's rings close, the driver quiesces the device asynchronously.
+    /// Blocks for at most `timeout`.
+    pub fn wait_for_state(
+        &mut self,
+        state: u16,
+        timeout: std::time::Duration,
+    ) -> Result<UblksrvCtrlDevInfo, CtrlError> {
+        let start = std::time::Instant::now();
+        loop {
+            let info = self.dev_info()?;
+            if info.state == state {
+                return Ok(info);
+            }
+            if start.elapsed() >= timeout {
+                return Err(CtrlError::StateTimeout {
+                    dev_id: info.dev_id,
+                    want: state,
+                    last: info.state,
+                    waited: timeout,
+                });
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
     }
 
     /// START_USER_RECOVERY: legal once the old server's char fd, mappings and
