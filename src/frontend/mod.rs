@@ -3,5 +3,7 @@
 //! engine's shared execution step, and encodes the results its own way.
 //!
 //! - [`nbd`]: the NBD protocol (handshake, transmission on the reactors).
+//! - [`ublk`]: the kernel's ublk driver (`/dev/ublkbN`), a queue per reactor.
 
 pub mod nbd;
+pub mod ublk;

@@ -1,0 +1,820 @@
+//! The control path of one ublk device: /dev/ublk-control and its commands.
+//!
+//! A [`UblkCtrl`] owns an open /dev/ublk-control and a small io_uring with
+//! 128-byte SQEs of its own (control commands are `URING_CMD`s on that fd; they
+//! never go through a reactor's ring). It runs ONE command at a time and waits
+//! for its completion, so every method blocks the calling thread:
+//!
+//! - `START_DEV` and `END_USER_RECOVERY` wait in the kernel until every tag of
+//!   every queue has been fetched, and START_DEV then runs add_disk and the
+//!   partition scan, which READ through the queues. Issue them only while the
+//!   queues are already being served by other threads (the reactors).
+//! - `DEL_DEV` waits until /dev/ublkcN is released: every fd and every
+//!   descriptor mapping of it dropped (the queues drained after STOP_DEV).
+//! - The others return promptly.
+//!
+//! A command's in/out buffer is heap-owned by the call; if the ring fails while
+//! the kernel may still write it, the buffer is leaked, never freed under it.
+//!
+//! Kernel versions: ublk is 6.0+, user recovery 6.1+, ioctl-encoded commands
+//! (`UBLK_F_CMD_IOCTL_ENCODE`, used here) and GET_FEATURES 6.5+. `UPDATE_SIZE` is
+//! 6.14+ (not in 6.12): on an older kernel [`UblkCtrl::update_size`] fails with
+//! [`CtrlError::Unsupported`] and a resize must be refused (or done by stopping
+//! and re-adding the device).
+
+use io_uring::{IoUring, cqueue, opcode, squeue, types};
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use thiserror::Error;
+
+use super::sys::{
+    UBLK_ATTR_FUA, UBLK_ATTR_READ_ONLY, UBLK_ATTR_ROTATIONAL, UBLK_ATTR_VOLATILE_CACHE,
+    UBLK_F_CMD_IOCTL_ENCODE, UBLK_F_UPDATE_SIZE, UBLK_F_USER_RECOVERY,
+    UBLK_F_USER_RECOVERY_REISSUE, UBLK_MAX_NR_QUEUES, UBLK_MAX_QUEUE_DEPTH, UBLK_PARAM_TYPE_BASIC,
+    UBLK_PARAM_TYPE_DISCARD, UBLK_U_CMD_ADD_DEV, UBLK_U_CMD_DEL_DEV, UBLK_U_CMD_END_USER_RECOVERY,
+    UBLK_U_CMD_GET_DEV_INFO, UBLK_U_CMD_GET_FEATURES, UBLK_U_CMD_GET_PARAMS, UBLK_U_CMD_SET_PARAMS,
+    UBLK_U_CMD_START_DEV, UBLK_U_CMD_START_USER_RECOVERY, UBLK_U_CMD_STOP_DEV,
+    UBLK_U_CMD_UPDATE_SIZE, UblkParamBasic, UblkParamDiscard, UblkParams, UblksrvCtrlCmd,
+    UblksrvCtrlDevInfo,
+};
+
+pub const DEFAULT_CONTROL_PATH: &str = "/dev/ublk-control";
+
+/// The control commands, for error messages and hints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cmd {
+    AddDev,
+    SetParams,
+    GetParams,
+    StartDev,
+    StopDev,
+    DelDev,
+    GetDevInfo,
+    GetFeatures,
+    StartUserRecovery,
+    EndUserRecovery,
+    UpdateSize,
+}
+
+impl Cmd {
+    fn name(self) -> &'static str {
+        match self {
+            Cmd::AddDev => "ADD_DEV",
+            Cmd::SetParams => "SET_PARAMS",
+            Cmd::GetParams => "GET_PARAMS",
+            Cmd::StartDev => "START_DEV",
+            Cmd::StopDev => "STOP_DEV",
+            Cmd::DelDev => "DEL_DEV",
+            Cmd::GetDevInfo => "GET_DEV_INFO",
+            Cmd::GetFeatures => "GET_FEATURES",
+            Cmd::StartUserRecovery => "START_USER_RECOVERY",
+            Cmd::EndUserRecovery => "END_USER_RECOVERY",
+            Cmd::UpdateSize => "UPDATE_SIZE",
+        }
+    }
+
+    fn op(self) -> u32 {
+        match self {
+            Cmd::AddDev => UBLK_U_CMD_ADD_DEV,
+            Cmd::SetParams => UBLK_U_CMD_SET_PARAMS,
+            Cmd::GetParams => UBLK_U_CMD_GET_PARAMS,
+            Cmd::StartDev => UBLK_U_CMD_START_DEV,
+            Cmd::StopDev => UBLK_U_CMD_STOP_DEV,
+            Cmd::DelDev => UBLK_U_CMD_DEL_DEV,
+            Cmd::GetDevInfo => UBLK_U_CMD_GET_DEV_INFO,
+            Cmd::GetFeatures => UBLK_U_CMD_GET_FEATURES,
+            Cmd::StartUserRecovery => UBLK_U_CMD_START_USER_RECOVERY,
+            Cmd::EndUserRecovery => UBLK_U_CMD_END_USER_RECOVERY,
+            Cmd::UpdateSize => UBLK_U_CMD_UPDATE_SIZE,
+        }
+    }
+}
+
+impl std::fmt::Display for Cmd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum CtrlError {
+    #[error(
+        "ublk is not available: {path} does not exist; load the driver with `modprobe ublk_drv` \
+         (Linux >= 6.0 with CONFIG_BLK_DEV_UBLK; loopd needs >= 6.5, user recovery >= 6.1)"
+    )]
+    NotAvailable { path: PathBuf },
+    #[error(
+        "no permission to open {path}: run loopd as root (ublk needs CAP_SYS_ADMIN), \
+         or give this user read-write access to {path} (a udev rule)"
+    )]
+    NoAccess {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot open {path}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "cannot set up the io_uring for ublk control commands (needs 128-byte SQEs, Linux >= 5.19)"
+    )]
+    Ring(#[source] std::io::Error),
+    #[error("io_uring failed while running ublk {cmd}")]
+    Submit {
+        cmd: Cmd,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "ublk {cmd} of device {} failed: {}{hint}",
+        dev_name(*.dev_id),
+        std::io::Error::from_raw_os_error(*.errno)
+    )]
+    Command {
+        cmd: Cmd,
+        dev_id: u32,
+        errno: i32,
+        hint: &'static str,
+    },
+    #[error("ublk {cmd} is not supported by this kernel ({why})")]
+    Unsupported { cmd: Cmd, why: &'static str },
+    #[error(
+        "ublk device {dev_id} did not reach state {want} within {waited:?} (last state {last})"
+    )]
+    StateTimeout {
+        dev_id: u32,
+        want: u16,
+        last: u16,
+        waited: std::time::Duration,
+    },
+    #[error("no device: call add_dev first")]
+    NoDevice,
+    #[error("invalid ublk parameters: {0}")]
+    Params(&'static str),
+}
+
+impl CtrlError {
+    /// The errno of a failed command, if that is what failed.
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            CtrlError::Command { errno, .. } => Some(*errno),
+            CtrlError::NotAvailable { .. }
+            | CtrlError::NoAccess { .. }
+            | CtrlError::Open { .. }
+            | CtrlError::Ring(_)
+            | CtrlError::Submit { .. }
+            | CtrlError::Unsupported { .. }
+            | CtrlError::StateTimeout { .. }
+            | CtrlError::NoDevice
+            | CtrlError::Params(_) => None,
+        }
+    }
+}
+
+/// `u32::MAX` is ADD_DEV's "any id".
+fn dev_name(dev_id: u32) -> String {
+    match dev_id {
+        u32::MAX => "(any id)".to_owned(),
+        id => id.to_string(),
+    }
+}
+
+/// What a failed command's errno means for the user (6.12 driver).
+fn hint(cmd: Cmd, errno: i32) -> &'static str {
+    match (cmd, errno) {
+        (Cmd::AddDev, libc::EACCES) => {
+            " (the ublk_drv device limit is reached: raise the module parameter ublks_max, \
+             /sys/module/ublk_drv/parameters/ublks_max, or delete unused ublk devices)"
+        }
+        (Cmd::AddDev, libc::ENOSPC) => " (no free ublk device id: delete unused ublk devices)",
+        (Cmd::AddDev, libc::EPERM) => " (adding a ublk device needs CAP_SYS_ADMIN: run as root)",
+        (Cmd::AddDev, libc::EEXIST) => {
+            " (that ublk device id is taken: pick another or let the kernel choose)"
+        }
+        (Cmd::StartDev, libc::EEXIST) => " (the device is already started)",
+        (Cmd::StartUserRecovery, libc::EBUSY) => {
+            " (the device is not quiesced yet: the old server's /dev/ublkcN and rings must be closed first)"
+        }
+        (_, libc::ENODEV) | (_, libc::ENOENT) => " (no such ublk device)",
+        (_, libc::EPERM) | (_, libc::EACCES) => {
+            " (permission denied: ublk control needs CAP_SYS_ADMIN)"
+        }
+        (_, libc::EOPNOTSUPP) => " (this kernel's ublk_drv does not support it)",
+        _ => "",
+    }
+}
+
+/// ADD_DEV's request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AddDev {
+    /// `None`: the kernel picks the id.
+    pub dev_id: Option<u32>,
+    pub nr_hw_queues: u16,
+    pub queue_depth: u16,
+    /// The largest request, and the per-tag buffer size (copy mode).
+    pub max_io_buf_bytes: u32,
+    /// Keep the disk when the server dies (I/O waits until recovery).
+    pub user_recovery: bool,
+    /// With `user_recovery`: re-issue requests that were in flight at the server
+    /// when it died. loopd's writes are idempotent (positional), so this is right
+    /// for it; without it those requests fail with EIO.
+    pub reissue: bool,
+    /// Allow UPDATE_SIZE (`UBLK_F_UPDATE_SIZE`, 6.14+): set it only when
+    /// [`UblkCtrl::features`] has the bit.
+    pub resizable: bool,
+}
+
+impl Default for AddDev {
+    fn default() -> Self {
+        AddDev {
+            dev_id: None,
+            nr_hw_queues: 1,
+            queue_depth: 128,
+            max_io_buf_bytes: 512 << 10,
+            user_recovery: false,
+            reissue: false,
+            resizable: false,
+        }
+    }
+}
+
+impl AddDev {
+    fn dev_info(&self) -> Result<UblksrvCtrlDevInfo, CtrlError> {
+        if self.nr_hw_queues == 0 || self.nr_hw_queues > UBLK_MAX_NR_QUEUES {
+            return Err(CtrlError::Params("nr_hw_queues must be 1..=4096"));
+        }
+        if self.queue_depth == 0 || self.queue_depth > UBLK_MAX_QUEUE_DEPTH {
+            return Err(CtrlError::Params("queue_depth must be 1..=4096"));
+        }
+        if self.max_io_buf_bytes < 4096 || self.max_io_buf_bytes % 4096 != 0 {
+            return Err(CtrlError::Params(
+                "max_io_buf_bytes must be a multiple of 4096",
+            ));
+        }
+        let mut flags = UBLK_F_CMD_IOCTL_ENCODE;
+        if self.user_recovery {
+            flags |= UBLK_F_USER_RECOVERY;
+            if self.reissue {
+                flags |= UBLK_F_USER_RECOVERY_REISSUE;
+            }
+        }
+        if self.resizable {
+            flags |= UBLK_F_UPDATE_SIZE;
+        }
+        Ok(UblksrvCtrlDevInfo {
+            nr_hw_queues: self.nr_hw_queues,
+            queue_depth: self.queue_depth,
+            max_io_buf_bytes: self.max_io_buf_bytes,
+            dev_id: self.dev_id.unwrap_or(u32::MAX),
+            flags,
+            ..Default::default()
+        })
+    }
+}
+
+/// The parameters loopd sets (SET_PARAMS), in bytes; [`DeviceParams::to_uapi`]
+/// checks them the way the 6.12 driver would.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceParams {
+    pub dev_bytes: u64,
+    /// Power of two, 512..=4096 (the driver caps it at the page size).
+    pub logical_block: u32,
+    /// Power of two, >= logical_block.
+    pub physical_block: u32,
+    /// Optimal I/O size: 0 or a power of two >= logical_block.
+    pub io_opt: u32,
+    /// Largest request: <= max_io_buf_bytes, a multiple of 512.
+    pub max_io_bytes: u32,
+    /// Largest DISCARD, 0 for none.
+    pub max_discard_bytes: u32,
+    /// Largest WRITE_ZEROES, 0 for none.
+    pub max_write_zeroes_bytes: u32,
+    pub read_only: bool,
+    pub rotational: bool,
+    /// The device has a volatile cache: the kernel sends FLUSH.
+    pub volatile_cache: bool,
+    /// The device honours FUA writes (needs `volatile_cache`).
+    pub fua: bool,
+}
+
+fn shift_of(v: u32, what: &'static str) -> Result<u8, CtrlError> {
+    if !v.is_power_of_two() {
+        return Err(CtrlError::Params(what));
+    }
+    u8::try_from(v.trailing_zeros()).map_err(|_| CtrlError::Params(what))
+}
+
+impl DeviceParams {
+    pub fn to_uapi(&self) -> Result<UblkParams, CtrlError> {
+        let lbs = shift_of(
+            self.logical_block,
+            "logical block size must be a power of two",
+        )?;
+        if !(9..=12).contains(&lbs) {
+            return Err(CtrlError::Params("logical block size must be 512..=4096"));
+        }
+        let pbs = shift_of(
+            self.physical_block,
+            "physical block size must be a power of two",
+        )?;
+        if pbs < lbs {
+            return Err(CtrlError::Params(
+                "physical block size is below the logical one",
+            ));
+        }
+        let io_opt = match self.io_opt {
+            0 => 0,
+            v => shift_of(v, "io_opt must be a power of two")?,
+        };
+        if self.dev_bytes % u64::from(self.logical_block) != 0 {
+            return Err(CtrlError::Params(
+                "device size is not a multiple of the logical block",
+            ));
+        }
+        if self.max_io_bytes < self.logical_block || self.max_io_bytes % 512 != 0 {
+            return Err(CtrlError::Params(
+                "max_io_bytes must be a multiple of 512, >= the block",
+            ));
+        }
+        if self.fua && !self.volatile_cache {
+            return Err(CtrlError::Params("FUA needs a volatile cache"));
+        }
+        let mut attrs = 0;
+        for (on, bit) in [
+            (self.read_only, UBLK_ATTR_READ_ONLY),
+            (self.rotational, UBLK_ATTR_ROTATIONAL),
+            (self.volatile_cache, UBLK_ATTR_VOLATILE_CACHE),
+            (self.fua, UBLK_ATTR_FUA),
+        ] {
+            if on {
+                attrs |= bit;
+            }
+        }
+        let mut p = UblkParams {
+            len: u32::try_from(size_of::<UblkParams>()).unwrap_or(u32::MAX),
+            types: UBLK_PARAM_TYPE_BASIC,
+            basic: UblkParamBasic {
+                attrs,
+                logical_bs_shift: lbs,
+                physical_bs_shift: pbs,
+                io_opt_shift: io_opt,
+                io_min_shift: pbs,
+                max_sectors: self.max_io_bytes / 512,
+                chunk_sectors: 0,
+                dev_sectors: self.dev_bytes / 512,
+                virt_boundary_mask: 0,
+            },
+            ..Default::default()
+        };
+        if self.max_discard_bytes != 0 || self.max_write_zeroes_bytes != 0 {
+            p.types |= UBLK_PARAM_TYPE_DISCARD;
+            p.discard = UblkParamDiscard {
+                discard_alignment: 0,
+                discard_granularity: self.physical_block,
+                max_discard_sectors: self.max_discard_bytes / 512,
+                max_write_zeroes_sectors: self.max_write_zeroes_bytes / 512,
+                // The driver supports single-segment discards only.
+                max_discard_segments: 1,
+                reserved0: 0,
+            };
+        }
+        Ok(p)
+    }
+}
+
+/// /dev/ublk-control with its ring, bound to at most one device.
+pub struct UblkCtrl {
+    file: File,
+    ring: IoUring<squeue::Entry128, cqueue::Entry>,
+    dev_id: Option<u32>,
+    seq: u64,
+}
+
+impl std::fmt::Debug for UblkCtrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UblkCtrl")
+            .field("dev_id", &self.dev_id)
+            .finish()
+    }
+}
+
+/// A command's buffer, owned until its CQE.
+enum Buf {
+    None,
+    Info(Box<UblksrvCtrlDevInfo>),
+    Params(Box<UblkParams>),
+    U64(Box<u64>),
+}
+
+impl Buf {
+    fn addr_len(&mut self) -> (u64, u16) {
+        fn of<T>(b: &mut T) -> (u64, u16) {
+            (
+                std::ptr::from_mut(b) as u64,
+                u16::try_from(size_of::<T>()).unwrap_or(u16::MAX),
+            )
+        }
+        match self {
+            Buf::None => (0, 0),
+            Buf::Info(b) => of(&mut **b),
+            Buf::Params(b) => of(&mut **b),
+            Buf::U64(b) => of(&mut **b),
+        }
+    }
+}
+
+impl UblkCtrl {
+    /// Open [`DEFAULT_CONTROL_PATH`].
+    pub fn open() -> Result<Self, CtrlError> {
+        Self::open_at(Path::new(DEFAULT_CONTROL_PATH))
+    }
+
+    /// Open the control device at `path` (tests point it elsewhere).
+    pub fn open_at(path: &Path) -> Result<Self, CtrlError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|source| match source.raw_os_error() {
+                Some(libc::ENOENT) | Some(libc::ENXIO) | Some(libc::ENODEV) => {
+                    CtrlError::NotAvailable {
+                        path: path.to_owned(),
+                    }
+                }
+                Some(libc::EACCES) | Some(libc::EPERM) => CtrlError::NoAccess {
+                    path: path.to_owned(),
+                    source,
+                },
+                _ => CtrlError::Open {
+                    path: path.to_owned(),
+                    source,
+                },
+            })?;
+        let ring = IoUring::<squeue::Entry128, cqueue::Entry>::builder()
+            .build(4)
+            .map_err(CtrlError::Ring)?;
+        Ok(UblkCtrl {
+            file,
+            ring,
+            dev_id: None,
+            seq: 0,
+        })
+    }
+
+    /// Bind to an existing device (recovery after a restart, or cleanup).
+    pub fn for_device(mut self, dev_id: u32) -> Self {
+        self.dev_id = Some(dev_id);
+        self
+    }
+
+    pub fn dev_id(&self) -> Option<u32> {
+        self.dev_id
+    }
+
+    fn dev(&self) -> Result<u32, CtrlError> {
+        self.dev_id.ok_or(CtrlError::NoDevice)
+    }
+
+    /// Run one command to completion; returns its CQE result (>= 0) and buffer.
+    fn run(
+        &mut self,
+        cmd: Cmd,
+        dev_id: u32,
+        data: u64,
+        mut buf: Buf,
+    ) -> Result<(i32, Buf), CtrlError> {
+        let (addr, len) = buf.addr_len();
+        let header = UblksrvCtrlCmd {
+            dev_id,
+            queue_id: u16::MAX,
+            len,
+            addr,
+            data: [data],
+            ..Default::default()
+        };
+        let mut bytes = [0u8; 80];
+        bytes[0..4].copy_from_slice(&header.dev_id.to_ne_bytes());
+        bytes[4..6].copy_from_slice(&header.queue_id.to_ne_bytes());
+        bytes[6..8].copy_from_slice(&header.len.to_ne_bytes());
+        bytes[8..16].copy_from_slice(&header.addr.to_ne_bytes());
+        bytes[16..24].copy_from_slice(&header.data[0].to_ne_bytes());
+        self.seq = self.seq.wrapping_add(1);
+        let sqe = opcode::UringCmd80::new(types::Fd(self.file.as_raw_fd()), cmd.op())
+            .cmd(bytes)
+            .build()
+            .user_data(self.seq);
+        // SAFETY: the SQE names the control fd (alive as long as self) and the
+        // buffer in `buf`, which this function keeps until the CQE arrives, or
+        // leaks if the ring fails before that.
+        if unsafe { self.ring.submission().push(&sqe) }.is_err() {
+            return Err(CtrlError::Submit {
+                cmd,
+                source: std::io::Error::other("submission queue full"),
+            });
+        }
+        loop {
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                Err(source) => {
+                    // The kernel may hold the buffer still: never free it.
+                    std::mem::forget(buf);
+                    return Err(CtrlError::Submit { cmd, source });
+                }
+            }
+            let seq = self.seq;
+            let found = self.ring.completion().find(|c| c.user_data() == seq);
+            if let Some(cqe) = found {
+                let res = cqe.result();
+                if res < 0 {
+                    let errno = -res;
+                    if cmd == Cmd::UpdateSize
+                        && (errno == libc::EOPNOTSUPP || errno == libc::EINVAL)
+                    {
+                        return Err(CtrlError::Unsupported {
+                            cmd,
+                            why: "UPDATE_SIZE needs Linux >= 6.14",
+                        });
+                    }
+                    return Err(CtrlError::Command {
+                        cmd,
+                        dev_id,
+                        errno,
+                        hint: hint(cmd, errno),
+                    });
+                }
+                return Ok((res, buf));
+            }
+        }
+    }
+
+    /// The `UBLK_F_*` bits the driver supports (GET_FEATURES, 6.5+).
+    pub fn features(&mut self) -> Result<u64, CtrlError> {
+        let dev = self.dev_id.unwrap_or(u32::MAX);
+        match self.run(Cmd::GetFeatures, dev, 0, Buf::U64(Box::new(0)))? {
+            (_, Buf::U64(b)) => Ok(*b),
+            _ => Err(CtrlError::NoDevice),
+        }
+    }
+
+    /// ADD_DEV; binds this handle to the new device. Returns the driver's view
+    /// (id, queues clamped to the CPU count, effective flags).
+    pub fn add_dev(&mut self, req: &AddDev) -> Result<UblksrvCtrlDevInfo, CtrlError> {
+        let info = req.dev_info()?;
+        let dev_id = info.dev_id;
+        match self.run(Cmd::AddDev, dev_id, 0, Buf::Info(Box::new(info)))? {
+            (_, Buf::Info(b)) => {
+                self.dev_id = Some(b.dev_id);
+                Ok(*b)
+            }
+            _ => Err(CtrlError::NoDevice),
+        }
+    }
+
+    pub fn dev_info(&mut self) -> Result<UblksrvCtrlDevInfo, CtrlError> {
+        let dev = self.dev()?;
+        match self.run(Cmd::GetDevInfo, dev, 0, Buf::Info(Box::default()))? {
+            (_, Buf::Info(b)) => Ok(*b),
+            _ => Err(CtrlError::NoDevice),
+        }
+    }
+
+    /// SET_PARAMS: before START_DEV (the driver refuses it on a live device).
+    pub fn set_params(&mut self, params: &UblkParams) -> Result<(), CtrlError> {
+        let dev = self.dev()?;
+        self.run(Cmd::SetParams, dev, 0, Buf::Params(Box::new(*params)))?;
+        Ok(())
+    }
+
+    /// GET_PARAMS: everything the driver has, including the disk's devt once started.
+    pub fn params(&mut self) -> Result<UblkParams, CtrlError> {
+        let dev = self.dev()?;
+        let p = UblkParams {
+            len: u32::try_from(size_of::<UblkParams>()).unwrap_or(u32::MAX),
+            ..Default::default()
+        };
+        match self.run(Cmd::GetParams, dev, 0, Buf::Params(Box::new(p)))? {
+            (_, Buf::Params(b)) => Ok(*b),
+            _ => Err(CtrlError::NoDevice),
+        }
+    }
+
+    /// START_DEV. Blocks until every tag is fetched and the disk is added
+    /// (including its partition scan): the queues must be served meanwhile.
+    pub fn start_dev(&mut self, server_pid: i32) -> Result<(), CtrlError> {
+        let dev = self.dev()?;
+        let pid = u64::try_from(server_pid).map_err(|_| CtrlError::Params("pid must be > 0"))?;
+        self.run(Cmd::StartDev, dev, pid, Buf::None)?;
+        Ok(())
+    }
+
+    /// STOP_DEV: removes /dev/ublkbN; in-flight requests still need commits, and
+    /// every queue then sees `UBLK_IO_RES_ABORT` on its commands.
+    pub fn stop_dev(&mut self) -> Result<(), CtrlError> {
+        let dev = self.dev()?;
+        self.run(Cmd::StopDev, dev, 0, Buf::None)?;
+        Ok(())
+    }
+
+    /// DEL_DEV: blocks until /dev/ublkcN is released (fd and mappings dropped).
+    pub fn del_dev(&mut self) -> Result<(), CtrlError> {
+        let dev = self.dev()?;
+        self.run(Cmd::DelDev, dev, 0, Buf::None)?;
+        self.dev_id = None;
+        Ok(())
+    }
+
+    /// Poll GET_DEV_INFO every 10 ms until the device is in `state` (a
+    /// `UBLK_S_DEV_*`), e.g. QUIESCED before START_USER_RECOVERY: after the old
+    /// server's rings close, the driver quiesces the device asynchronously.
+    /// Blocks for at most `timeout`.
+    pub fn wait_for_state(
+        &mut self,
+        state: u16,
+        timeout: std::time::Duration,
+    ) -> Result<UblksrvCtrlDevInfo, CtrlError> {
+        let start = std::time::Instant::now();
+        loop {
+            let info = self.dev_info()?;
+            if info.state == state {
+                return Ok(info);
+            }
+            if start.elapsed() >= timeout {
+                return Err(CtrlError::StateTimeout {
+                    dev_id: info.dev_id,
+                    want: state,
+                    last: info.state,
+                    waited: timeout,
+                });
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+
+    /// START_USER_RECOVERY: legal once the old server's char fd, mappings and
+    /// rings are gone and the device is QUIESCED (poll [`Self::dev_info`]).
+    pub fn start_user_recovery(&mut self) -> Result<(), CtrlError> {
+        let dev = self.dev()?;
+        self.run(Cmd::StartUserRecovery, dev, 0, Buf::None)?;
+        Ok(())
+    }
+
+    /// END_USER_RECOVERY: like START_DEV, blocks until every tag is re-fetched.
+    pub fn end_user_recovery(&mut self, server_pid: i32) -> Result<(), CtrlError> {
+        let dev = self.dev()?;
+        let pid = u64::try_from(server_pid).map_err(|_| CtrlError::Params("pid must be > 0"))?;
+        self.run(Cmd::EndUserRecovery, dev, pid, Buf::None)?;
+        Ok(())
+    }
+
+    /// UPDATE_SIZE (6.14+, device added with `UBLK_F_UPDATE_SIZE`): checks the
+    /// driver's feature bits first, so a 6.12 kernel yields `Unsupported`.
+    pub fn update_size(&mut self, dev_bytes: u64) -> Result<(), CtrlError> {
+        let dev = self.dev()?;
+        if self.features()? & UBLK_F_UPDATE_SIZE == 0 {
+            return Err(CtrlError::Unsupported {
+                cmd: Cmd::UpdateSize,
+                why: "UPDATE_SIZE needs Linux >= 6.14",
+            });
+        }
+        self.run(Cmd::UpdateSize, dev, dev_bytes / 512, Buf::None)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> DeviceParams {
+        DeviceParams {
+            dev_bytes: 64 << 20,
+            logical_block: 512,
+            physical_block: 4096,
+            io_opt: 0,
+            max_io_bytes: 512 << 10,
+            max_discard_bytes: 0,
+            max_write_zeroes_bytes: 0,
+            read_only: false,
+            rotational: false,
+            volatile_cache: true,
+            fua: true,
+        }
+    }
+
+    #[test]
+    fn missing_control_device_says_modprobe() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = UblkCtrl::open_at(&dir.path().join("ublk-control")).unwrap_err();
+        assert!(matches!(err, CtrlError::NotAvailable { .. }));
+        assert!(err.to_string().contains("modprobe ublk_drv"), "{err}");
+    }
+
+    #[test]
+    fn add_dev_limit_names_ublks_max() {
+        let err = CtrlError::Command {
+            cmd: Cmd::AddDev,
+            dev_id: u32::MAX,
+            errno: libc::EACCES,
+            hint: hint(Cmd::AddDev, libc::EACCES),
+        };
+        let msg = err.to_string();
+        assert!(
+            msg.starts_with("ublk ADD_DEV of device (any id) failed: Permission denied"),
+            "{msg}"
+        );
+        assert!(msg.contains("ublks_max"), "{msg}");
+    }
+
+    #[test]
+    fn params_encode_shifts_and_sectors() {
+        let p = params().to_uapi().unwrap();
+        assert_eq!(p.types, UBLK_PARAM_TYPE_BASIC);
+        assert_eq!(p.basic.logical_bs_shift, 9);
+        assert_eq!(p.basic.physical_bs_shift, 12);
+        assert_eq!(p.basic.max_sectors, 1024);
+        assert_eq!(p.basic.dev_sectors, 131_072);
+        assert_eq!(p.basic.attrs, UBLK_ATTR_VOLATILE_CACHE | UBLK_ATTR_FUA);
+        assert_eq!(p.len, 112);
+    }
+
+    #[test]
+    fn discard_limits_add_the_discard_type_with_one_segment() {
+        let p = DeviceParams {
+            max_discard_bytes: 1 << 30,
+            max_write_zeroes_bytes: 1 << 30,
+            ..params()
+        }
+        .to_uapi()
+        .unwrap();
+        assert_eq!(p.types, UBLK_PARAM_TYPE_BASIC | UBLK_PARAM_TYPE_DISCARD);
+        assert_eq!(p.discard.max_discard_segments, 1);
+        assert_eq!(p.discard.discard_granularity, 4096);
+        assert_eq!(p.discard.max_write_zeroes_sectors, 2 << 20);
+    }
+
+    #[test]
+    fn bad_params_are_refused_before_the_kernel_sees_them() {
+        for bad in [
+            DeviceParams {
+                logical_block: 8192,
+                physical_block: 8192,
+                ..params()
+            },
+            DeviceParams {
+                logical_block: 1000,
+                ..params()
+            },
+            DeviceParams {
+                physical_block: 256,
+                ..params()
+            },
+            DeviceParams {
+                dev_bytes: 1000,
+                ..params()
+            },
+            DeviceParams {
+                volatile_cache: false,
+                ..params()
+            },
+        ] {
+            assert!(bad.to_uapi().is_err(), "{bad:?}");
+        }
+        assert!(
+            AddDev {
+                queue_depth: 0,
+                ..AddDev::default()
+            }
+            .dev_info()
+            .is_err()
+        );
+        assert!(
+            AddDev {
+                max_io_buf_bytes: 1000,
+                ..AddDev::default()
+            }
+            .dev_info()
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn add_dev_sets_ioctl_encode_and_recovery_flags() {
+        let i = AddDev {
+            user_recovery: true,
+            reissue: true,
+            ..AddDev::default()
+        }
+        .dev_info()
+        .unwrap();
+        assert_eq!(
+            i.flags,
+            UBLK_F_CMD_IOCTL_ENCODE | UBLK_F_USER_RECOVERY | UBLK_F_USER_RECOVERY_REISSUE
+        );
+        assert_eq!(i.dev_id, u32::MAX);
+    }
+}
