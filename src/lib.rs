@@ -7,6 +7,7 @@
 
 pub mod backing;
 pub mod block;
+pub mod blockdev;
 pub mod control;
 pub mod daemon;
 pub mod device;

@@ -7,6 +7,7 @@ use clap::ValueEnum;
 use loopd::backing::format::ImageFormat;
 use loopd::control::proto::DeviceSpec;
 use loopd::device::CacheMode;
+use loopd::device::spec::Blockdev;
 use loopd::size::parse_size;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -66,6 +67,35 @@ pub struct DeviceArgs {
     /// look like qcow2, vmdk, ... [default: probe and refuse non-raw images].
     #[arg(long, value_enum, value_name = "FORMAT")]
     pub format: Option<Format>,
+    /// Also hand the device to the kernel as a block device: `ublk` gives
+    /// /dev/ublkbN (Linux 6.0+, module ublk_drv). The block device is printed
+    /// once it exists and serves I/O.
+    #[arg(long, value_enum, value_name = "KIND")]
+    pub blockdev: Option<BlockdevArg>,
+    /// ublk: hardware queues, each served by one reactor [default: one per reactor].
+    #[arg(long, value_name = "N", requires = "blockdev")]
+    pub queues: Option<u16>,
+    /// ublk: requests in flight per queue [default: 128].
+    #[arg(long, value_name = "D", requires = "blockdev")]
+    pub queue_depth: Option<u16>,
+    /// Return only once the block device's partition devices exist (no window
+    /// where mkfs races udev).
+    #[arg(long, requires = "blockdev")]
+    pub partscan: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum BlockdevArg {
+    /// /dev/ublkbN through the kernel's ublk driver.
+    Ublk,
+}
+
+impl From<BlockdevArg> for Blockdev {
+    fn from(b: BlockdevArg) -> Blockdev {
+        match b {
+            BlockdevArg::Ublk => Blockdev::Ublk,
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -98,6 +128,11 @@ impl DeviceArgs {
             create: self.create,
             shared: self.shared,
             format: self.format.map(Into::into),
+            blockdev: self.blockdev.map(Into::into),
+            queues: self.queues,
+            queue_depth: self.queue_depth,
+            partscan: self.partscan,
+            ublk_id: None,
         }
     }
 }
@@ -158,6 +193,9 @@ pub fn print_device(v: &Value, json: bool) -> Result<()> {
         return Ok(());
     }
     println!("{}", s(v, "name"));
+    if let Some(b) = v["blockdev"].as_str() {
+        println!("{b}");
+    }
     for u in v["uris"].as_array().into_iter().flatten() {
         println!("{}", u.as_str().unwrap_or_default());
     }
@@ -182,6 +220,7 @@ pub fn print_list(v: &Value, json: bool) -> Result<()> {
         "RO",
         "AUTOCLEAR",
         "CLIENTS",
+        "BLOCKDEV",
         "IMAGE",
     ];
     let mut rows: Vec<Vec<String>> = vec![header.iter().map(|h| h.to_string()).collect()];
@@ -198,6 +237,7 @@ pub fn print_list(v: &Value, json: bool) -> Result<()> {
                 "-".into(),
                 yn(d, "read_only").into(),
                 yn(d, "autoclear").into(),
+                "-".into(),
                 "-".into(),
                 format!("{} (missing: {})", s(d, "image"), s(d, "reason")),
             ]);
@@ -218,6 +258,7 @@ pub fn print_list(v: &Value, json: bool) -> Result<()> {
             yn(d, "read_only").into(),
             yn(d, "autoclear").into(),
             s(d, "clients"),
+            d["blockdev"].as_str().unwrap_or("-").to_string(),
             s(d, "image"),
         ]);
     }
@@ -262,6 +303,9 @@ pub fn print_status(v: &Value, json: bool) -> Result<()> {
     println!("read_only: {}", yn(v, "read_only"));
     println!("autoclear: {}", yn(v, "autoclear"));
     println!("clients: {}", s(v, "clients"));
+    if let Some(b) = v["blockdev"].as_str() {
+        println!("blockdev: {b}");
+    }
     println!("in_flight: {}", s(v, "in_flight"));
     for group in ["requests", "bytes", "paths", "errors"] {
         let parts: Vec<String> = v[group]

@@ -77,6 +77,9 @@ pub enum ErrorCode {
     DirectRefused,
     /// The daemon is stopping.
     ShuttingDown,
+    /// The kernel lacks what is needed (a module, a permission, a device
+    /// limit); the message says what to do.
+    Unavailable,
     Internal,
 }
 

@@ -44,6 +44,9 @@ pub struct DeviceInfo {
     /// Why a missing device is not attached.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// The kernel block device the device is handed to (`/dev/ublkbN`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blockdev: Option<PathBuf>,
 }
 
 impl DeviceInfo {
@@ -65,6 +68,7 @@ impl DeviceInfo {
             uris: ep.uris(&e.name),
             state: DeviceState::Live,
             reason: None,
+            blockdev: None,
         }
     }
 
@@ -85,6 +89,7 @@ impl DeviceInfo {
             uris: Vec::new(),
             state: DeviceState::Missing,
             reason: Some(reason.to_owned()),
+            blockdev: None,
         }
     }
 }

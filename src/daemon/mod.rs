@@ -20,6 +20,7 @@
 //! opened at start stays recorded and is listed as *missing* with the reason; it
 //! is retried every [`RETRY_INTERVAL`] and by an attach of the same name.
 
+pub mod blockdev;
 pub mod control_socket;
 pub mod info;
 pub mod state;
@@ -29,9 +30,12 @@ use crate::control::proto::{
     DeviceSpec, ErrorBody, ErrorCode, Request, SetSpec, err_reply, ok_reply,
 };
 use crate::device::export::{ClientRef, Export};
+use crate::device::spec::Blockdev;
 use crate::device::{Device, DeviceError, DeviceParams};
 use crate::frontend::nbd::handshake::Exports;
 use crate::reactor::{CONTROL_GEN, ReactorHandle};
+use crate::frontend::ublk::ctrl::CtrlError;
+use blockdev::{BlockdevError, UblkDevice};
 use info::{DeviceInfo, DeviceStatus, SetResult};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -79,6 +83,12 @@ pub enum CtlError {
         #[source]
         source: state::StateError,
     },
+    #[error("cannot give device {name:?} to the kernel as a block device")]
+    Blockdev {
+        name: String,
+        #[source]
+        source: BlockdevError,
+    },
 }
 
 impl CtlError {
@@ -91,6 +101,22 @@ impl CtlError {
             CtlError::Invalid(_) => ErrorCode::Invalid,
             CtlError::ShuttingDown => ErrorCode::ShuttingDown,
             CtlError::State { .. } => ErrorCode::Io,
+            CtlError::Blockdev { source, .. } => match source {
+                BlockdevError::TooManyQueues { .. } | BlockdevError::Depth(_) => ErrorCode::Invalid,
+                BlockdevError::Ctrl(CtrlError::Params(_)) => ErrorCode::Invalid,
+                BlockdevError::Ctrl(
+                    CtrlError::NotAvailable { .. }
+                    | CtrlError::NoAccess { .. }
+                    | CtrlError::Unsupported { .. },
+                ) => ErrorCode::Unavailable,
+                BlockdevError::Ctrl(e) if e.errno().is_some_and(|n| n == libc::EACCES) => {
+                    ErrorCode::Unavailable
+                }
+                BlockdevError::Ctrl(_)
+                | BlockdevError::Char(_)
+                | BlockdevError::Queue { .. }
+                | BlockdevError::NoReactors => ErrorCode::Io,
+            },
             CtlError::Device { source, .. } => match source {
                 DeviceError::BadBlockSize(_)
                 | DeviceError::OffsetPastEnd { .. }
@@ -171,6 +197,8 @@ pub struct Daemon {
     stopping: AtomicBool,
     /// Pokes the handshake loop (see [`Daemon::set_handshake_kick`]).
     handshake_kick: Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
+    /// Block devices handed to the kernel, by device name.
+    blockdevs: Mutex<BTreeMap<String, Arc<UblkDevice>>>,
 }
 
 /// A recorded device that is not attached: its spec and why.
@@ -280,6 +308,7 @@ impl Daemon {
             idle_rx: Mutex::new(Some(rx)),
             stopping: AtomicBool::new(false),
             handshake_kick: Mutex::new(None),
+            blockdevs: Mutex::default(),
         })
     }
 
@@ -352,7 +381,96 @@ impl Daemon {
     }
 
     fn info(&self, e: &Export) -> DeviceInfo {
-        DeviceInfo::of(e, &self.endpoints())
+        let mut i = DeviceInfo::of(e, &self.endpoints());
+        i.blockdev = self.blockdev(&e.name).map(|b| b.path());
+        i
+    }
+
+    /// The block device of device `name`, if it has one.
+    fn blockdev(&self, name: &str) -> Option<Arc<UblkDevice>> {
+        let g = self.blockdevs.lock().unwrap_or_else(|p| p.into_inner());
+        g.get(name).cloned()
+    }
+
+    /// Give device `name` to the kernel as the block device its spec asks
+    /// for. On failure the device is detached again: an attach that asked for a
+    /// block device either has one or did not happen.
+    fn start_blockdev(&self, name: &str) -> Result<(), CtlError> {
+        let Some(e) = self.export(name) else {
+            return Err(CtlError::NotFound(name.to_owned()));
+        };
+        let spec = e.spec();
+        let Some(Blockdev::Ublk) = spec.blockdev else {
+            return Ok(());
+        };
+        if self.reactors().is_empty() || self.blockdev(name).is_some() {
+            // Made once the reactors run (start_pending_blockdevs), or made.
+            return Ok(());
+        }
+        match blockdev::start_ublk(&e, &spec, &self.reactors()) {
+            Ok(u) => {
+                tracing::info!("device {name:?}: {}", u.path().display());
+                let mut g = self.blockdevs.lock().unwrap_or_else(|p| p.into_inner());
+                g.insert(name.to_owned(), Arc::new(u));
+                Ok(())
+            }
+            Err(source) => {
+                if let Err(d) = self.detach_export(&e, true) {
+                    tracing::warn!("device {name:?}: undoing the attach failed: {d}");
+                }
+                Err(CtlError::Blockdev {
+                    name: name.to_owned(),
+                    source,
+                })
+            }
+        }
+    }
+
+    /// Make the block devices of devices attached before the reactors ran
+    /// (`serve IMAGE --blockdev`, `--config`, the state file). A device whose
+    /// block device cannot be made is detached.
+    pub fn start_pending_blockdevs(&self) -> Vec<(String, Result<PathBuf, CtlError>)> {
+        let mut out = Vec::new();
+        for e in self.all() {
+            if e.spec().blockdev.is_none() || self.blockdev(&e.name).is_some() {
+                continue;
+            }
+            let r = self.start_blockdev(&e.name).and_then(|()| {
+                self.blockdev(&e.name)
+                    .map(|b| b.path())
+                    .ok_or(CtlError::NotFound(e.name.clone()))
+            });
+            out.push((e.name.clone(), r));
+        }
+        out
+    }
+
+    /// Remove device `name`'s block device, if it has one.
+    fn remove_blockdev(&self, name: &str) -> Result<(), CtlError> {
+        let Some(u) = self.blockdev(name) else {
+            return Ok(());
+        };
+        u.remove().map_err(|source| CtlError::Blockdev {
+            name: name.to_owned(),
+            source,
+        })?;
+        let mut g = self.blockdevs.lock().unwrap_or_else(|p| p.into_inner());
+        g.remove(name);
+        Ok(())
+    }
+
+    /// Remove every block device (the daemon is stopping: the reactors serving
+    /// them are about to exit).
+    pub fn remove_blockdevs(&self) {
+        let names: Vec<String> = {
+            let g = self.blockdevs.lock().unwrap_or_else(|p| p.into_inner());
+            g.keys().cloned().collect()
+        };
+        for n in names {
+            if let Err(e) = self.remove_blockdev(&n) {
+                tracing::warn!("{e}");
+            }
+        }
     }
 
     /// Attach a device: validate, open, probe, then publish in one step.
@@ -365,7 +483,9 @@ impl Daemon {
         } else {
             Source::Static
         };
-        self.attach_inner(spec, source, Tuning::default(), false)
+        let info = self.attach_inner(spec, source, Tuning::default(), false)?;
+        self.start_blockdev(&info.name)?;
+        Ok(self.export(&info.name).map_or(info, |e| self.info(&e)))
     }
 
     /// Attach the device `loopd serve IMAGE` names: it is the default export (so
@@ -373,7 +493,8 @@ impl Daemon {
     pub fn attach_default(&self, spec: DeviceSpec, tuning: Tuning) -> Result<DeviceInfo, CtlError> {
         let info = self.attach_inner(spec, Source::Static, tuning, true)?;
         self.set_default(&info.name);
-        Ok(info)
+        self.start_blockdev(&info.name)?;
+        Ok(self.export(&info.name).map_or(info, |e| self.info(&e)))
     }
 
     fn attach_inner(
@@ -486,6 +607,28 @@ impl Daemon {
         let e = self
             .export(name)
             .ok_or_else(|| CtlError::NotFound(name.to_owned()))?;
+        if let Some(b) = self.blockdev(name) {
+            let path = b.path();
+            let n = e.clients();
+            if !force && n > 0 {
+                return Err(CtlError::Busy(format!(
+                    "device {name:?} has {n} connected client(s); disconnect them or use --force"
+                )));
+            }
+            if !force && let Some(who) = crate::blockdev::users::users(&path) {
+                return Err(CtlError::Busy(format!(
+                    "device {name:?}: {} is in use ({who}); unmount or close it, or use --force",
+                    path.display()
+                )));
+            }
+            self.remove_blockdev(name)?;
+        }
+        self.detach_export(&e, force)
+    }
+
+    /// Remove export `e` (see [`Daemon::detach`]).
+    fn detach_export(&self, e: &Arc<Export>, force: bool) -> Result<(), CtlError> {
+        let name = e.name.as_str();
         let _g = e.control();
         let n = e.close(force).map_err(|n| {
             CtlError::Busy(format!(

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
 /// A device as configured: used by `attach`, the `--config` file and the state file.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DeviceSpec {
     pub image: PathBuf,
@@ -35,6 +35,30 @@ pub struct DeviceSpec {
     /// The declared image format (`raw`); absent: probe and refuse non-raw images.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub format: Option<ImageFormat>,
+    /// Also give the device to the kernel as a block device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blockdev: Option<Blockdev>,
+    /// ublk: hardware queues (default: one per reactor).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queues: Option<u16>,
+    /// ublk: requests in flight per queue (default 128).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_depth: Option<u16>,
+    /// Return from attach only once the partition devices exist.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub partscan: bool,
+    /// Recorded by the daemon: the ublk device id this device was given, so a
+    /// restarted daemon recovers the same `/dev/ublkbN`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ublk_id: Option<u32>,
+}
+
+/// Which kernel block device driver a device is handed to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Blockdev {
+    /// ublk (`/dev/ublkbN`; Linux 6.0+, module `ublk_drv`).
+    Ublk,
 }
 
 fn is_false(b: &bool) -> bool {

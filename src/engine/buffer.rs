@@ -30,6 +30,8 @@ pub const MMAP_MIN: usize = 256 << 10;
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     cap: usize,
+    /// Charged to the memory budget (released on drop).
+    charged: bool,
 }
 
 // SAFETY: AlignedBuf uniquely owns its allocation (like Box<[u8]>); nothing else
@@ -43,6 +45,16 @@ impl AlignedBuf {
         let cap = Self::rounded(cap);
         budget::global().charge(cap);
         Self::new_charged(cap)
+    }
+
+    /// Allocate `cap` bytes outside the memory budget: for buffers whose number
+    /// and size are fixed by configuration, not by clients (a ublk queue's
+    /// per-tag buffers, which the kernel bounds by queue depth × I/O size).
+    /// Large ones are mapped lazily, so untouched pages cost nothing.
+    pub fn unbudgeted(cap: usize) -> AlignedBuf {
+        let mut b = Self::new_charged(Self::rounded(cap));
+        b.charged = false;
+        b
     }
 
     fn rounded(cap: usize) -> usize {
@@ -67,7 +79,11 @@ impl AlignedBuf {
             // Mappings are page aligned (>= BUF_ALIGN) and zero-filled.
             if raw != libc::MAP_FAILED {
                 if let Some(ptr) = NonNull::new(raw.cast::<u8>()) {
-                    return AlignedBuf { ptr, cap };
+                    return AlignedBuf {
+                        ptr,
+                        cap,
+                        charged: true,
+                    };
                 }
             }
             std::alloc::handle_alloc_error(Self::layout(cap))
@@ -78,7 +94,11 @@ impl AlignedBuf {
         let Some(ptr) = NonNull::new(raw) else {
             std::alloc::handle_alloc_error(layout)
         };
-        AlignedBuf { ptr, cap }
+        AlignedBuf {
+            ptr,
+            cap,
+            charged: true,
+        }
     }
 
     fn layout(cap: usize) -> Layout {
@@ -123,7 +143,9 @@ impl Drop for AlignedBuf {
             // SAFETY: ptr was allocated by alloc_zeroed with exactly this layout.
             unsafe { dealloc(self.ptr.as_ptr(), Self::layout(self.cap)) }
         }
-        budget::global().release(self.cap);
+        if self.charged {
+            budget::global().release(self.cap);
+        }
     }
 }
 

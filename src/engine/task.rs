@@ -135,6 +135,9 @@ pub struct Task {
     align_len: usize,
     /// File offset just past this write, if it may grow the file.
     grows_to: Option<u64>,
+    /// `buf` was lent by the caller ([`Task::plan_lent`]): it goes back with
+    /// [`Task::take_lent`], never into the pool.
+    lent: bool,
 }
 
 /// The system's page size (for "whole pages": on 16K/64K-page kernels a 4 KiB write
@@ -179,6 +182,25 @@ impl Task {
         len: u32,
         pool: &mut Pool,
     ) -> Task {
+        Task::plan_lent(dev, op, flags, offset, len, pool, &mut None)
+    }
+
+    /// Plan a request whose data buffer the caller lends (a ublk tag's buffer,
+    /// which the kernel fills with a write's data and drains a read's from). The
+    /// task uses it when the request's bytes are the whole span (no bounce) and
+    /// it is large enough, taking it out of `lent`; else it takes a buffer from
+    /// `pool` and leaves `lent` alone, and the caller copies the data in or out
+    /// ([`Task::payload_mut`], [`Task::read_data`]). A lent buffer comes back
+    /// with [`Task::take_lent`].
+    pub fn plan_lent(
+        dev: &Device,
+        op: Op,
+        flags: ReqFlags,
+        offset: u64,
+        len: u32,
+        pool: &mut Pool,
+        lent: &mut Option<AlignedBuf>,
+    ) -> Task {
         let foff = dev.file_offset(offset);
         let fend = foff.saturating_add(u64::from(len));
         let align = u64::from(dev.dio_align.max(1));
@@ -207,6 +229,7 @@ impl Task {
             align,
             align_len: to_len(align),
             grows_to: None,
+            lent: false,
         };
         match op {
             Op::Read | Op::Write => {
@@ -233,7 +256,14 @@ impl Task {
                     // The whole span is written, so the file reaches its end.
                     t.grows_to = Some(t.lock_end);
                 }
-                t.buf = Some(pool.get(t.span_len));
+                let whole = t.data_at == 0 && t.span_len == len as usize;
+                let fits = lent.as_ref().is_some_and(|b| b.capacity() >= t.span_len);
+                t.buf = if whole && fits {
+                    t.lent = true;
+                    lent.take()
+                } else {
+                    Some(pool.get(t.span_len))
+                };
             }
             Op::Trim | Op::WriteZeroes => t.lock_mode = Mode::Exclusive,
             Op::Flush | Op::Cache => {}
@@ -271,9 +301,26 @@ impl Task {
         }
     }
 
-    /// Give the buffers back to the pool.
+    /// Whether the task works in the caller's lent buffer.
+    pub fn is_lent(&self) -> bool {
+        self.lent
+    }
+
+    /// The lent buffer back, if the task has it (see [`Task::plan_lent`]).
+    pub fn take_lent(&mut self) -> Option<AlignedBuf> {
+        if !self.lent {
+            return None;
+        }
+        self.lent = false;
+        self.buf.take()
+    }
+
+    /// Give the buffers back to the pool (a lent buffer stays with the task
+    /// until [`Task::take_lent`]).
     pub fn recycle(&mut self, pool: &mut Pool) {
-        if let Some(b) = self.buf.take() {
+        if !self.lent
+            && let Some(b) = self.buf.take()
+        {
             pool.put(b);
         }
         if let Some(b) = self.edge.take() {

@@ -3,7 +3,7 @@
 //! to other reactors, drain on stop. See the module documentation of
 //! [`super`] for the contract.
 
-use super::handle::{EventWaker, Msg, ReactorError, ReactorHandle, now_ms};
+use super::handle::{EventWaker, Msg, ReactorError, ReactorHandle, UblkQueueSetup, now_ms};
 use super::poll::AdaptivePoll;
 use super::session::Session;
 use super::{CONTROL_GEN, DRAIN_TIMEOUT, conn_id};
@@ -11,6 +11,7 @@ use crate::device::range_lock::Wake;
 use crate::engine::budget;
 use crate::frontend::nbd::affinity::{self, CpuLoad};
 use crate::frontend::nbd::conn::{BYTES_BUDGET, Conn};
+use crate::frontend::ublk::queue::Queue;
 use crate::ring::{Io, Ring, TAG_CANCEL, TAG_TIMER, TAG_WAKE, retryable, ud, ud_parts};
 use io_uring::{opcode, types};
 use std::os::fd::AsRawFd;
@@ -263,8 +264,30 @@ impl Reactor {
                 self.peers = all;
                 self.follow_idle = always;
             }
+            Msg::Ublk(q) => self.start_ublk_queue(q),
             Msg::Shutdown => self.begin_stop(),
         }
+    }
+
+    /// Build a ublk queue here and fetch its tags; the daemon starts the device
+    /// once every queue said it is ready.
+    fn start_ublk_queue(&mut self, q: UblkQueueSetup) {
+        io_flusher_once();
+        let queue = match Queue::new(q.export, q.char, q.q_id, q.depth, q.max_io, q.done) {
+            Ok(queue) => queue,
+            Err(e) => {
+                let _ = q.ready.send(Err(e.to_string()));
+                return;
+            }
+        };
+        let ci = self.adopt(Session::Ublk(Box::new(queue)));
+        if let Some(Some(Session::Ublk(queue))) = self.sessions.get_mut(ci as usize) {
+            queue.start(&mut self.io, ci);
+        }
+        // START_DEV waits for every fetch: they must reach the kernel now, not at
+        // the next turn.
+        let sent = self.io.ring.submit().map(|_| ()).map_err(|e| e.to_string());
+        let _ = q.ready.send(sent);
     }
 
     /// Stopping with no connection left: take any that moved here meanwhile
@@ -350,7 +373,7 @@ impl Reactor {
         }
     }
 
-    fn adopt(&mut self, mut s: Session) {
+    fn adopt(&mut self, mut s: Session) -> u32 {
         if self.stopping.is_some()
             && let Some(c) = s.as_conn()
         {
@@ -367,6 +390,7 @@ impl Reactor {
             }
         };
         self.dirty.push(ci);
+        ci
     }
 
     fn begin_stop(&mut self) {
@@ -462,5 +486,34 @@ impl Drop for Reactor {
                 std::mem::forget(s);
             }
         }
+    }
+}
+
+/// Mark this reactor thread as an I/O flusher (`PR_SET_IO_FLUSHER`): it serves
+/// a block device of this host, so memory reclaim must not make it write back
+/// pages of that same device (a deadlock). Checked with `PR_GET_IO_FLUSHER`;
+/// without `CAP_SYS_RESOURCE` it cannot be set, which is logged once.
+fn io_flusher_once() {
+    // linux/prctl.h (5.6+); not in the libc crate.
+    const PR_SET_IO_FLUSHER: libc::c_int = 57;
+    const PR_GET_IO_FLUSHER: libc::c_int = 58;
+    use std::cell::Cell;
+    thread_local!(static DONE: Cell<bool> = const { Cell::new(false) });
+    if DONE.with(|d| d.replace(true)) {
+        return;
+    }
+    // SAFETY: prctl with integer arguments only.
+    let set = unsafe { libc::prctl(PR_SET_IO_FLUSHER, 1, 0, 0, 0) };
+    // SAFETY: as above.
+    let got = unsafe { libc::prctl(PR_GET_IO_FLUSHER, 0, 0, 0, 0) };
+    if set != 0 || got != 1 {
+        let err = std::io::Error::last_os_error();
+        tracing::warn!(
+            "cannot mark the reactor serving ublk as an I/O flusher (PR_SET_IO_FLUSHER: {err}; \
+             needs CAP_SYS_RESOURCE): under memory pressure the kernel may wait on this \
+             thread to write back pages of the device it serves"
+        );
+    } else {
+        tracing::debug!("reactor marked PR_SET_IO_FLUSHER");
     }
 }

@@ -2,13 +2,14 @@
 //! tell it its peers, ask it to stop; and [`spawn`], which starts one.
 
 use super::event_loop::Reactor;
-use crate::device::export::ClientRef;
+use crate::device::export::{ClientRef, Export};
 use crate::device::range_lock::Wake;
 use crate::engine::admit::Permit;
 use crate::engine::budget;
 use crate::frontend::nbd::affinity::Peer;
 use crate::frontend::nbd::conn::Conn;
 use crate::ring::new_ring;
+use crate::frontend::ublk::chardev::UblkChar;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Sender, channel};
@@ -53,7 +54,23 @@ pub(super) enum Msg {
     /// Every reactor of the server (for moving connections), sent once at start,
     /// and whether to follow clients on an idle machine too.
     Peers(Vec<Arc<ReactorHandle>>, bool),
+    /// A ublk queue to build and serve here.
+    Ublk(UblkQueueSetup),
     Shutdown,
+}
+
+/// What a reactor needs to build and serve one ublk queue.
+pub struct UblkQueueSetup {
+    pub export: Arc<Export>,
+    pub char: Arc<UblkChar>,
+    pub q_id: u16,
+    pub depth: u16,
+    pub max_io: u32,
+    /// Answered once every tag's fetch is submitted (or with why the queue
+    /// could not be built).
+    pub ready: Sender<Result<(), String>>,
+    /// Dropped when the queue is gone (its commands all completed).
+    pub done: Sender<()>,
 }
 
 /// Wakes a reactor through its eventfd.
@@ -107,6 +124,12 @@ impl ReactorHandle {
     pub fn add(&self, c: NewConn) {
         self.load.fetch_add(1, Ordering::Relaxed);
         let _ = self.post(Msg::Conn(c));
+    }
+
+    /// Build and serve a ublk queue on this reactor; `q.ready` answers. False
+    /// if the reactor is gone.
+    pub fn add_ublk_queue(&self, q: UblkQueueSetup) -> bool {
+        self.post(Msg::Ublk(q)).is_ok()
     }
 
     /// Queue `m` for the reactor and wake it; the message comes back if the

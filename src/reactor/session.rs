@@ -3,15 +3,16 @@
 //! A session owns its socket or queue, its request slots and everything its
 //! in-flight operations refer to; the reactor routes each completion to the
 //! session named in its `user_data` and services the sessions a batch touched.
-//! Today there is one kind, an NBD connection; a ublk queue joins it as a
-//! second variant (and never moves between reactors).
+//! An NBD connection may move to another reactor; a ublk queue never moves.
 
 use crate::engine::offload::StatusDone;
 use crate::frontend::nbd::conn::Conn;
+use crate::frontend::ublk::queue::Queue;
 use crate::ring::{Io, TAG_FILE, TAG_RECV, TAG_SEND};
 
 pub enum Session {
     Nbd(Box<Conn>),
+    Ublk(Box<Queue>),
 }
 
 impl Session {
@@ -25,6 +26,7 @@ impl Session {
                 // TAG_CANCEL: the cancelled operation completes on its own.
                 _ => {}
             },
+            Session::Ublk(q) => q.on_cqe(io, si, tag, slot, res),
         }
     }
 
@@ -32,6 +34,7 @@ impl Session {
     pub fn on_status(&mut self, io: &mut Io, si: u32, d: StatusDone) {
         match self {
             Session::Nbd(c) => c.on_status(io, si, d),
+            Session::Ublk(_) => {}
         }
     }
 
@@ -43,6 +46,7 @@ impl Session {
                     c.dispatch(io, si, slot);
                 }
             }
+            Session::Ublk(q) => q.retry(io, si, slot),
         }
     }
 
@@ -51,6 +55,7 @@ impl Session {
     pub fn service(&mut self, io: &mut Io, si: u32) -> bool {
         match self {
             Session::Nbd(c) => c.service(io, si),
+            Session::Ublk(q) => q.service(io, si),
         }
     }
 
@@ -61,6 +66,8 @@ impl Session {
                 c.moving = None;
                 c.close_reading(io, si);
             }
+            // A queue takes requests until the daemon stops its device.
+            Session::Ublk(_) => {}
         }
     }
 
@@ -72,6 +79,8 @@ impl Session {
                 let _ = rustix::net::shutdown(&c.sock, rustix::net::Shutdown::Both);
                 c.kill(io, si);
             }
+            // Its commands end when the device is stopped (or the process exits).
+            Session::Ublk(_) => {}
         }
     }
 
@@ -79,6 +88,7 @@ impl Session {
     pub fn ops_in_flight(&self) -> bool {
         match self {
             Session::Nbd(c) => c.ops_in_flight(),
+            Session::Ublk(q) => q.ops_in_flight(),
         }
     }
 
@@ -87,6 +97,7 @@ impl Session {
     pub fn as_conn(&mut self) -> Option<&mut Conn> {
         match self {
             Session::Nbd(c) => Some(c),
+            Session::Ublk(_) => None,
         }
     }
 }

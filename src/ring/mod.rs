@@ -34,6 +34,8 @@ pub const TAG_FILE: u64 = 4;
 pub const TAG_CANCEL: u64 = 5;
 /// The reactor's drain timer.
 pub const TAG_TIMER: u64 = 6;
+/// A ublk queue's FETCH / COMMIT_AND_FETCH command (`slot` is the tag).
+pub const TAG_UBLK: u64 = 7;
 
 const RING_ENTRIES: u32 = 1024;
 

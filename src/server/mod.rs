@@ -48,6 +48,8 @@ pub enum ServerError {
     Control(#[from] ControlError),
     #[error("waiting for connections failed")]
     Poll(#[source] std::io::Error),
+    #[error("{0}")]
+    Blockdev(String),
 }
 
 /// Where and how to serve.
@@ -234,6 +236,30 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
         }
     }
     daemon.set_reactors(reactors.clone());
+    // Block devices need the reactors: those asked for at start are made now.
+    let mut failed = None;
+    let default = daemon.export("").map(|e| e.name.clone());
+    for (name, r) in daemon.start_pending_blockdevs() {
+        match r {
+            Ok(path) => println!("{}", path.display()),
+            Err(e) if default.as_deref() == Some(name.as_str()) => {
+                failed = Some(e.body().message);
+            }
+            Err(e) => tracing::error!("{}", e.body().message),
+        }
+    }
+    if let Some(msg) = failed {
+        daemon.set_stopping();
+        daemon.remove_blockdevs();
+        daemon.close_state();
+        for r in reactors.iter() {
+            r.shutdown();
+        }
+        for p in [&socket, &control].into_iter().flatten() {
+            let _ = std::fs::remove_file(p);
+        }
+        return Err(ServerError::Blockdev(msg));
+    }
     daemon.run_janitor();
     let admission = Admission::new(connection_limit(opts.max_connections, n));
 
@@ -267,6 +293,9 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
 
     tracing::info!("stopping: finishing in-flight requests");
     daemon.set_stopping();
+    // Block devices first: their queues keep commands in the reactors' rings
+    // until the kernel is told to stop them.
+    daemon.remove_blockdevs();
     daemon.close_state();
     for r in reactors.iter() {
         r.shutdown();

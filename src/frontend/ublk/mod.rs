@@ -11,5 +11,6 @@ pub mod chardev;
 pub mod ctrl;
 pub mod io_cmd;
 pub mod iod;
+pub mod queue;
 pub mod sys;
 pub mod tags;

@@ -1,0 +1,3 @@
+//! Kernel block devices loopd makes: who uses one ([`users`]).
+
+pub mod users;

@@ -1,0 +1,151 @@
+//! Who uses a block device: mounts (of it or its partitions), holders
+//! (device-mapper, md, ...), and processes with it open. Read from
+//! `/proc/self/mountinfo`, `/sys/class/block/*/holders` and `/proc/*/fd`;
+//! the parsing is pure and tested. May block briefly on procfs/sysfs reads.
+
+use std::fs;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::Path;
+
+/// `major:minor` of a device number, as sysfs and mountinfo write it.
+fn majmin(rdev: u64) -> String {
+    format!("{}:{}", rustix::fs::major(rdev), rustix::fs::minor(rdev))
+}
+
+/// The mount points in `mountinfo` text whose device is one of `devs`
+/// (`major:minor`).
+pub fn mounts_of(mountinfo: &str, devs: &[String]) -> Vec<String> {
+    mountinfo
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split(' ');
+            let dev = f.nth(2)?;
+            let _root = f.next()?;
+            let point = f.next()?;
+            devs.iter().any(|d| d == dev).then(|| unescape(point))
+        })
+        .collect()
+}
+
+/// mountinfo escapes space, tab, newline and backslash as `\ooo`.
+fn unescape(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
+            out.push(v);
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The whole disk and its partitions as `(name, major:minor)`, from sysfs.
+fn disk_and_parts(name: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let base = Path::new("/sys/class/block").join(name);
+    if let Ok(d) = fs::read_to_string(base.join("dev")) {
+        out.push((name.to_owned(), d.trim().to_owned()));
+    }
+    if let Ok(rd) = fs::read_dir(&base) {
+        for e in rd.flatten() {
+            let n = e.file_name().to_string_lossy().into_owned();
+            if n.starts_with(name)
+                && let Ok(d) = fs::read_to_string(e.path().join("dev"))
+            {
+                out.push((n, d.trim().to_owned()));
+            }
+        }
+    }
+    out
+}
+
+/// Who uses the block device at `path`, as one line for an error message, or
+/// `None` if nobody does (as far as this process can see).
+pub fn users(path: &Path) -> Option<String> {
+    let rdev = fs::metadata(path).ok()?.rdev();
+    let name = path.file_name()?.to_string_lossy().into_owned();
+    let disks = disk_and_parts(&name);
+    let mut devs: Vec<String> = disks.iter().map(|(_, d)| d.clone()).collect();
+    if devs.is_empty() {
+        devs.push(majmin(rdev));
+    }
+    let mut what = Vec::new();
+    if let Ok(mi) = fs::read_to_string("/proc/self/mountinfo") {
+        for m in mounts_of(&mi, &devs) {
+            what.push(format!("mounted on {m}"));
+        }
+    }
+    for (n, _) in &disks {
+        let holders = Path::new("/sys/class/block").join(n).join("holders");
+        if let Ok(rd) = fs::read_dir(holders) {
+            for h in rd.flatten() {
+                what.push(format!("held by {}", h.file_name().to_string_lossy()));
+            }
+        }
+    }
+    let rdevs: Vec<u64> = disks
+        .iter()
+        .filter_map(|(n, _)| {
+            fs::metadata(Path::new("/dev").join(n))
+                .ok()
+                .map(|m| m.rdev())
+        })
+        .chain(std::iter::once(rdev))
+        .collect();
+    what.extend(openers(&rdevs));
+    (!what.is_empty()).then(|| what.join(", "))
+}
+
+/// Processes (other than this one) with one of the device numbers `rdevs` open.
+fn openers(rdevs: &[u64]) -> Vec<String> {
+    let me = std::process::id();
+    let mut out = Vec::new();
+    let Ok(procs) = fs::read_dir("/proc") else {
+        return out;
+    };
+    for p in procs.flatten() {
+        let Ok(pid) = p.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let Ok(fds) = fs::read_dir(p.path().join("fd")) else {
+            continue;
+        };
+        let open = fds.flatten().any(|fd| {
+            fs::metadata(fd.path())
+                .is_ok_and(|m| m.file_type().is_block_device() && rdevs.contains(&m.rdev()))
+        });
+        if open {
+            let comm = fs::read_to_string(p.path().join("comm")).unwrap_or_default();
+            out.push(format!("open by {} (pid {pid})", comm.trim()));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_lines_are_matched_by_device_and_unescaped() {
+        let mi = "22 1 259:1 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p1 rw\n\
+                  40 22 252:0 / /mnt/my\\040disk rw - ext4 /dev/ublkb0 rw\n\
+                  41 22 252:1 /sub /srv rw - xfs /dev/ublkb0p1 rw\n";
+        let got = mounts_of(mi, &["252:0".into(), "252:1".into()]);
+        assert_eq!(got, vec!["/mnt/my disk".to_string(), "/srv".to_string()]);
+        assert!(mounts_of(mi, &["7:0".into()]).is_empty());
+        assert!(mounts_of("garbage\n\n1 2\n", &["252:0".into()]).is_empty());
+    }
+}

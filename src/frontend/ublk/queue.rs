@@ -1,0 +1,417 @@
+//! One ublk queue, served on the reactor that owns it.
+//!
+//! Contract:
+//! - A queue is created on its reactor ([`Queue::new`] + [`Queue::start`]) and
+//!   never moves: the kernel takes a queue's commands only from the task that
+//!   fetched first, and every command goes through that reactor's ring.
+//! - Each tag owns a buffer of `max_io` bytes (outside the memory budget: the
+//!   kernel bounds their number and size). The kernel copies a write's data into
+//!   it before the fetch completes, and a read's data out of it when the commit
+//!   is submitted; in between the tag's task works in it directly (lent to the
+//!   [`Task`]), so data is never copied by loopd unless the request must be
+//!   bounced (a block size below the file's direct-I/O alignment).
+//! - Memory an SQE refers to (tag buffers, task buffers) lives in the queue's
+//!   boxed slot table, which is not dropped while any command or file operation
+//!   is in flight ([`Queue::ops_in_flight`]).
+//! - Requests go through the engine's shared step ([`exec`]) exactly as NBD
+//!   requests do: export freeze, range lock, inline page-cache paths, the same
+//!   file operations, the same errors.
+//! - Stopping: the daemon issues STOP_DEV; the kernel then aborts the queue's
+//!   fetches and, once owned requests are committed, their piggy-backed fetches.
+//!   The queue is finished when no command and no file operation is in flight.
+
+use crate::block::{Errno, Op, ReqFlags};
+use crate::device::Device;
+use crate::device::export::Export;
+use crate::engine::buffer::AlignedBuf;
+use crate::engine::exec::{self, Request};
+use crate::engine::ops;
+use crate::engine::task::{Next, Task};
+use crate::ring::{Io, TAG_FILE, TAG_UBLK, ud};
+use crate::frontend::ublk::chardev::{QueueDescs, UblkChar};
+use crate::frontend::ublk::io_cmd;
+use crate::frontend::ublk::iod::{self, Geometry, UblkOp};
+use crate::frontend::ublk::tags::{CqeAction, TagTable};
+use std::sync::Arc;
+use std::sync::mpsc::Sender;
+
+/// A tag's request as the engine runs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// No request (fetching, committing or retired).
+    Idle,
+    /// Waiting for the export to thaw.
+    Frozen,
+    /// Waiting for its range.
+    WaitLock,
+    /// A file operation is in flight.
+    Io,
+}
+
+struct TagSlot {
+    req: Request,
+    /// The tag's buffer while no task has it.
+    buf: Option<AlignedBuf>,
+    /// Its address, as given to the kernel (stable: the buffer never moves).
+    addr: u64,
+    op: Option<UblkOp>,
+    stage: Stage,
+}
+
+/// One ublk queue. See the module documentation.
+pub struct Queue {
+    export: Arc<Export>,
+    dev: Arc<Device>,
+    epoch: u64,
+    char: Arc<UblkChar>,
+    descs: QueueDescs,
+    q_id: u16,
+    tags: TagTable,
+    slots: Box<[TagSlot]>,
+    max_io: u32,
+    file_ops: u32,
+    /// Tags waiting for the export to thaw, oldest first.
+    frozen: Vec<u16>,
+    /// A command failed in a way that needs the device stopped.
+    pub failed: Option<i32>,
+    /// Dropped with the queue: tells the daemon its commands are all done.
+    _done: Sender<()>,
+}
+
+// SAFETY: the tag buffers' addresses handed to the kernel point into this
+// queue's own slots; the queue moves between threads only once, from the
+// thread that built it to its reactor, before any command is submitted.
+unsafe impl Send for Queue {}
+
+impl Queue {
+    /// A queue `q_id` of `depth` tags with `max_io`-byte buffers for the device
+    /// `export` serves; maps its descriptors from `char`.
+    pub fn new(
+        export: Arc<Export>,
+        char: Arc<UblkChar>,
+        q_id: u16,
+        depth: u16,
+        max_io: u32,
+        done: Sender<()>,
+    ) -> Result<Queue, crate::frontend::ublk::chardev::CharError> {
+        let descs = QueueDescs::map(&char, q_id, depth)?;
+        let (dev, epoch) = export.current();
+        let slots = (0..depth)
+            .map(|_| {
+                let mut b = AlignedBuf::unbudgeted(max_io as usize);
+                let addr = b.as_mut_ptr() as u64;
+                TagSlot {
+                    req: Request::default(),
+                    buf: Some(b),
+                    addr,
+                    op: None,
+                    stage: Stage::Idle,
+                }
+            })
+            .collect();
+        Ok(Queue {
+            export,
+            dev,
+            epoch,
+            char,
+            descs,
+            q_id,
+            tags: TagTable::new(depth),
+            slots,
+            max_io,
+            file_ops: 0,
+            frozen: Vec::new(),
+            failed: None,
+            _done: done,
+        })
+    }
+
+    fn geometry(&self) -> Geometry {
+        Geometry {
+            dev_bytes: self.dev.size,
+            logical_block: self.dev.block_size,
+            max_io_bytes: self.max_io,
+        }
+    }
+
+    /// Fetch every tag (the device can start once the kernel has them all).
+    pub fn start(&mut self, io: &mut Io, si: u32) {
+        for tag in 0..self.tags.depth() {
+            if self.tags.fetch(tag).is_err() {
+                continue;
+            }
+            let slot = &self.slots[usize::from(tag)];
+            let e = io_cmd::fetch(self.char.raw_fd(), self.q_id, tag, slot.addr)
+                .user_data(ud(TAG_UBLK, si, tag));
+            // SAFETY: the tag's buffer lives in this queue's slot table, which
+            // outlives the command (see the module contract).
+            unsafe { io.push(e) };
+        }
+    }
+
+    /// The queue's number among the device's queues.
+    pub fn q_id(&self) -> u16 {
+        self.q_id
+    }
+
+    /// Route a completion of this queue.
+    pub fn on_cqe(&mut self, io: &mut Io, si: u32, tag_kind: u64, tag: u16, res: i32) {
+        match tag_kind {
+            TAG_UBLK => self.on_cmd(io, si, tag, res),
+            TAG_FILE => self.on_file(io, si, tag, res),
+            _ => {}
+        }
+    }
+
+    fn on_cmd(&mut self, io: &mut Io, si: u32, tag: u16, res: i32) {
+        match self.tags.complete(tag, res) {
+            Ok(CqeAction::Serve) => self.serve(io, si, tag),
+            Ok(CqeAction::Retired) => {}
+            Ok(CqeAction::Failed(e)) => {
+                tracing::warn!(
+                    "ublk queue {} of {:?}: command for tag {tag} failed: {e}",
+                    self.q_id,
+                    self.dev.name
+                );
+                self.failed = Some(e);
+            }
+            Err(e) => tracing::warn!("ublk queue {} of {:?}: {e}", self.q_id, self.dev.name),
+        }
+    }
+
+    /// A request arrived in `tag`: decode it and start it.
+    fn serve(&mut self, io: &mut Io, si: u32, tag: u16) {
+        let Some(desc) = self.descs.get(tag) else {
+            return;
+        };
+        let op = match iod::decode(&desc, self.geometry()) {
+            Ok(op) => op,
+            Err(e) => {
+                tracing::debug!("ublk queue {} tag {tag}: {e}", self.q_id);
+                self.commit(io, si, tag, e.commit_result());
+                return;
+            }
+        };
+        self.slots[usize::from(tag)].op = Some(op);
+        self.begin(io, si, tag);
+    }
+
+    /// Enter the export and plan the task (again after a thaw).
+    fn begin(&mut self, io: &mut Io, si: u32, tag: u16) {
+        if !self.export.enter(&io.waker) {
+            self.slots[usize::from(tag)].stage = Stage::Frozen;
+            self.frozen.push(tag);
+            io.parked.push(si);
+            return;
+        }
+        if self.export.epoch() != self.epoch {
+            let (dev, epoch) = self.export.current();
+            self.dev = dev;
+            self.epoch = epoch;
+        }
+        let Some(op) = self.slots[usize::from(tag)].op else {
+            self.export.leave();
+            return;
+        };
+        let (bop, flags, offset, len) = block_request(op);
+        if bop.writes() && self.dev.read_only {
+            self.export.leave();
+            self.commit(io, si, tag, -libc::EPERM);
+            return;
+        }
+        // The descriptor was checked against the size the queue knew; a shrink
+        // since then makes the request fail like any past the end.
+        if offset
+            .checked_add(u64::from(len))
+            .is_none_or(|e| e > self.dev.size)
+        {
+            self.export.leave();
+            self.commit(io, si, tag, -libc::EINVAL);
+            return;
+        }
+        let slot = &mut self.slots[usize::from(tag)];
+        let mut task = Task::plan_lent(
+            &self.dev,
+            bop,
+            flags,
+            offset,
+            len,
+            &mut io.pool,
+            &mut slot.buf,
+        );
+        if bop == Op::Write && !task.is_lent() {
+            // Bounced: the kernel put the data in the tag's buffer.
+            if let Some(b) = slot.buf.as_ref() {
+                task.payload_mut()
+                    .copy_from_slice(&b.as_slice()[..len as usize]);
+            }
+        }
+        slot.req.arrived(Some(task));
+        self.dispatch(io, si, tag);
+    }
+
+    /// Take the range and run the first operation.
+    fn dispatch(&mut self, io: &mut Io, si: u32, tag: u16) {
+        let slot = &mut self.slots[usize::from(tag)];
+        if !slot.req.admit(&self.dev, &io.waker) {
+            slot.stage = Stage::WaitLock;
+            io.lock_waiters.push((si, tag));
+            return;
+        }
+        let Some(task) = slot.req.task.as_mut() else {
+            return;
+        };
+        let next = exec::start(&self.dev, task, &mut io.pool);
+        self.advance(io, si, tag, next);
+    }
+
+    /// Retry `tag` parked on its range.
+    pub fn retry(&mut self, io: &mut Io, si: u32, tag: u16) {
+        if self
+            .slots
+            .get(usize::from(tag))
+            .is_some_and(|s| s.stage == Stage::WaitLock)
+        {
+            self.dispatch(io, si, tag);
+        }
+    }
+
+    fn advance(&mut self, io: &mut Io, si: u32, tag: u16, next: Next) {
+        match next {
+            Next::Submit(op) => {
+                self.slots[usize::from(tag)].stage = Stage::Io;
+                self.file_ops += 1;
+                io.file_ops += 1;
+                let e = ops::sqe(op);
+                let e = if self.dev.local_fs {
+                    e
+                } else {
+                    e.flags(io_uring::squeue::Flags::ASYNC)
+                };
+                // SAFETY: the op was yielded by this tag's task, which stays in the
+                // slot (its buffers untouched) until the completion reaches
+                // `on_file`.
+                unsafe { io.push(e.user_data(ud(TAG_FILE, si, tag))) };
+            }
+            Next::Done(r) => {
+                let slot = &self.slots[usize::from(tag)];
+                exec::conclude(&self.dev, slot.req.task.as_ref(), &r);
+                self.finish(io, si, tag, r);
+            }
+        }
+    }
+
+    fn on_file(&mut self, io: &mut Io, si: u32, tag: u16, res: i32) {
+        self.file_ops = self.file_ops.saturating_sub(1);
+        io.file_ops = io.file_ops.saturating_sub(1);
+        let Some(task) = self.slots[usize::from(tag)].req.task.as_mut() else {
+            return;
+        };
+        let next = task.complete(res, &mut io.pool);
+        self.advance(io, si, tag, next);
+    }
+
+    /// The request in `tag` is done: settle it, take the buffer back, commit.
+    fn finish(&mut self, io: &mut Io, si: u32, tag: u16, r: Result<u32, Errno>) {
+        let slot = &mut self.slots[usize::from(tag)];
+        let op = slot.op.take();
+        if let Err(e) = r {
+            self.dev.stats.error(e);
+        }
+        if let Some(mut task) = slot.req.release(&self.dev, &self.export, &mut io.pool) {
+            if let Some(b) = task.take_lent() {
+                slot.buf = Some(b);
+            } else if let (Ok(_), Some(UblkOp::Read { len, .. }), Some(b)) =
+                (r, op, slot.buf.as_mut())
+            {
+                // Bounced: copy the read's bytes where the kernel takes them.
+                let data = task.read_data();
+                let n = (len as usize).min(data.len());
+                b.as_mut_slice()[..n].copy_from_slice(&data[..n]);
+            }
+        }
+        slot.stage = Stage::Idle;
+        let res = match (r, op) {
+            (Err(e), _) => -e.raw(),
+            (Ok(_), Some(UblkOp::Read { len, .. } | UblkOp::Write { len, .. })) => {
+                i32::try_from(len).unwrap_or(i32::MAX)
+            }
+            (Ok(_), _) => 0,
+        };
+        self.commit(io, si, tag, res);
+    }
+
+    /// Complete `tag`'s request with `res` and fetch its next one.
+    fn commit(&mut self, io: &mut Io, si: u32, tag: u16, res: i32) {
+        if self.tags.commit(tag).is_err() {
+            return;
+        }
+        let slot = &self.slots[usize::from(tag)];
+        if slot.buf.is_none() {
+            // Cannot happen (the task gave the buffer back above); never hand
+            // the kernel an address we do not own.
+            tracing::error!("ublk queue {} tag {tag}: buffer lost", self.q_id);
+            self.failed = Some(-libc::EIO);
+        }
+        let e = io_cmd::commit_and_fetch(self.char.raw_fd(), self.q_id, tag, res, slot.addr)
+            .user_data(ud(TAG_UBLK, si, tag));
+        // SAFETY: the tag's buffer lives in this queue's slot table, which
+        // outlives the command (see the module contract).
+        unsafe { io.push(e) };
+    }
+
+    /// After a batch: restart requests that waited for a thaw. Whether the
+    /// queue is finished (stopped, nothing in flight).
+    pub fn service(&mut self, io: &mut Io, si: u32) -> bool {
+        if !self.frozen.is_empty() {
+            for tag in std::mem::take(&mut self.frozen) {
+                self.begin(io, si, tag);
+            }
+        }
+        // Once the device is stopped the kernel aborts every command: nothing
+        // in flight any more means the queue is done.
+        self.tags.all_fetched() && self.tags.is_drained() && self.file_ops == 0
+    }
+
+    /// The device is being stopped: fetch nothing more.
+    pub fn stop(&mut self) {
+        self.tags.stop();
+    }
+
+    /// Whether any command or file operation of the queue is in flight.
+    pub fn ops_in_flight(&self) -> bool {
+        self.tags.in_kernel() > 0 || self.file_ops > 0
+    }
+}
+
+/// A decoded ublk request as the block layer's (op, flags, offset, length).
+fn block_request(op: UblkOp) -> (Op, ReqFlags, u64, u32) {
+    let clamp = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+    match op {
+        UblkOp::Read { offset, len } => (Op::Read, ReqFlags::default(), offset, len),
+        UblkOp::Write { offset, len, fua } => (
+            Op::Write,
+            ReqFlags {
+                fua,
+                ..ReqFlags::default()
+            },
+            offset,
+            len,
+        ),
+        UblkOp::Flush => (Op::Flush, ReqFlags::default(), 0, 0),
+        UblkOp::Discard { offset, len } => (Op::Trim, ReqFlags::default(), offset, clamp(len)),
+        UblkOp::WriteZeroes {
+            offset,
+            len,
+            may_unmap,
+        } => (
+            Op::WriteZeroes,
+            ReqFlags {
+                no_hole: !may_unmap,
+                ..ReqFlags::default()
+            },
+            offset,
+            clamp(len),
+        ),
+    }
+}
