@@ -18,8 +18,11 @@ use crate::reactor::ReactorHandle;
 use crate::reactor::handle::UblkQueueSetup;
 use crate::frontend::ublk::chardev::{CharError, UblkChar};
 use crate::frontend::ublk::ctrl::{AddDev, CtrlError, DeviceParams, UblkCtrl};
+use crate::frontend::ublk::sys::{
+    UBLK_F_UPDATE_SIZE, UBLK_S_DEV_FAIL_IO, UBLK_S_DEV_QUIESCED, UblksrvCtrlDevInfo,
+};
 use std::path::PathBuf;
-use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use thiserror::Error;
@@ -112,7 +115,14 @@ fn params_of(dev: &Device) -> DeviceParams {
     }
 }
 
-/// Create and start a ublk device for `export`, its queues on `reactors`.
+/// How long a restarted daemon waits for the old one's hold on a device to go
+/// (the kernel releases a killed server's rings and char device shortly after).
+const RECOVER_WAIT: Duration = Duration::from_secs(10);
+
+/// Create and start a ublk device for `export`, its queues on `reactors`. A
+/// spec that records a device id (`ublk_id`) takes that device back if it still
+/// exists (user recovery after the daemon died: the disk stayed, I/O waited),
+/// else makes a new one with that id where it is free.
 pub fn start_ublk(
     export: &Arc<Export>,
     spec: &DeviceSpec,
@@ -135,67 +145,149 @@ pub fn start_ublk(
     if depth == 0 || depth > 4096 {
         return Err(BlockdevError::Depth(depth));
     }
+    if let Some(id) = spec.ublk_id {
+        let mut ctrl = UblkCtrl::open()?.for_device(id);
+        match ctrl.dev_info() {
+            Ok(info) if info.state == UBLK_S_DEV_QUIESCED || info.state == UBLK_S_DEV_FAIL_IO => {
+                return recover(export, ctrl, &info, reactors);
+            }
+            Ok(info) => {
+                tracing::warn!(
+                    "ublk device {id} exists in state {} (not waiting for recovery); \
+                     making a new device",
+                    info.state
+                );
+            }
+            Err(e) if e.errno() == Some(libc::ENODEV) || e.errno() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
     let (dev, _) = export.current();
     let uapi = params_of(&dev).to_uapi()?;
     let mut ctrl = UblkCtrl::open()?;
-    let info = ctrl.add_dev(&AddDev {
-        dev_id: None,
+    let resizable = ctrl
+        .features()
+        .is_ok_and(|f| f & UBLK_F_UPDATE_SIZE != 0);
+    let mut add = AddDev {
+        dev_id: spec.ublk_id,
         nr_hw_queues: queues,
         queue_depth: depth,
         max_io_buf_bytes: MAX_IO,
         user_recovery: true,
         reissue: true,
-        resizable: false,
-    })?;
-    let dev_id = info.dev_id;
+        resizable,
+    };
+    let info = match ctrl.add_dev(&add) {
+        Err(e) if add.dev_id.is_some() && e.errno() == Some(libc::EEXIST) => {
+            add.dev_id = None;
+            ctrl.add_dev(&add)?
+        }
+        r => r?,
+    };
     let (done_tx, done_rx) = channel();
     let made = (|| -> Result<(), BlockdevError> {
         ctrl.set_params(&uapi)?;
-        let char = Arc::new(UblkChar::open(dev_id, WAIT)?);
-        let (ready_tx, ready_rx) = channel();
-        for q_id in 0..info.nr_hw_queues {
-            let r = &reactors[usize::from(q_id) % reactors.len()];
-            let setup = UblkQueueSetup {
-                export: Arc::clone(export),
-                char: Arc::clone(&char),
-                q_id,
-                depth: info.queue_depth,
-                max_io: MAX_IO,
-                ready: ready_tx.clone(),
-                done: done_tx.clone(),
-            };
-            if !r.add_ublk_queue(setup) {
-                return Err(BlockdevError::NoReactors);
-            }
-        }
-        drop(char);
-        for q_id in 0..info.nr_hw_queues {
-            match ready_rx.recv_timeout(WAIT) {
-                Ok(Ok(())) => {}
-                Ok(Err(why)) => return Err(BlockdevError::Queue { q_id, why }),
-                Err(_) => {
-                    return Err(BlockdevError::Queue {
-                        q_id,
-                        why: "its reactor did not answer".into(),
-                    });
-                }
-            }
-        }
-        let pid = i32::try_from(std::process::id()).unwrap_or(i32::MAX);
-        ctrl.start_dev(pid)?;
+        serve_queues(export, &info, reactors, &done_tx)?;
+        ctrl.start_dev(my_pid())?;
         Ok(())
     })();
     drop(done_tx);
     if let Err(e) = made {
-        // Undo: a device that never started has no disk; stopping it aborts
-        // the fetches, and the queues end.
+        // Undo: stopping aborts the queues' fetches, and they end.
         let _ = ctrl.stop_dev();
         wait_gone(&done_rx);
         let _ = ctrl.del_dev();
         return Err(e);
     }
     Ok(UblkDevice {
-        dev_id,
+        dev_id: info.dev_id,
+        ctrl: Mutex::new(ctrl),
+        done: Mutex::new(done_rx),
+    })
+}
+
+fn my_pid() -> i32 {
+    i32::try_from(std::process::id()).unwrap_or(i32::MAX)
+}
+
+/// Build every queue of the device `info` describes on `reactors` and wait
+/// until each has fetched all its tags.
+fn serve_queues(
+    export: &Arc<Export>,
+    info: &UblksrvCtrlDevInfo,
+    reactors: &[Arc<ReactorHandle>],
+    done_tx: &Sender<()>,
+) -> Result<(), BlockdevError> {
+    let char = Arc::new(UblkChar::open(info.dev_id, WAIT)?);
+    let (ready_tx, ready_rx) = channel();
+    for q_id in 0..info.nr_hw_queues {
+        let r = &reactors[usize::from(q_id) % reactors.len()];
+        let setup = UblkQueueSetup {
+            export: Arc::clone(export),
+            char: Arc::clone(&char),
+            q_id,
+            depth: info.queue_depth,
+            max_io: info.max_io_buf_bytes,
+            ready: ready_tx.clone(),
+            done: done_tx.clone(),
+        };
+        if !r.add_ublk_queue(setup) {
+            return Err(BlockdevError::NoReactors);
+        }
+    }
+    drop(char);
+    for q_id in 0..info.nr_hw_queues {
+        match ready_rx.recv_timeout(WAIT) {
+            Ok(Ok(())) => {}
+            Ok(Err(why)) => return Err(BlockdevError::Queue { q_id, why }),
+            Err(_) => {
+                return Err(BlockdevError::Queue {
+                    q_id,
+                    why: "its reactor did not answer".into(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Take back a device whose server died: START_USER_RECOVERY (retried while
+/// the old server's hold is being released), queues, END_USER_RECOVERY. The
+/// disk never went away; I/O waited and now resumes.
+fn recover(
+    export: &Arc<Export>,
+    mut ctrl: UblkCtrl,
+    info: &UblksrvCtrlDevInfo,
+    reactors: &[Arc<ReactorHandle>],
+) -> Result<UblkDevice, BlockdevError> {
+    if usize::from(info.nr_hw_queues) > reactors.len() {
+        return Err(BlockdevError::TooManyQueues {
+            asked: info.nr_hw_queues,
+            reactors: reactors.len(),
+        });
+    }
+    let deadline = Instant::now() + RECOVER_WAIT;
+    loop {
+        match ctrl.start_user_recovery() {
+            Ok(()) => break,
+            Err(e) if e.errno() == Some(libc::EBUSY) && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let (done_tx, done_rx) = channel();
+    let served = serve_queues(export, info, reactors, &done_tx);
+    drop(done_tx);
+    served?;
+    ctrl.end_user_recovery(my_pid())?;
+    tracing::info!(
+        "device {:?}: recovered /dev/ublkb{} from the previous server",
+        export.name,
+        info.dev_id
+    );
+    Ok(UblkDevice {
+        dev_id: info.dev_id,
         ctrl: Mutex::new(ctrl),
         done: Mutex::new(done_rx),
     })

@@ -410,8 +410,24 @@ impl Daemon {
         match blockdev::start_ublk(&e, &spec, &self.reactors()) {
             Ok(u) => {
                 tracing::info!("device {name:?}: {}", u.path().display());
-                let mut g = self.blockdevs.lock().unwrap_or_else(|p| p.into_inner());
-                g.insert(name.to_owned(), Arc::new(u));
+                let id = u.dev_id;
+                {
+                    let mut g = self.blockdevs.lock().unwrap_or_else(|p| p.into_inner());
+                    g.insert(name.to_owned(), Arc::new(u));
+                }
+                if spec.ublk_id != Some(id) {
+                    // Recorded so that a daemon restarted after a crash takes the
+                    // same device back (user recovery).
+                    let mut spec = spec;
+                    spec.ublk_id = Some(id);
+                    e.set_spec(spec.clone());
+                    if let Err(err) = self.record_put(&e, &spec) {
+                        tracing::warn!(
+                            "device {name:?}: the ublk device id is not recorded ({err}); \
+                             after a crash the device is made anew instead of recovered"
+                        );
+                    }
+                }
                 Ok(())
             }
             Err(source) => {
@@ -755,8 +771,7 @@ impl Daemon {
 
     /// Live devices and missing ones, by name.
     pub fn list(&self) -> Vec<DeviceInfo> {
-        let ep = self.endpoints();
-        let mut v: Vec<DeviceInfo> = self.all().iter().map(|e| DeviceInfo::of(e, &ep)).collect();
+        let mut v: Vec<DeviceInfo> = self.all().iter().map(|e| self.info(e)).collect();
         if let Ok(m) = self.missing.lock() {
             v.extend(
                 m.iter()
@@ -776,7 +791,9 @@ impl Daemon {
                 None => Err(CtlError::NotFound(name.to_owned())),
             };
         };
-        Ok(DeviceStatus::of(&e, &self.endpoints()))
+        let mut st = DeviceStatus::of(&e, &self.endpoints());
+        st.info.blockdev = self.blockdev(name).map(|b| b.path());
+        Ok(st)
     }
 
     /// Live reconfiguration. See the module and `Export` docs for what freezes.
