@@ -53,6 +53,8 @@ pub enum BlockdevError {
     Queue { q_id: u16, why: String },
     #[error("the daemon's reactors are not running")]
     NoReactors,
+    #[error("{0}")]
+    Unfollowable(String),
 }
 
 /// A live ublk device of one export.
@@ -67,6 +69,25 @@ impl UblkDevice {
     /// The block device node.
     pub fn path(&self) -> PathBuf {
         PathBuf::from(format!("/dev/ublkb{}", self.dev_id))
+    }
+
+    /// Whether the kernel can change this device's size (UPDATE_SIZE, 6.14+).
+    pub fn can_resize(&self) -> Result<(), BlockdevError> {
+        let mut ctrl = self.ctrl.lock().unwrap_or_else(|p| p.into_inner());
+        if ctrl.features()? & UBLK_F_UPDATE_SIZE == 0 {
+            return Err(BlockdevError::Unfollowable(
+                "this kernel cannot change a ublk device's size (UPDATE_SIZE needs Linux 6.14 or \
+                 later); detach and attach the device to give it the new size"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Tell the kernel the device's new size.
+    pub fn resize(&self, dev_bytes: u64) -> Result<(), BlockdevError> {
+        let mut ctrl = self.ctrl.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(ctrl.update_size(dev_bytes)?)
     }
 
     /// Remove the block device: STOP_DEV, wait for the queues, DEL_DEV.

@@ -103,6 +103,7 @@ impl CtlError {
             CtlError::State { .. } => ErrorCode::Io,
             CtlError::Blockdev { source, .. } => match source {
                 BlockdevError::TooManyQueues { .. } | BlockdevError::Depth(_) => ErrorCode::Invalid,
+                BlockdevError::Unfollowable(_) => ErrorCode::Unavailable,
                 BlockdevError::Ctrl(CtrlError::Params(_)) => ErrorCode::Invalid,
                 BlockdevError::Ctrl(
                     CtrlError::NotAvailable { .. }
@@ -459,6 +460,57 @@ impl Daemon {
             out.push((e.name.clone(), r));
         }
         out
+    }
+
+    /// Whether the kernel block device of `e` (if any) can follow the change
+    /// from `cur` to `new`; refused with the reason if not. `Some(bytes)`: the
+    /// kernel must be told the new size once the change is made.
+    fn kernel_follows(
+        &self,
+        e: &Export,
+        cur: &Device,
+        new: &Device,
+    ) -> Result<Option<u64>, CtlError> {
+        let Some(b) = self.blockdev(&e.name) else {
+            return Ok(None);
+        };
+        let refuse = |why: &str| CtlError::Blockdev {
+            name: e.name.clone(),
+            source: BlockdevError::Unfollowable(format!(
+                "{} cannot follow {why}: detach and attach the device to change it",
+                b.path().display()
+            )),
+        };
+        if new.block_size != cur.block_size {
+            return Err(refuse("a change of block size"));
+        }
+        if new.read_only != cur.read_only {
+            return Err(refuse("a change of read-only (set when the disk is made)"));
+        }
+        if new.offset != cur.offset {
+            return Err(refuse("a change of offset under its data"));
+        }
+        if new.size == cur.size {
+            return Ok(None);
+        }
+        b.can_resize().map_err(|source| CtlError::Blockdev {
+            name: e.name.clone(),
+            source,
+        })?;
+        Ok(Some(new.size))
+    }
+
+    /// Tell the kernel about a size change [`Daemon::kernel_follows`] allowed.
+    fn kernel_resize(&self, e: &Export, bytes: Option<u64>) {
+        if let (Some(bytes), Some(b)) = (bytes, self.blockdev(&e.name))
+            && let Err(err) = b.resize(bytes)
+        {
+            tracing::error!(
+                "device {:?}: {} was not resized: {err}",
+                e.name,
+                b.path().display()
+            );
+        }
     }
 
     /// Remove device `name`'s block device, if it has one.
@@ -852,8 +904,10 @@ impl Daemon {
                 msg: format!("cannot reconfigure {:?}", s.name),
                 source,
             })?;
+        let kernel = self.kernel_follows(&e, &cur, &dev)?;
         self.record_put(&e, &new)?;
         let held = e.quiesce_and_swap(Some(dev));
+        self.kernel_resize(&e, kernel);
         e.set_spec(new);
         let quiesced_us = u64::try_from(held.as_micros()).unwrap_or(u64::MAX);
         Ok(SetResult {
@@ -883,7 +937,9 @@ impl Daemon {
                 quiesced_us: 0,
             });
         }
+        let kernel = self.kernel_follows(&e, &cur, &dev)?;
         let held = e.quiesce_and_swap(Some(dev));
+        self.kernel_resize(&e, kernel);
         let quiesced_us = u64::try_from(held.as_micros()).unwrap_or(u64::MAX);
         Ok(SetResult {
             device: self.info(&e),
