@@ -44,7 +44,12 @@ type OsArg = std::ffi::OsString;
 
 /// `loopd attach IMG --blockdev ublk ARGS`: the block device it printed.
 fn attach(srv: &Server, img: &Path, args: &[&str]) -> PathBuf {
-    let mut a = vec!["attach", img.to_str().expect("utf-8 path"), "--blockdev", "ublk"];
+    let mut a = vec![
+        "attach",
+        img.to_str().expect("utf-8 path"),
+        "--blockdev",
+        "ublk",
+    ];
     a.extend_from_slice(args);
     let out = srv.ctl_ok(&a);
     let dev = out
@@ -57,7 +62,11 @@ fn attach(srv: &Server, img: &Path, args: &[&str]) -> PathBuf {
     // Printed only once it exists and serves I/O.
     let meta = fs::metadata(&dev).unwrap_or_else(|e| panic!("{}: {e}", dev.display()));
     use std::os::unix::fs::FileTypeExt;
-    assert!(meta.file_type().is_block_device(), "{} is a block device", dev.display());
+    assert!(
+        meta.file_type().is_block_device(),
+        "{} is a block device",
+        dev.display()
+    );
     dev
 }
 
@@ -87,7 +96,11 @@ fn mkfs_ext4(dev: &Path) {
 
 fn md5(path: &Path) -> String {
     let out = sh(KCMD_TIMEOUT, "md5sum", [path]);
-    out.stdout.split_whitespace().next().expect("md5").to_string()
+    out.stdout
+        .split_whitespace()
+        .next()
+        .expect("md5")
+        .to_string()
 }
 
 fn write_random(path: &Path, mib: u32) {
@@ -139,7 +152,11 @@ fn filesystem_round_trip(cache: &str) {
         "fstrim reached the image as holes ({cache}): {before} -> {after} bytes allocated"
     );
     m.unmount();
-    sh(KCMD_TIMEOUT, "e2fsck", [OsArg::from("-fn"), dev.clone().into()]);
+    sh(
+        KCMD_TIMEOUT,
+        "e2fsck",
+        [OsArg::from("-fn"), dev.clone().into()],
+    );
     srv.ctl_ok(&["detach", "fs"]);
     assert!(!dev.exists(), "{} removed by detach", dev.display());
 }
@@ -202,7 +219,11 @@ fn read_only_device_refuses_writes() {
     let img = t.path().join("ro.img");
     create_pattern_image(&img, 16 << 20, 7);
     let dev = attach(&srv, &img, &["--read-only"]);
-    assert_eq!(sysblock(&dev, "ro"), "1", "the kernel sees a read-only disk");
+    assert_eq!(
+        sysblock(&dev, "ro"),
+        "1",
+        "the kernel sees a read-only disk"
+    );
     let w = sh_status(
         KCMD_TIMEOUT,
         "dd",
@@ -214,7 +235,10 @@ fn read_only_device_refuses_writes() {
             "oflag=direct".into(),
         ],
     );
-    assert!(!w.success(), "a write to a read-only ublk device fails: {w}");
+    assert!(
+        !w.success(),
+        "a write to a read-only ublk device fails: {w}"
+    );
     let r = fs::File::open(&dev).expect("open for reading");
     let mut buf = vec![0u8; 4096];
     r.read_exact_at(&mut buf, 1 << 20).expect("read");
@@ -244,10 +268,17 @@ fn offset_and_size_limit_make_a_window() {
     let mut buf = vec![0u8; 4096];
     f.read_exact_at(&mut buf, 0).expect("read at 0");
     assert_eq!(buf, pattern_bytes(3, 4 << 20, 4096), "device 0 is file 4M");
-    f.write_all_at(&[0xab; 4096], (8 << 20) - 4096).expect("write the last block");
+    f.write_all_at(&[0xab; 4096], (8 << 20) - 4096)
+        .expect("write the last block");
     f.sync_all().expect("fsync");
     drop(f);
-    assert_file_filled(&img, (12 << 20) - 4096, 4096, 0xab, "written inside the window");
+    assert_file_filled(
+        &img,
+        (12 << 20) - 4096,
+        4096,
+        0xab,
+        "written inside the window",
+    );
     assert_file_pattern(&img, 12 << 20, 4096, 3, "nothing past the window");
     srv.ctl_ok(&["detach", "win"]);
 }
@@ -272,7 +303,10 @@ fn set_and_resize_refuse_what_the_kernel_cannot_follow() {
         "the refusal says which kernel can: {out}"
     );
     assert_eq!(dev_size(&dev), 16 << 20, "nothing changed");
-    let out = srv.ctl_err(&["set", "rs", "--block-size", "4096", "--force"], "unavailable");
+    let out = srv.ctl_err(
+        &["set", "rs", "--block-size", "4096", "--force"],
+        "unavailable",
+    );
     assert!(out.stderr.contains("block size"), "{out}");
     srv.ctl_ok(&["detach", "rs"]);
 }
@@ -343,7 +377,11 @@ fn kill_9_and_restart_recovers_a_mounted_filesystem() {
     assert_eq!(md5(&mnt.join("before")), before);
     assert_eq!(md5(&mnt.join("during")), during);
     m.unmount();
-    sh(KCMD_TIMEOUT, "e2fsck", [OsArg::from("-fn"), dev.clone().into()]);
+    sh(
+        KCMD_TIMEOUT,
+        "e2fsck",
+        [OsArg::from("-fn"), dev.clone().into()],
+    );
     srv.ctl_ok(&["detach", "rec"]);
     assert!(!dev.exists());
 }
@@ -375,5 +413,8 @@ fn fifty_devices_attach_and_detach() {
         srv.ctl_ok(&["detach", name]);
         assert!(!dev.exists(), "{} removed", dev.display());
     }
-    eprintln!("50 ublk devices attached, read and detached in {:?}", start.elapsed());
+    eprintln!(
+        "50 ublk devices attached, read and detached in {:?}",
+        start.elapsed()
+    );
 }

@@ -14,13 +14,13 @@
 use crate::device::Device;
 use crate::device::export::Export;
 use crate::device::spec::DeviceSpec;
-use crate::reactor::ReactorHandle;
-use crate::reactor::handle::UblkQueueSetup;
 use crate::frontend::ublk::chardev::{CharError, UblkChar};
 use crate::frontend::ublk::ctrl::{AddDev, CtrlError, DeviceParams, UblkCtrl};
 use crate::frontend::ublk::sys::{
     UBLK_F_UPDATE_SIZE, UBLK_S_DEV_FAIL_IO, UBLK_S_DEV_QUIESCED, UblksrvCtrlDevInfo,
 };
+use crate::reactor::ReactorHandle;
+use crate::reactor::handle::UblkQueueSetup;
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::sync::{Arc, Mutex};
@@ -186,9 +186,7 @@ pub fn start_ublk(
     let (dev, _) = export.current();
     let uapi = params_of(&dev).to_uapi()?;
     let mut ctrl = UblkCtrl::open()?;
-    let resizable = ctrl
-        .features()
-        .is_ok_and(|f| f & UBLK_F_UPDATE_SIZE != 0);
+    let resizable = ctrl.features().is_ok_and(|f| f & UBLK_F_UPDATE_SIZE != 0);
     let mut add = AddDev {
         dev_id: spec.ublk_id,
         nr_hw_queues: queues,

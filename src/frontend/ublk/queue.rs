@@ -27,11 +27,11 @@ use crate::engine::buffer::AlignedBuf;
 use crate::engine::exec::{self, Request};
 use crate::engine::ops;
 use crate::engine::task::{Next, Task};
-use crate::ring::{Io, TAG_FILE, TAG_UBLK, ud};
 use crate::frontend::ublk::chardev::{QueueDescs, UblkChar};
 use crate::frontend::ublk::io_cmd;
 use crate::frontend::ublk::iod::{self, Geometry, UblkOp};
 use crate::frontend::ublk::tags::{CqeAction, TagTable};
+use crate::ring::{Io, TAG_FILE, TAG_UBLK, ud};
 use std::sync::Arc;
 use std::sync::mpsc::Sender;
 
