@@ -9,6 +9,7 @@ pub mod daemon;
 pub mod device;
 pub mod engine;
 pub mod kernel_loop;
+pub mod kernel_nbd;
 pub mod nbd;
 pub mod server;
 pub mod size;

@@ -1,0 +1,383 @@
+//! Kernel NBD devices driven over generic netlink: hand the kernel's `nbd`
+//! driver sockets that are already past the NBD handshake and get
+//! `/dev/nbdN` back, in one `NBD_CMD_CONNECT`; give a connected device new
+//! sockets after a daemon restart (`NBD_CMD_RECONFIGURE`); disconnect it;
+//! ask which devices are connected (`NBD_CMD_STATUS`).
+//!
+//! Contract:
+//! - The caller owns the sockets. The kernel takes its own reference to each
+//!   during the call, so the caller may close its descriptors afterwards; the
+//!   other ends must speak NBD transmission (simple replies only: the kernel
+//!   client knows no structured replies) with the flags passed as
+//!   [`ConnectParams::server_flags`].
+//! - Each call blocks until the kernel answered (at most 30 s). A
+//!   [`KernelNbd`] is one netlink socket; use it from one thread at a time.
+//! - Client flags: loopd sets neither `DISCONNECT_ON_CLOSE` (the device would
+//!   be torn down when its last opener closes it, e.g. after every `dd`) nor
+//!   by default `DESTROY_ON_DISCONNECT` (when the dead-connection timeout runs
+//!   out, the node would vanish, and a daemon that comes back late could not
+//!   find its index again). The device lives until [`KernelNbd::disconnect`].
+//! - Restart: with a dead-connection timeout, requests issued while every
+//!   connection is dead wait that long for [`KernelNbd::reconfigure`]
+//!   instead of failing. The kernel replaces only connections it has already
+//!   marked dead (it notices EOF at once); a socket given when none is dead is
+//!   dropped without an error (`ENOSPC` is turned into success in nbd.c).
+//!
+//! Does not import the engine, NBD server or daemon: the daemon makes the
+//! socket pairs and hands one end here, the other to a reactor.
+
+pub mod msg;
+pub mod proto;
+pub mod socket;
+
+pub use proto::DeviceStatus;
+
+use proto::DeviceAttrs;
+use socket::{GenlSocket, SocketError};
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::path::PathBuf;
+use std::time::Duration;
+use thiserror::Error;
+
+/// NBD transmission flags the kernel looks at (nbd.c).
+pub const NBD_FLAG_HAS_FLAGS: u16 = 1 << 0;
+pub const NBD_FLAG_READ_ONLY: u16 = 1 << 1;
+pub const NBD_FLAG_CAN_MULTI_CONN: u16 = 1 << 8;
+
+const NBDS_MAX_PARAM: &str = "/sys/module/nbd/parameters/nbds_max";
+
+/// What [`KernelNbd::connect`] asks for.
+#[derive(Debug, Clone, Default)]
+pub struct ConnectParams {
+    /// `/dev/nbdN` to use; `None`: the kernel picks an unused device, or adds one.
+    pub index: Option<u32>,
+    pub size_bytes: u64,
+    /// Logical block size: a power of two from 512 to 4096.
+    pub block_size: u32,
+    /// The export's transmission flags as the handshake sent them. More than
+    /// one socket needs `NBD_FLAG_CAN_MULTI_CONN`.
+    pub server_flags: u16,
+    /// Per-request timeout (whole seconds; `None`: the kernel's 30 s).
+    pub timeout: Option<Duration>,
+    /// How long requests wait for dead connections to be replaced
+    /// (whole seconds; `None`: they fail as soon as every connection is dead).
+    pub dead_conn_timeout: Option<Duration>,
+    /// Remove the device node on disconnect (see the module doc).
+    pub destroy_on_disconnect: bool,
+    /// Shown in `/sys/block/nbdN/backend`; a reconfigure must then give the same.
+    pub backend: Option<String>,
+}
+
+/// What [`KernelNbd::reconfigure`] changes besides the sockets; `None` keeps
+/// the current value.
+#[derive(Debug, Clone, Default)]
+pub struct ReconfigureParams {
+    pub timeout: Option<Duration>,
+    pub dead_conn_timeout: Option<Duration>,
+    /// Must be the identifier given at connect, if one was.
+    pub backend: Option<String>,
+}
+
+#[derive(Debug, Error)]
+pub enum KernelNbdError {
+    #[error("the kernel has no nbd module loaded: `modprobe nbd`")]
+    NoModule,
+    #[error("{op}: not permitted: controlling nbd devices needs CAP_SYS_ADMIN (run as root)")]
+    NotPermitted { op: &'static str },
+    #[error(
+        "connect /dev/nbd{index}: the device is already in use (connected: {in_use}); \
+         leave out the index to let the kernel pick a free device"
+    )]
+    Busy { index: u32, in_use: String },
+    #[error(
+        "connect /dev/nbd{index}: the kernel refused the index: it is beyond the minor \
+         numbers the nbd module can give (1 << (20 - log2(max_part+1)) devices), or the device \
+         is being removed; see `dmesg`"
+    )]
+    BadIndex { index: u32 },
+    #[error(
+        "connect: the kernel could not add an nbd device ({errno}); load the module with \
+         more devices: `modprobe -r nbd && modprobe nbd nbds_max=N` (now nbds_max={nbds_max}, \
+         connected: {in_use})"
+    )]
+    NoDevice {
+        errno: io::Error,
+        nbds_max: String,
+        in_use: String,
+    },
+    #[error(
+        "{op}: block size {0} is not a power of two from 512 to 4096",
+        op = "connect"
+    )]
+    BlockSize(u32),
+    #[error("{op}: no sockets given")]
+    NoSockets { op: &'static str },
+    #[error(
+        "connect: {n} sockets need the export to allow several connections \
+         (NBD_FLAG_CAN_MULTI_CONN), its flags are {flags:#x}"
+    )]
+    NotMultiConn { n: usize, flags: u16 },
+    #[error(
+        "{op} /dev/nbd{index}: the kernel refused it (EINVAL): the device is not \
+         connected, or its backend identifier differs; see `dmesg`{}",
+        message.as_deref().map(|m| format!(" ({m})")).unwrap_or_default()
+    )]
+    NotConnected {
+        op: &'static str,
+        index: u32,
+        message: Option<String>,
+    },
+    #[error("{op}: the kernel answered {errno}{}; see `dmesg`", message.as_deref().map(|m| format!(" ({m})")).unwrap_or_default())]
+    Kernel {
+        op: &'static str,
+        errno: io::Error,
+        message: Option<String>,
+    },
+    #[error("{op}: {source}")]
+    Socket {
+        op: &'static str,
+        #[source]
+        source: SocketError,
+    },
+}
+
+/// `/dev/nbdN`.
+pub fn device_path(index: u32) -> PathBuf {
+    PathBuf::from(format!("/dev/nbd{index}"))
+}
+
+fn secs(d: Option<Duration>) -> Option<u64> {
+    d.map(|d| d.as_secs())
+}
+
+fn fds(socks: &[BorrowedFd<'_>]) -> Vec<u32> {
+    // Descriptors are never negative.
+    socks
+        .iter()
+        .map(|s| u32::try_from(s.as_raw_fd()).unwrap_or(u32::MAX))
+        .collect()
+}
+
+/// A netlink handle on the kernel's `nbd` family.
+#[derive(Debug)]
+pub struct KernelNbd {
+    sock: GenlSocket,
+    family: u16,
+}
+
+impl KernelNbd {
+    /// Opens a generic-netlink socket and resolves the `nbd` family. Asking for
+    /// the family makes the kernel load the module if it can.
+    pub fn open() -> Result<KernelNbd, KernelNbdError> {
+        let op = "resolve the nbd netlink family";
+        let mut sock =
+            GenlSocket::open().map_err(|source| KernelNbdError::Socket { op, source })?;
+        let replies = sock
+            .request(msg::GENL_ID_CTRL, |seq| {
+                proto::get_family_request(seq, proto::NBD_GENL_FAMILY_NAME)
+            })
+            .map_err(|e| match e {
+                SocketError::Kernel { errno, .. } if errno == libc::ENOENT => {
+                    KernelNbdError::NoModule
+                }
+                source => KernelNbdError::Socket { op, source },
+            })?;
+        let family =
+            family_from(&replies).map_err(|source| KernelNbdError::Socket { op, source })?;
+        Ok(KernelNbd { sock, family })
+    }
+
+    pub fn family_id(&self) -> u16 {
+        self.family
+    }
+
+    /// Connects a device to `socks` (each already past the handshake) and
+    /// returns its index. On error no device is left connected.
+    pub fn connect(
+        &mut self,
+        p: &ConnectParams,
+        socks: &[BorrowedFd<'_>],
+    ) -> Result<u32, KernelNbdError> {
+        let op = "connect";
+        if socks.is_empty() {
+            return Err(KernelNbdError::NoSockets { op });
+        }
+        if !(512..=4096).contains(&p.block_size) || !p.block_size.is_power_of_two() {
+            return Err(KernelNbdError::BlockSize(p.block_size));
+        }
+        if socks.len() > 1 && p.server_flags & NBD_FLAG_CAN_MULTI_CONN == 0 {
+            return Err(KernelNbdError::NotMultiConn {
+                n: socks.len(),
+                flags: p.server_flags,
+            });
+        }
+        let attrs = DeviceAttrs {
+            size_bytes: Some(p.size_bytes),
+            block_size: Some(p.block_size),
+            server_flags: Some(u64::from(p.server_flags | NBD_FLAG_HAS_FLAGS)),
+            client_flags: Some(if p.destroy_on_disconnect {
+                proto::NBD_CFLAG_DESTROY_ON_DISCONNECT
+            } else {
+                0
+            }),
+            timeout_secs: secs(p.timeout),
+            dead_conn_timeout_secs: secs(p.dead_conn_timeout),
+            backend: p.backend.clone(),
+        };
+        let fds = fds(socks);
+        let family = self.family;
+        let r = self.sock.request(family, |seq| {
+            proto::connect_request(family, seq, p.index, &attrs, &fds)
+        });
+        match r {
+            Ok(replies) => replies
+                .iter()
+                .find(|(cmd, _)| *cmd == proto::NBD_CMD_CONNECT)
+                .ok_or(SocketError::Reply(msg::MsgError::Missing {
+                    ty: proto::NBD_ATTR_INDEX,
+                }))
+                .and_then(|(_, a)| proto::parse_connect_reply(a).map_err(SocketError::Reply))
+                .map_err(|source| KernelNbdError::Socket { op, source }),
+            Err(SocketError::Kernel { errno, message }) => {
+                Err(self.connect_error(p.index, errno, message))
+            }
+            Err(source) => Err(KernelNbdError::Socket { op, source }),
+        }
+    }
+
+    fn connect_error(
+        &mut self,
+        index: Option<u32>,
+        errno: i32,
+        message: Option<String>,
+    ) -> KernelNbdError {
+        let op = "connect";
+        match (errno, index) {
+            (libc::EPERM, _) => KernelNbdError::NotPermitted { op },
+            (libc::EBUSY, Some(index)) => KernelNbdError::Busy {
+                index,
+                in_use: self.in_use(),
+            },
+            (libc::EINVAL, Some(index)) => KernelNbdError::BadIndex { index },
+            (libc::ENOSPC | libc::EEXIST | libc::ENFILE | libc::ENODEV | libc::ENOMEM, None) => {
+                KernelNbdError::NoDevice {
+                    errno: io::Error::from_raw_os_error(errno),
+                    nbds_max: std::fs::read_to_string(NBDS_MAX_PARAM)
+                        .map(|s| s.trim().to_string())
+                        .unwrap_or_else(|_| "unknown".into()),
+                    in_use: self.in_use(),
+                }
+            }
+            _ => KernelNbdError::Kernel {
+                op,
+                errno: io::Error::from_raw_os_error(errno),
+                message,
+            },
+        }
+    }
+
+    /// The connected devices as text for an error message.
+    fn in_use(&mut self) -> String {
+        match self.status(None) {
+            Ok(list) => {
+                let used: Vec<String> = list
+                    .iter()
+                    .filter(|d| d.connected)
+                    .map(|d| format!("/dev/nbd{}", d.index))
+                    .collect();
+                if used.is_empty() {
+                    "none".into()
+                } else {
+                    used.join(", ")
+                }
+            }
+            Err(_) => "unknown".into(),
+        }
+    }
+
+    /// Gives connected device `index` new sockets, each replacing one dead
+    /// connection (see the module doc), and changes the timeouts given.
+    pub fn reconfigure(
+        &mut self,
+        index: u32,
+        p: &ReconfigureParams,
+        socks: &[BorrowedFd<'_>],
+    ) -> Result<(), KernelNbdError> {
+        let op = "reconfigure";
+        let attrs = DeviceAttrs {
+            timeout_secs: secs(p.timeout),
+            dead_conn_timeout_secs: secs(p.dead_conn_timeout),
+            backend: p.backend.clone(),
+            ..DeviceAttrs::default()
+        };
+        let fds = fds(socks);
+        let family = self.family;
+        self.sock
+            .request(family, |seq| {
+                proto::reconfigure_request(family, seq, index, &attrs, &fds)
+            })
+            .map(drop)
+            .map_err(|e| Self::index_error(op, index, e))
+    }
+
+    /// Disconnects device `index`: the kernel sends `NBD_CMD_DISC` on every
+    /// connection and shuts them down; the device's size drops to 0 once its
+    /// receive threads ended (soon after this returns).
+    pub fn disconnect(&mut self, index: u32) -> Result<(), KernelNbdError> {
+        let family = self.family;
+        self.sock
+            .request(family, |seq| proto::disconnect_request(family, seq, index))
+            .map(drop)
+            .map_err(|e| Self::index_error("disconnect", index, e))
+    }
+
+    fn index_error(op: &'static str, index: u32, e: SocketError) -> KernelNbdError {
+        match e {
+            SocketError::Kernel { errno, .. } if errno == libc::EPERM => {
+                KernelNbdError::NotPermitted { op }
+            }
+            SocketError::Kernel { errno, message } if errno == libc::EINVAL => {
+                KernelNbdError::NotConnected { op, index, message }
+            }
+            SocketError::Kernel { errno, message } => KernelNbdError::Kernel {
+                op,
+                errno: io::Error::from_raw_os_error(errno),
+                message,
+            },
+            source => KernelNbdError::Socket { op, source },
+        }
+    }
+
+    /// Every nbd device the kernel has (`None`) or just `index`, and whether
+    /// each is connected. An index the kernel does not have is left out.
+    pub fn status(&mut self, index: Option<u32>) -> Result<Vec<DeviceStatus>, KernelNbdError> {
+        let op = "status";
+        let family = self.family;
+        let replies = self
+            .sock
+            .request(family, |seq| proto::status_request(family, seq, index))
+            .map_err(|source| KernelNbdError::Socket { op, source })?;
+        let mut out = Vec::new();
+        for (cmd, attrs) in &replies {
+            if *cmd == proto::NBD_CMD_STATUS {
+                out.extend(proto::parse_status_reply(attrs).map_err(|e| {
+                    KernelNbdError::Socket {
+                        op,
+                        source: SocketError::Reply(e),
+                    }
+                })?);
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn family_from(replies: &[(u8, Vec<u8>)]) -> Result<u16, SocketError> {
+    let (_, attrs) = replies
+        .first()
+        .ok_or(SocketError::Reply(msg::MsgError::Missing {
+            ty: msg::CTRL_ATTR_FAMILY_ID,
+        }))?;
+    proto::parse_family_id(attrs).map_err(SocketError::Reply)
+}
