@@ -159,6 +159,23 @@ fn fds(socks: &[BorrowedFd<'_>]) -> Vec<u32> {
         .collect()
 }
 
+/// What the kernel would refuse with a bare `EINVAL`, said before asking it.
+fn check_connect(p: &ConnectParams, n_socks: usize) -> Result<(), KernelNbdError> {
+    if n_socks == 0 {
+        return Err(KernelNbdError::NoSockets { op: "connect" });
+    }
+    if !(512..=4096).contains(&p.block_size) || !p.block_size.is_power_of_two() {
+        return Err(KernelNbdError::BlockSize(p.block_size));
+    }
+    if n_socks > 1 && p.server_flags & NBD_FLAG_CAN_MULTI_CONN == 0 {
+        return Err(KernelNbdError::NotMultiConn {
+            n: n_socks,
+            flags: p.server_flags,
+        });
+    }
+    Ok(())
+}
+
 /// A netlink handle on the kernel's `nbd` family.
 #[derive(Debug)]
 pub struct KernelNbd {
@@ -200,18 +217,7 @@ impl KernelNbd {
         socks: &[BorrowedFd<'_>],
     ) -> Result<u32, KernelNbdError> {
         let op = "connect";
-        if socks.is_empty() {
-            return Err(KernelNbdError::NoSockets { op });
-        }
-        if !(512..=4096).contains(&p.block_size) || !p.block_size.is_power_of_two() {
-            return Err(KernelNbdError::BlockSize(p.block_size));
-        }
-        if socks.len() > 1 && p.server_flags & NBD_FLAG_CAN_MULTI_CONN == 0 {
-            return Err(KernelNbdError::NotMultiConn {
-                n: socks.len(),
-                flags: p.server_flags,
-            });
-        }
+        check_connect(p, socks.len())?;
         let attrs = DeviceAttrs {
             size_bytes: Some(p.size_bytes),
             block_size: Some(p.block_size),
@@ -380,4 +386,69 @@ fn family_from(replies: &[(u8, Vec<u8>)]) -> Result<u16, SocketError> {
             ty: msg::CTRL_ATTR_FAMILY_ID,
         }))?;
     proto::parse_family_id(attrs).map_err(SocketError::Reply)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs against whatever kernel the tests run on: where no nbd module can
+    /// be loaded (the build host) the error names the fix; where it can (the
+    /// test VM; the family lookup loads it), the family resolves.
+    #[test]
+    fn open_names_modprobe_when_the_kernel_has_no_nbd() {
+        match KernelNbd::open() {
+            Err(e) => {
+                assert!(matches!(e, KernelNbdError::NoModule), "{e:?}");
+                assert_eq!(
+                    e.to_string(),
+                    "the kernel has no nbd module loaded: `modprobe nbd`"
+                );
+                assert!(
+                    !std::path::Path::new("/sys/module/nbd").exists(),
+                    "nbd is loaded, yet its family was not found"
+                );
+            }
+            Ok(k) => {
+                assert!(std::path::Path::new("/sys/module/nbd").exists());
+                assert!(k.family_id() >= msg::GENL_ID_CTRL);
+            }
+        }
+    }
+
+    #[test]
+    fn connect_parameters_the_kernel_would_refuse_are_named() {
+        let p = ConnectParams {
+            size_bytes: 1 << 20,
+            block_size: 1000,
+            ..ConnectParams::default()
+        };
+        assert!(matches!(
+            check_connect(&p, 1),
+            Err(KernelNbdError::BlockSize(1000))
+        ));
+        for bs in [256, 8192] {
+            let p = ConnectParams {
+                block_size: bs,
+                ..p.clone()
+            };
+            assert!(check_connect(&p, 1).is_err(), "block size {bs}");
+        }
+        let p = ConnectParams {
+            block_size: 4096,
+            ..p
+        };
+        assert!(matches!(
+            check_connect(&p, 0),
+            Err(KernelNbdError::NoSockets { .. })
+        ));
+        let e = check_connect(&p, 2).expect_err("two sockets, no MULTI_CONN");
+        assert!(e.to_string().contains("NBD_FLAG_CAN_MULTI_CONN"), "{e}");
+        let multi = ConnectParams {
+            server_flags: NBD_FLAG_CAN_MULTI_CONN,
+            ..p
+        };
+        assert!(check_connect(&multi, 2).is_ok());
+        assert!(check_connect(&multi, 1).is_ok());
+    }
 }

@@ -433,3 +433,274 @@ impl Transaction {
         Ok(self.outcome.is_some())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// An `NLMSG_ERROR` as the kernel sends it with `NETLINK_CAP_ACK` and
+    /// `NETLINK_EXT_ACK`: errno, the request's header, then a message.
+    fn error_msg(seq: u32, error: i32, text: Option<&str>, capped: bool) -> Vec<u8> {
+        let mut body = error.to_ne_bytes().to_vec();
+        // The echoed request: a header claiming 24 bytes, and (uncapped) its body.
+        let mut orig = MsgBuilder::genl(0x20, NLM_F_REQUEST, seq, 1, 1);
+        orig.u32(1, 7);
+        let orig = orig.finish().unwrap();
+        if capped {
+            body.extend_from_slice(&orig[..NLMSG_HDR_LEN]);
+        } else {
+            body.extend_from_slice(&orig);
+        }
+        let mut flags = if capped { NLM_F_CAPPED } else { 0 };
+        if let Some(t) = text {
+            flags |= NLM_F_ACK_TLVS;
+            let mut s = t.as_bytes().to_vec();
+            s.push(0);
+            let len = u16::try_from(4 + s.len()).unwrap();
+            body.extend_from_slice(&len.to_ne_bytes());
+            body.extend_from_slice(&NLMSGERR_ATTR_MSG.to_ne_bytes());
+            body.extend_from_slice(&s);
+            body.resize(align4(body.len()), 0);
+        }
+        let mut m = u32::try_from(NLMSG_HDR_LEN + body.len())
+            .unwrap()
+            .to_ne_bytes()
+            .to_vec();
+        m.extend_from_slice(&NLMSG_ERROR.to_ne_bytes());
+        m.extend_from_slice(&flags.to_ne_bytes());
+        m.extend_from_slice(&seq.to_ne_bytes());
+        m.extend_from_slice(&0u32.to_ne_bytes());
+        m.extend_from_slice(&body);
+        m
+    }
+
+    #[derive(Debug, Clone)]
+    enum Val {
+        U8(u8),
+        U16(u16),
+        U32(u32),
+        U64(u64),
+        Str(String),
+    }
+
+    fn val() -> impl Strategy<Value = (u16, Val)> {
+        (
+            1u16..0x3fff,
+            prop_oneof![
+                any::<u8>().prop_map(Val::U8),
+                any::<u16>().prop_map(Val::U16),
+                any::<u32>().prop_map(Val::U32),
+                any::<u64>().prop_map(Val::U64),
+                "[a-z0-9/._-]{0,40}".prop_map(Val::Str),
+            ],
+        )
+    }
+
+    fn put(b: &mut MsgBuilder, ty: u16, v: &Val) {
+        match v {
+            Val::U8(x) => b.u8(ty, *x),
+            Val::U16(x) => b.u16(ty, *x),
+            Val::U32(x) => b.u32(ty, *x),
+            Val::U64(x) => b.u64(ty, *x),
+            Val::Str(s) => b.str(ty, s),
+        };
+    }
+
+    fn check(a: &Attr<'_>, ty: u16, v: &Val) {
+        assert_eq!(a.ty, ty);
+        match v {
+            Val::U8(x) => assert_eq!(a.u8().unwrap(), *x),
+            Val::U16(x) => assert_eq!(a.u16().unwrap(), *x),
+            Val::U32(x) => assert_eq!(a.u32().unwrap(), *x),
+            Val::U64(x) => assert_eq!(a.u64().unwrap(), *x),
+            Val::Str(s) => assert_eq!(a.str().unwrap(), s),
+        }
+    }
+
+    proptest! {
+        /// What the builder writes, the parser reads back: header fields,
+        /// flat attributes and one nest of attributes.
+        #[test]
+        fn built_message_parses_back(
+            family in 0x10u16..0xffff, seq: u32, cmd: u8,
+            flat in proptest::collection::vec(val(), 0..8),
+            nest_ty in 1u16..100,
+            inner in proptest::collection::vec(val(), 0..8),
+        ) {
+            let mut b = MsgBuilder::genl(family, NLM_F_REQUEST, seq, cmd, 1);
+            for (t, v) in &flat { put(&mut b, *t, v); }
+            b.begin_nested(nest_ty);
+            for (t, v) in &inner { put(&mut b, *t, v); }
+            b.end_nested();
+            let bytes = b.finish().unwrap();
+            prop_assert_eq!(bytes.len() % 4, 0);
+            let msgs = parse_datagram(&bytes).unwrap();
+            prop_assert_eq!(msgs.len(), 1);
+            let Message::Genl { seq: s, msg_type, cmd: c, attrs } = &msgs[0] else {
+                panic!("not a genl message: {:?}", msgs[0]);
+            };
+            prop_assert_eq!((*s, *msg_type, *c), (seq, family, cmd));
+            let attrs = parse_attrs(attrs).unwrap();
+            prop_assert_eq!(attrs.len(), flat.len() + 1);
+            for (a, (t, v)) in attrs.iter().zip(&flat) { check(a, *t, v); }
+            let nest = attrs[flat.len()];
+            prop_assert!(nest.nested);
+            prop_assert_eq!(nest.ty, nest_ty);
+            let got = parse_attrs(nest.payload).unwrap();
+            prop_assert_eq!(got.len(), inner.len());
+            for (a, (t, v)) in got.iter().zip(&inner) { check(a, *t, v); }
+        }
+
+        /// Arbitrary bytes never panic the parser, and every attribute slice
+        /// it returns lies inside the input.
+        #[test]
+        fn arbitrary_bytes_never_panic(data in proptest::collection::vec(any::<u8>(), 0..512)) {
+            if let Ok(msgs) = parse_datagram(&data) {
+                for m in msgs {
+                    if let Message::Genl { attrs, .. } = m {
+                        prop_assert!(attrs.len() <= data.len());
+                        let _ = parse_attrs(attrs);
+                    }
+                }
+            }
+            let _ = parse_attrs(&data);
+            let mut t = Transaction::new(0x20, 1);
+            let _ = t.feed(&data);
+        }
+
+        /// Every strict prefix of a well-formed datagram of two messages is
+        /// either the first message alone or an error, never a panic.
+        #[test]
+        fn truncated_datagram_is_an_error_or_a_whole_message(cut in 0usize..200) {
+            let mut b = MsgBuilder::genl(0x20, 0, 9, 5, 1);
+            b.u32(1, 3).str(10, "backend");
+            let mut d = b.finish().unwrap();
+            let first = d.len();
+            d.extend_from_slice(&error_msg(9, 0, None, true));
+            let cut = cut.min(d.len() - 1);
+            match parse_datagram(&d[..cut]) {
+                Ok(msgs) => prop_assert!(cut == 0 && msgs.is_empty() || cut == first && msgs.len() == 1),
+                Err(_) => prop_assert!(cut != 0 && cut != first),
+            }
+        }
+
+        /// The errno and the kernel's message come back from any error,
+        /// capped or with the whole request echoed.
+        #[test]
+        fn error_carries_errno_and_message(errno in 1i32..4096, text in "[ -~]{0,60}", capped: bool, with_text: bool) {
+            let d = error_msg(4, -errno, with_text.then_some(text.as_str()), capped);
+            let msgs = parse_datagram(&d).unwrap();
+            let want = Message::Error { seq: 4, errno, message: with_text.then(|| text.clone()) };
+            prop_assert_eq!(&msgs[..], &[want][..]);
+        }
+    }
+
+    #[test]
+    fn ack_is_error_zero() {
+        let d = error_msg(3, 0, None, true);
+        assert_eq!(parse_datagram(&d).unwrap(), vec![Message::Ack { seq: 3 }]);
+    }
+
+    #[test]
+    fn positive_error_is_rejected() {
+        let d = error_msg(3, 5, None, true);
+        assert_eq!(parse_datagram(&d), Err(MsgError::PositiveError(5)));
+    }
+
+    #[test]
+    fn message_with_length_past_end_is_rejected() {
+        let mut d = error_msg(3, 0, None, true);
+        let len = u32::try_from(d.len() + 4).unwrap();
+        d[0..4].copy_from_slice(&len.to_ne_bytes());
+        assert!(matches!(
+            parse_datagram(&d),
+            Err(MsgError::BadMessageLength { .. })
+        ));
+    }
+
+    #[test]
+    fn message_length_shorter_than_a_header_is_rejected() {
+        let mut d = error_msg(3, 0, None, true);
+        d[0..4].copy_from_slice(&8u32.to_ne_bytes());
+        assert!(matches!(
+            parse_datagram(&d),
+            Err(MsgError::BadMessageLength { len: 8, .. })
+        ));
+    }
+
+    #[test]
+    fn attr_with_length_past_end_is_rejected() {
+        let mut a = Vec::new();
+        a.extend_from_slice(&12u16.to_ne_bytes());
+        a.extend_from_slice(&1u16.to_ne_bytes());
+        a.extend_from_slice(&[0; 4]);
+        assert!(matches!(
+            parse_attrs(&a),
+            Err(MsgError::BadAttrLength {
+                ty: 1,
+                len: 12,
+                left: 8
+            })
+        ));
+    }
+
+    #[test]
+    fn attr_shorter_than_its_header_is_rejected() {
+        let a = [2u8, 0, 1, 0];
+        assert!(matches!(
+            parse_attrs(&a),
+            Err(MsgError::BadAttrLength { len: 2, .. })
+        ));
+    }
+
+    #[test]
+    fn integer_attr_of_the_wrong_size_is_rejected() {
+        let mut b = MsgBuilder::genl(0x20, 0, 1, 1, 1);
+        b.u16(1, 7);
+        let d = b.finish().unwrap();
+        let Message::Genl { attrs, .. } = &parse_datagram(&d).unwrap()[0] else {
+            panic!("not genl")
+        };
+        let a = parse_attrs(attrs).unwrap()[0];
+        assert_eq!(
+            a.u32(),
+            Err(MsgError::AttrSize {
+                ty: 1,
+                got: 2,
+                want: 4
+            })
+        );
+    }
+
+    #[test]
+    fn string_without_nul_is_rejected() {
+        let a = [7u8, 0, 3, 0, b'a', b'b', b'c', 0];
+        let attrs = parse_attrs(&a).unwrap();
+        assert_eq!(attrs[0].str(), Err(MsgError::BadString { ty: 3 }));
+    }
+
+    #[test]
+    fn oversized_request_is_refused() {
+        let mut b = MsgBuilder::genl(0x20, 0, 1, 1, 1);
+        let long = "x".repeat(70_000);
+        b.str(1, &long);
+        assert_eq!(b.finish(), Err(MsgError::TooLong));
+    }
+
+    #[test]
+    fn transaction_keeps_its_own_replies_and_ends_on_its_ack() {
+        let mut t = Transaction::new(0x20, 7);
+        let mut other = MsgBuilder::genl(0x20, 0, 6, 5, 1);
+        other.u32(1, 1);
+        let mut mine = MsgBuilder::genl(0x20, 0, 7, 5, 1);
+        mine.u32(1, 2);
+        let mut d = other.finish().unwrap();
+        d.extend(mine.finish().unwrap());
+        assert!(!t.feed(&d).unwrap());
+        assert!(!t.feed(&error_msg(6, 0, None, true)).unwrap());
+        assert!(t.feed(&error_msg(7, -16, Some("busy"), true)).unwrap());
+        assert_eq!(t.replies.len(), 1);
+        assert_eq!(t.outcome, Some(Err((16, Some("busy".into())))));
+    }
+}

@@ -215,3 +215,176 @@ pub fn parse_status_reply(attrs: &[u8]) -> Result<Vec<DeviceStatus>, MsgError> {
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernel_nbd::msg::{Attr, Message, parse_datagram};
+    use proptest::prelude::*;
+
+    fn genl_attrs(d: &[u8]) -> (u16, u8, Vec<u8>) {
+        match &parse_datagram(d).unwrap()[..] {
+            [
+                Message::Genl {
+                    msg_type,
+                    cmd,
+                    attrs,
+                    ..
+                },
+            ] => (*msg_type, *cmd, attrs.to_vec()),
+            other => panic!("not one genl message: {other:?}"),
+        }
+    }
+
+    fn one<'a>(attrs: &[Attr<'a>], ty: u16) -> Attr<'a> {
+        find(attrs, ty).unwrap_or_else(|| panic!("no attribute {ty}"))
+    }
+
+    fn socket_fds(a: &Attr<'_>) -> Vec<u32> {
+        assert!(a.nested);
+        parse_attrs(a.payload)
+            .unwrap()
+            .iter()
+            .map(|item| {
+                assert!(item.nested && item.ty == NBD_SOCK_ITEM);
+                one(&parse_attrs(item.payload).unwrap(), NBD_SOCK_FD)
+                    .u32()
+                    .unwrap()
+            })
+            .collect()
+    }
+
+    proptest! {
+        /// CONNECT carries every field given, the sockets as nested items in
+        /// order, and nothing that was left out.
+        #[test]
+        fn connect_request_carries_what_was_asked(
+            family in 0x10u16.., seq: u32, index: Option<u32>,
+            size: u64, bs in 9u32..13, flags: u16, timeout: Option<u64>, dead: Option<u64>,
+            fds in proptest::collection::vec(0u32..100_000, 1..8),
+        ) {
+            let a = DeviceAttrs {
+                size_bytes: Some(size),
+                block_size: Some(1 << bs),
+                server_flags: Some(u64::from(flags)),
+                client_flags: Some(0),
+                timeout_secs: timeout,
+                dead_conn_timeout_secs: dead,
+                backend: Some("loopd:/img".into()),
+            };
+            let d = connect_request(family, seq, index, &a, &fds).unwrap();
+            let (t, cmd, raw) = genl_attrs(&d);
+            prop_assert_eq!((t, cmd), (family, NBD_CMD_CONNECT));
+            let attrs = parse_attrs(&raw).unwrap();
+            prop_assert_eq!(find(&attrs, NBD_ATTR_INDEX).map(|x| x.u32().unwrap()), index);
+            prop_assert_eq!(one(&attrs, NBD_ATTR_SIZE_BYTES).u64().unwrap(), size);
+            prop_assert_eq!(one(&attrs, NBD_ATTR_BLOCK_SIZE_BYTES).u64().unwrap(), 1u64 << bs);
+            prop_assert_eq!(one(&attrs, NBD_ATTR_SERVER_FLAGS).u64().unwrap(), u64::from(flags));
+            prop_assert_eq!(one(&attrs, NBD_ATTR_CLIENT_FLAGS).u64().unwrap(), 0);
+            prop_assert_eq!(find(&attrs, NBD_ATTR_TIMEOUT).map(|x| x.u64().unwrap()), timeout);
+            prop_assert_eq!(find(&attrs, NBD_ATTR_DEAD_CONN_TIMEOUT).map(|x| x.u64().unwrap()), dead);
+            prop_assert_eq!(one(&attrs, NBD_ATTR_BACKEND_IDENTIFIER).str().unwrap(), "loopd:/img");
+            prop_assert_eq!(socket_fds(&one(&attrs, NBD_ATTR_SOCKETS)), fds);
+        }
+
+        /// A STATUS reply of any device list decodes to that list.
+        #[test]
+        fn status_reply_decodes_every_device(
+            devs in proptest::collection::vec((any::<u32>(), any::<bool>()), 0..40),
+        ) {
+            let mut b = MsgBuilder::genl(0x22, 0, 1, NBD_CMD_STATUS, 1);
+            b.begin_nested(NBD_ATTR_DEVICE_LIST);
+            for (i, c) in &devs {
+                b.begin_nested(NBD_DEVICE_ITEM);
+                b.u32(NBD_DEVICE_INDEX, *i).u8(NBD_DEVICE_CONNECTED, u8::from(*c));
+                b.end_nested();
+            }
+            b.end_nested();
+            let (_, _, raw) = genl_attrs(&b.finish().unwrap());
+            let got = parse_status_reply(&raw).unwrap();
+            let want: Vec<_> = devs.iter().map(|&(index, connected)| DeviceStatus { index, connected }).collect();
+            prop_assert_eq!(got, want);
+        }
+
+        /// The reply decoders never panic on arbitrary attribute bytes.
+        #[test]
+        fn reply_decoders_never_panic(data in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = parse_status_reply(&data);
+            let _ = parse_connect_reply(&data);
+            let _ = parse_family_id(&data);
+        }
+    }
+
+    #[test]
+    fn reconfigure_names_the_index_and_leaves_out_server_flags() {
+        let a = DeviceAttrs {
+            server_flags: Some(1),
+            dead_conn_timeout_secs: Some(60),
+            ..DeviceAttrs::default()
+        };
+        let d = reconfigure_request(0x22, 1, 3, &a, &[5, 6]).unwrap();
+        let (_, cmd, raw) = genl_attrs(&d);
+        assert_eq!(cmd, NBD_CMD_RECONFIGURE);
+        let attrs = parse_attrs(&raw).unwrap();
+        assert_eq!(one(&attrs, NBD_ATTR_INDEX).u32().unwrap(), 3);
+        assert!(find(&attrs, NBD_ATTR_SERVER_FLAGS).is_none());
+        assert!(find(&attrs, NBD_ATTR_SIZE_BYTES).is_none());
+        assert_eq!(one(&attrs, NBD_ATTR_DEAD_CONN_TIMEOUT).u64().unwrap(), 60);
+        assert_eq!(socket_fds(&one(&attrs, NBD_ATTR_SOCKETS)), vec![5, 6]);
+    }
+
+    #[test]
+    fn disconnect_and_status_requests() {
+        let (_, cmd, raw) = genl_attrs(&disconnect_request(0x22, 1, 9).unwrap());
+        assert_eq!(cmd, NBD_CMD_DISCONNECT);
+        assert_eq!(
+            one(&parse_attrs(&raw).unwrap(), NBD_ATTR_INDEX)
+                .u32()
+                .unwrap(),
+            9
+        );
+        let (_, cmd, raw) = genl_attrs(&status_request(0x22, 1, None).unwrap());
+        assert_eq!(cmd, NBD_CMD_STATUS);
+        assert!(raw.is_empty());
+    }
+
+    #[test]
+    fn family_request_and_reply() {
+        let (t, cmd, raw) = genl_attrs(&get_family_request(1, "nbd").unwrap());
+        assert_eq!((t, cmd), (GENL_ID_CTRL, CTRL_CMD_GETFAMILY));
+        assert_eq!(
+            one(&parse_attrs(&raw).unwrap(), CTRL_ATTR_FAMILY_NAME)
+                .str()
+                .unwrap(),
+            "nbd"
+        );
+        let mut b = MsgBuilder::genl(GENL_ID_CTRL, 0, 1, 1, 2);
+        b.str(CTRL_ATTR_FAMILY_NAME, "nbd")
+            .u16(CTRL_ATTR_FAMILY_ID, 0x1a);
+        let (_, _, raw) = genl_attrs(&b.finish().unwrap());
+        assert_eq!(parse_family_id(&raw), Ok(0x1a));
+    }
+
+    #[test]
+    fn connect_reply_without_index_is_an_error() {
+        assert_eq!(
+            parse_connect_reply(&[]),
+            Err(MsgError::Missing { ty: NBD_ATTR_INDEX })
+        );
+    }
+
+    #[test]
+    fn status_item_without_index_is_rejected() {
+        let mut b = MsgBuilder::genl(0x22, 0, 1, NBD_CMD_STATUS, 1);
+        b.begin_nested(NBD_ATTR_DEVICE_LIST);
+        b.begin_nested(NBD_DEVICE_ITEM);
+        b.u8(NBD_DEVICE_CONNECTED, 1);
+        let (_, _, raw) = genl_attrs(&b.finish().unwrap());
+        assert_eq!(
+            parse_status_reply(&raw),
+            Err(MsgError::Missing {
+                ty: NBD_DEVICE_INDEX
+            })
+        );
+    }
+}
