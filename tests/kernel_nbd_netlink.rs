@@ -21,13 +21,14 @@ const IMAGE_SIZE: u64 = 16 * MIB;
 const BLOCK: u32 = 4096;
 const SEED: u8 = 0x5a;
 
+fn pat(seed: u8, off: u64, len: u64) -> Vec<u8> {
+    pattern_bytes(seed, off, usize::try_from(len).expect("test length"))
+}
+
 fn require_nbd() -> KernelNbd {
     // SAFETY: geteuid has no preconditions and cannot fail.
-    assert_eq!(
-        unsafe { libc::geteuid() },
-        0,
-        "the kernel nbd tests must run as root"
-    );
+    let uid = unsafe { libc::geteuid() };
+    assert_eq!(uid, 0, "the kernel nbd tests must run as root");
     let out = run_status("modprobe", ["nbd"]);
     assert!(
         out.success(),
@@ -163,11 +164,11 @@ fn connect_two_sockets_serves_io_then_disconnect_clears_the_device() {
     // Write a new pattern through the device: it lands in the image file.
     let src = dir.path().join("src.bin");
     let (woff, wlen) = (MIB, 256 * KIB);
-    std::fs::write(&src, pattern_bytes(0x77, 0, wlen as usize)).expect("write src");
+    std::fs::write(&src, pat(0x77, 0, wlen)).expect("write src");
     dd_write(index, &src, woff, wlen).assert_success();
     assert_bytes_eq(
         &read_range(&img, woff, wlen),
-        &pattern_bytes(0x77, 0, wlen as usize),
+        &pat(0x77, 0, wlen),
         woff,
         "image after dd to /dev/nbd",
     );
@@ -265,7 +266,7 @@ fn reconfigure_after_daemon_restart_completes_io_issued_during_the_outage() {
     // I/O during the outage: a write and a read, both with O_DIRECT.
     let src = dir.path().join("src.bin");
     let (woff, wlen) = (4 * MIB, 128 * KIB);
-    std::fs::write(&src, pattern_bytes(0x33, 0, wlen as usize)).expect("write src");
+    std::fs::write(&src, pat(0x33, 0, wlen)).expect("write src");
     let (roff, rlen) = (8 * MIB, 128 * KIB);
     let out = dir.path().join("outage.bin");
     let (tx, rx) = mpsc::channel();
@@ -301,13 +302,13 @@ fn reconfigure_after_daemon_restart_completes_io_issued_during_the_outage() {
     r.assert_success();
     assert_bytes_eq(
         &read_range(&img, woff, wlen),
-        &pattern_bytes(0x33, 0, wlen as usize),
+        &pat(0x33, 0, wlen),
         woff,
         "outage write in the image",
     );
     assert_bytes_eq(
         &read_file(&out),
-        &pattern_bytes(SEED, roff, rlen as usize),
+        &pat(SEED, roff, rlen),
         roff,
         "outage read",
     );
@@ -319,7 +320,7 @@ fn reconfigure_after_daemon_restart_completes_io_issued_during_the_outage() {
     dd_read(index, &after, woff, wlen).assert_success();
     assert_bytes_eq(
         &read_file(&after),
-        &pattern_bytes(0x33, 0, wlen as usize),
+        &pat(0x33, 0, wlen),
         woff,
         "read after reconfigure",
     );

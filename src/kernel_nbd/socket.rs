@@ -55,6 +55,8 @@ pub struct GenlSocket {
 /// the request's header. Both are optional: older kernels refuse them, and
 /// then errors come without a message.
 fn set_ack_options(fd: &OwnedFd) {
+    const LEN: libc::socklen_t = 4;
+    const _: () = assert!(std::mem::size_of::<libc::c_int>() == LEN as usize);
     for opt in [NETLINK_CAP_ACK, NETLINK_EXT_ACK] {
         let one: libc::c_int = 1;
         // SAFETY: `fd` is an open socket; the value points at a live c_int
@@ -65,7 +67,7 @@ fn set_ack_options(fd: &OwnedFd) {
                 SOL_NETLINK,
                 opt,
                 (&raw const one).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                LEN,
             )
         };
     }
