@@ -214,10 +214,18 @@ fn connect_two_sockets_serves_io_then_disconnect_clears_the_device() {
         )
         .expect_err("connect beyond the minor range");
     assert!(
-        matches!(far, KernelNbdError::BadIndex { index: 0x10_0000 }),
+        matches!(
+            far,
+            KernelNbdError::BadIndex {
+                index: 0x10_0000,
+                ..
+            }
+        ),
         "{far:?}"
     );
-    eprintln!("index beyond range: {far}");
+    let text = far.to_string();
+    assert!(text.contains("takes indexes up to"), "{text}");
+    eprintln!("index beyond range: {text}");
 
     k.disconnect(index).expect("disconnect");
     wait_until("device disconnected", Duration::from_secs(10), || {

@@ -46,6 +46,31 @@ pub const NBD_FLAG_READ_ONLY: u16 = 1 << 1;
 pub const NBD_FLAG_CAN_MULTI_CONN: u16 = 1 << 8;
 
 const NBDS_MAX_PARAM: &str = "/sys/module/nbd/parameters/nbds_max";
+const MAX_PART_PARAM: &str = "/sys/module/nbd/parameters/max_part";
+
+fn read_param(path: &str) -> Option<String> {
+    std::fs::read_to_string(path)
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
+/// The highest index nbd.c accepts: `MINORMASK >> part_shift`, where
+/// `part_shift` is the bit width of `max_part` (minor numbers are 20 bits, and
+/// each device takes `max_part + 1` of them).
+pub fn max_index(max_part: u32) -> u32 {
+    const MINORMASK: u32 = (1 << 20) - 1;
+    MINORMASK >> (u32::BITS - max_part.leading_zeros())
+}
+
+fn index_limit_text(max_part: Option<&str>) -> String {
+    match max_part.and_then(|s| s.parse::<u32>().ok()) {
+        Some(m) => format!(
+            "the nbd module (max_part={m}) takes indexes up to {}",
+            max_index(m)
+        ),
+        None => "it is beyond what the nbd module's max_part allows".to_string(),
+    }
+}
 
 /// What [`KernelNbd::connect`] asks for.
 #[derive(Debug, Clone, Default)]
@@ -91,11 +116,10 @@ pub enum KernelNbdError {
     )]
     Busy { index: u32, in_use: String },
     #[error(
-        "connect /dev/nbd{index}: the kernel refused the index: it is beyond the minor \
-         numbers the nbd module can give (1 << (20 - log2(max_part+1)) devices), or the device \
-         is being removed; see `dmesg`"
+        "connect /dev/nbd{index}: the kernel refused the index (EINVAL): {limit}, or the \
+         device is being removed; see `dmesg`"
     )]
-    BadIndex { index: u32 },
+    BadIndex { index: u32, limit: String },
     #[error(
         "connect: the kernel could not add an nbd device ({errno}); load the module with \
          more devices: `modprobe -r nbd && modprobe nbd nbds_max=N` (now nbds_max={nbds_max}, \
@@ -265,13 +289,14 @@ impl KernelNbd {
                 index,
                 in_use: self.in_use(),
             },
-            (libc::EINVAL, Some(index)) => KernelNbdError::BadIndex { index },
+            (libc::EINVAL, Some(index)) => KernelNbdError::BadIndex {
+                index,
+                limit: index_limit_text(read_param(MAX_PART_PARAM).as_deref()),
+            },
             (libc::ENOSPC | libc::EEXIST | libc::ENFILE | libc::ENODEV | libc::ENOMEM, None) => {
                 KernelNbdError::NoDevice {
                     errno: io::Error::from_raw_os_error(errno),
-                    nbds_max: std::fs::read_to_string(NBDS_MAX_PARAM)
-                        .map(|s| s.trim().to_string())
-                        .unwrap_or_else(|_| "unknown".into()),
+                    nbds_max: read_param(NBDS_MAX_PARAM).unwrap_or_else(|| "unknown".into()),
                     in_use: self.in_use(),
                 }
             }
@@ -414,6 +439,17 @@ mod tests {
                 assert!(k.family_id() >= msg::GENL_ID_CTRL);
             }
         }
+    }
+
+    #[test]
+    fn index_limit_follows_max_part() {
+        assert_eq!(max_index(0), (1 << 20) - 1);
+        assert_eq!(max_index(15), (1 << 16) - 1); // Debian's default: 16 minors each
+        assert_eq!(max_index(16), (1 << 15) - 1);
+        assert_eq!(
+            index_limit_text(Some("15")),
+            "the nbd module (max_part=15) takes indexes up to 65535"
+        );
     }
 
     #[test]
