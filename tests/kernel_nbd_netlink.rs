@@ -340,3 +340,101 @@ fn reconfigure_after_daemon_restart_completes_io_issued_during_the_outage() {
     });
     drop(server2);
 }
+
+#[test]
+fn read_only_export_makes_a_read_only_device() {
+    let mut k = require_nbd();
+    let dir = tempdir();
+    let img = image(dir.path());
+    let server = Server::builder(&img).arg("--read-only").start();
+    let (socks, size, flags) = negotiated(&server, 1);
+    assert_ne!(
+        flags & loopd::kernel_nbd::NBD_FLAG_READ_ONLY,
+        0,
+        "export flags {flags:#x}"
+    );
+    let p = ConnectParams {
+        size_bytes: size,
+        block_size: 512,
+        server_flags: flags,
+        ..ConnectParams::default()
+    };
+    let index = k.connect(&p, &fds(&socks)).expect("connect");
+    let _dev = Connected { index };
+    drop(socks);
+    assert_eq!(sysfs(index, "ro").as_deref(), Some("1"));
+    assert_eq!(
+        sysfs(index, "queue/logical_block_size").as_deref(),
+        Some("512")
+    );
+    let dst = dir.path().join("dst.bin");
+    dd_read(index, &dst, 0, MIB).assert_success();
+    assert_bytes_eq(
+        &read_file(&dst),
+        &read_range(&img, 0, MIB),
+        0,
+        "read-only device read",
+    );
+    let src = dir.path().join("src.bin");
+    std::fs::write(&src, pat(1, 0, 64 * KIB)).expect("write src");
+    let w = dd_write(index, &src, 0, 64 * KIB);
+    assert!(
+        !w.success(),
+        "a write to a read-only nbd device succeeded: {w}"
+    );
+    assert_bytes_eq(
+        &read_range(&img, 0, 64 * KIB),
+        &pat(SEED, 0, 64 * KIB),
+        0,
+        "image untouched",
+    );
+    k.disconnect(index).expect("disconnect");
+    wait_until("device disconnected", Duration::from_secs(10), || {
+        dev_size(index) == 0
+    });
+}
+
+/// Set in the copy of this test binary that runs without privileges.
+const UNPRIVILEGED_ENV: &str = "LOOPD_KNBD_UNPRIVILEGED";
+
+#[test]
+fn control_without_cap_sys_admin_is_refused_with_the_reason() {
+    if std::env::var_os(UNPRIVILEGED_ENV).is_some() {
+        // The child: nobody, no capabilities. Resolving the family needs no
+        // privilege; changing a device does.
+        let mut k = KernelNbd::open().expect("open as an unprivileged user");
+        let e = k
+            .disconnect(0)
+            .expect_err("disconnect without CAP_SYS_ADMIN");
+        assert!(matches!(e, KernelNbdError::NotPermitted { .. }), "{e:?}");
+        println!("unprivileged: {e}");
+        return;
+    }
+    let _k = require_nbd();
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut c = tool("setpriv");
+    c.args([
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--",
+    ])
+    .arg(exe)
+    .args([
+        "--exact",
+        "control_without_cap_sys_admin_is_refused_with_the_reason",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(UNPRIVILEGED_ENV, "1");
+    let out = run_cmd_timeout(c, Duration::from_secs(60)).assert_success();
+    assert!(
+        out.stdout.contains(
+            "unprivileged: disconnect: not permitted: controlling nbd devices needs \
+             CAP_SYS_ADMIN (run as root)"
+        ),
+        "{out}"
+    );
+}
