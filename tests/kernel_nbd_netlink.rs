@@ -292,6 +292,9 @@ fn reconfigure_after_daemon_restart_completes_io_issued_during_the_outage() {
         "I/O during the outage finished before any new connection: it should wait"
     );
 
+    // The restarted daemon finds its device by backend identifier.
+    assert_eq!(k.find_backend(&backend).expect("find_backend"), Some(index));
+    assert_eq!(k.find_backend("someone-else").expect("find_backend"), None);
     let server2 = Server::builder(&img).socket_path(&sock_path).start();
     let (socks2, size2, flags2) = negotiated(&server2, 2);
     assert_eq!((size2, flags2), (size, flags));

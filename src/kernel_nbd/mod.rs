@@ -380,6 +380,21 @@ impl KernelNbd {
         }
     }
 
+    /// The connected device whose backend identifier (given at connect) is
+    /// `backend`: how a restarted daemon finds the device to reconfigure.
+    /// Reads `/sys/block/nbdN/backend` of each connected device.
+    pub fn find_backend(&mut self, backend: &str) -> Result<Option<u32>, KernelNbdError> {
+        Ok(self
+            .status(None)?
+            .iter()
+            .filter(|d| d.connected)
+            .map(|d| d.index)
+            .find(|&i| {
+                std::fs::read_to_string(format!("/sys/block/nbd{i}/backend"))
+                    .is_ok_and(|s| s.trim_end_matches('\n') == backend)
+            }))
+    }
+
     /// Every nbd device the kernel has (`None`) or just `index`, and whether
     /// each is connected. An index the kernel does not have is left out.
     pub fn status(&mut self, index: Option<u32>) -> Result<Vec<DeviceStatus>, KernelNbdError> {
