@@ -441,3 +441,45 @@ fn control_without_cap_sys_admin_is_refused_with_the_reason() {
         "{out}"
     );
 }
+
+/// `nbds_max` only says how many devices exist at load: an index past it is
+/// added on connect (nbd.c `nbd_dev_add`), so it is no limit for loopd.
+#[test]
+fn connect_past_nbds_max_adds_the_device() {
+    let mut k = require_nbd();
+    let nbds_max: u32 = std::fs::read_to_string("/sys/module/nbd/parameters/nbds_max")
+        .expect("nbds_max")
+        .trim()
+        .parse()
+        .expect("nbds_max is a number");
+    let index = nbds_max + 100;
+    assert!(!Path::new(&format!("/sys/block/nbd{index}")).exists());
+    let dir = tempdir();
+    let img = image(dir.path());
+    let server = Server::builder(&img).start();
+    let (socks, size, flags) = negotiated(&server, 1);
+    let p = ConnectParams {
+        index: Some(index),
+        size_bytes: size,
+        block_size: 4096,
+        server_flags: flags,
+        ..ConnectParams::default()
+    };
+    let got = k.connect(&p, &fds(&socks)).expect("connect past nbds_max");
+    let _dev = Connected { index: got };
+    drop(socks);
+    assert_eq!(got, index);
+    assert_eq!(dev_size(index), IMAGE_SIZE);
+    let dst = dir.path().join("dst.bin");
+    dd_read(index, &dst, 0, MIB).assert_success();
+    assert_bytes_eq(
+        &read_file(&dst),
+        &read_range(&img, 0, MIB),
+        0,
+        "read past nbds_max",
+    );
+    k.disconnect(index).expect("disconnect");
+    wait_until("device disconnected", Duration::from_secs(10), || {
+        dev_size(index) == 0
+    });
+}
