@@ -121,19 +121,18 @@ pub enum KernelNbdError {
     )]
     BadIndex { index: u32, limit: String },
     #[error(
-        "connect: the kernel could not add an nbd device ({errno}); load the module with \
-         more devices: `modprobe -r nbd && modprobe nbd nbds_max=N` (now nbds_max={nbds_max}, \
-         connected: {in_use})"
+        "connect: the kernel could not add an nbd device ({errno}): {limit} (connected: \
+         {in_use}); disconnect devices no one uses, or reload the module with fewer \
+         partitions per device: `modprobe -r nbd && modprobe nbd max_part=0` \
+         (nbds_max={nbds_max} only pre-creates devices: `modprobe nbd nbds_max=N`)"
     )]
     NoDevice {
         errno: io::Error,
+        limit: String,
         nbds_max: String,
         in_use: String,
     },
-    #[error(
-        "{op}: block size {0} is not a power of two from 512 to 4096",
-        op = "connect"
-    )]
+    #[error("connect: block size {0} is not a power of two from 512 to 4096")]
     BlockSize(u32),
     #[error("{op}: no sockets given")]
     NoSockets { op: &'static str },
@@ -296,6 +295,7 @@ impl KernelNbd {
             (libc::ENOSPC | libc::EEXIST | libc::ENFILE | libc::ENODEV | libc::ENOMEM, None) => {
                 KernelNbdError::NoDevice {
                     errno: io::Error::from_raw_os_error(errno),
+                    limit: index_limit_text(read_param(MAX_PART_PARAM).as_deref()),
                     nbds_max: read_param(NBDS_MAX_PARAM).unwrap_or_else(|| "unknown".into()),
                     in_use: self.in_use(),
                 }
@@ -465,6 +465,26 @@ mod tests {
             index_limit_text(Some("15")),
             "the nbd module (max_part=15) takes indexes up to 65535"
         );
+    }
+
+    #[test]
+    fn no_device_names_the_module_parameters() {
+        let e = KernelNbdError::NoDevice {
+            errno: io::Error::from_raw_os_error(libc::ENOSPC),
+            limit: index_limit_text(Some("15")),
+            nbds_max: "16".into(),
+            in_use: "/dev/nbd0, /dev/nbd1".into(),
+        };
+        let t = e.to_string();
+        for want in [
+            "could not add an nbd device",
+            "takes indexes up to 65535",
+            "connected: /dev/nbd0, /dev/nbd1",
+            "`modprobe -r nbd && modprobe nbd max_part=0`",
+            "nbds_max=16 only pre-creates devices: `modprobe nbd nbds_max=N`",
+        ] {
+            assert!(t.contains(want), "{want:?} missing from: {t}");
+        }
     }
 
     #[test]
