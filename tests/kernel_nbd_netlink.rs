@@ -256,7 +256,7 @@ fn reconfigure_after_daemon_restart_completes_io_issued_during_the_outage() {
         size_bytes: size,
         block_size: BLOCK,
         server_flags: flags,
-        timeout: Some(Duration::from_secs(30)),
+        timeout: Some(Duration::from_secs(5)),
         dead_conn_timeout: Some(Duration::from_secs(60)),
         backend: Some(backend.clone()),
         ..ConnectParams::default()
@@ -267,6 +267,21 @@ fn reconfigure_after_daemon_restart_completes_io_issued_during_the_outage() {
     let dst = dir.path().join("before.bin");
     dd_read(index, &dst, 0, 64 * KIB).assert_success();
 
+    // A read in flight when loopd dies: sent while it is stopped, unanswered.
+    let (ioff, ilen) = (12 * MIB, 64 * KIB);
+    let inflight = dir.path().join("inflight.bin");
+    let (itx, irx) = mpsc::channel();
+    server.signal(libc::SIGSTOP);
+    {
+        let inflight = inflight.clone();
+        thread::spawn(move || {
+            let _ = itx.send(dd_read(index, &inflight, ioff, ilen));
+        });
+    }
+    assert!(
+        irx.recv_timeout(Duration::from_secs(1)).is_err(),
+        "a read completed while loopd was stopped"
+    );
     server.kill9();
     // The kernel's receive threads see EOF and mark both connections dead.
     thread::sleep(Duration::from_millis(500));
@@ -311,6 +326,18 @@ fn reconfigure_after_daemon_restart_completes_io_issued_during_the_outage() {
         .expect("I/O issued during the outage did not complete after RECONFIGURE");
     w.assert_success();
     r.assert_success();
+    // The read in flight at the crash timed out (5 s), was requeued and
+    // served by the new connections.
+    let i = irx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the read in flight at the crash did not complete after RECONFIGURE");
+    i.assert_success();
+    assert_bytes_eq(
+        &read_file(&inflight),
+        &pat(SEED, ioff, ilen),
+        ioff,
+        "read in flight at the crash",
+    );
     assert_bytes_eq(
         &read_range(&img, woff, wlen),
         &pat(0x33, 0, wlen),
