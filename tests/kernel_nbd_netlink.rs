@@ -261,6 +261,7 @@ fn reconfigure_after_daemon_restart_completes_io_issued_during_the_outage() {
         backend: Some(backend.clone()),
         ..ConnectParams::default()
     };
+    let mut watcher = k.watch_link_dead().expect("watch_link_dead");
     let index = k.connect(&p, &fds(&socks)).expect("connect");
     let _dev = Connected { index };
     drop(socks);
@@ -283,8 +284,17 @@ fn reconfigure_after_daemon_restart_completes_io_issued_during_the_outage() {
         "a read completed while loopd was stopped"
     );
     server.kill9();
-    // The kernel's receive threads see EOF and mark both connections dead.
-    thread::sleep(Duration::from_millis(500));
+    // The kernel's receive threads see EOF, mark both connections dead and
+    // announce it.
+    let start = Instant::now();
+    let mut dead = Vec::new();
+    while dead.iter().filter(|&&i| i == index).count() < 2 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no NBD_CMD_LINK_DEAD for both connections of /dev/nbd{index}: got {dead:?}"
+        );
+        dead.extend(watcher.wait(Duration::from_millis(200)).expect("watch"));
+    }
 
     // I/O during the outage: a write and a read, both with O_DIRECT.
     let src = dir.path().join("src.bin");

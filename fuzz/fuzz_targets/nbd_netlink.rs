@@ -1,12 +1,16 @@
 //! The kernel-nbd netlink reply parser against arbitrary bytes: a datagram
 //! fed to a request's `Transaction`, each reply it keeps decoded as CONNECT,
-//! STATUS and GETFAMILY replies. Nothing may panic, and what comes out must
+//! STATUS and GETFAMILY replies (family id, multicast group), and the
+//! datagram read as LINK_DEAD announcements. Nothing may panic, and what comes out must
 //! lie within the input.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use loopd::kernel_nbd::msg::{Message, Transaction, parse_attrs, parse_datagram};
-use loopd::kernel_nbd::proto::{parse_connect_reply, parse_family_id, parse_status_reply};
+use loopd::kernel_nbd::proto::{
+    NBD_GENL_MCAST_GROUP_NAME, parse_connect_reply, parse_family_id, parse_link_dead,
+    parse_mcast_group, parse_status_reply,
+};
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(msgs) = parse_datagram(data) {
@@ -33,6 +37,10 @@ fuzz_target!(|data: &[u8]| {
             }
             let _ = parse_connect_reply(attrs);
             let _ = parse_family_id(attrs);
+            let _ = parse_mcast_group(attrs, NBD_GENL_MCAST_GROUP_NAME);
         }
+    }
+    if let Ok(dead) = parse_link_dead(data, family) {
+        assert!(dead.len() <= data.len() / 28);
     }
 });

@@ -204,6 +204,44 @@ fn check_connect(p: &ConnectParams, n_socks: usize) -> Result<(), KernelNbdError
 pub struct KernelNbd {
     sock: GenlSocket,
     family: u16,
+    /// The `nbd_mc_group` multicast group, if the kernel has it.
+    mcast: Option<u32>,
+}
+
+/// Announcements that a connection of a device died (`NBD_CMD_LINK_DEAD`):
+/// the kernel gave up on it (EOF, an error, or a request past its timeout,
+/// after which nbd.c shuts the socket down) and the device needs a new one
+/// through [`KernelNbd::reconfigure`]. Its own socket; poll it with
+/// [`std::os::fd::AsFd`] or wait with [`LinkDeadWatcher::wait`].
+#[derive(Debug)]
+pub struct LinkDeadWatcher {
+    sock: GenlSocket,
+    family: u16,
+}
+
+impl std::os::fd::AsFd for LinkDeadWatcher {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.sock.as_fd()
+    }
+}
+
+impl LinkDeadWatcher {
+    /// The indexes announced within `timeout` (one datagram's worth; empty
+    /// if none came). An overrun (`ENOBUFS`) is an error: announcements were
+    /// lost, so check every device with [`KernelNbd::status`].
+    pub fn wait(&mut self, timeout: Duration) -> Result<Vec<u32>, KernelNbdError> {
+        let op = "wait for dead nbd connections";
+        match self.sock.recv_within(timeout) {
+            Ok(None) => Ok(Vec::new()),
+            Ok(Some(d)) => {
+                proto::parse_link_dead(&d, self.family).map_err(|e| KernelNbdError::Socket {
+                    op,
+                    source: SocketError::Reply(e),
+                })
+            }
+            Err(source) => Err(KernelNbdError::Socket { op, source }),
+        }
+    }
 }
 
 impl KernelNbd {
@@ -225,11 +263,40 @@ impl KernelNbd {
             })?;
         let family =
             family_from(&replies).map_err(|source| KernelNbdError::Socket { op, source })?;
-        Ok(KernelNbd { sock, family })
+        let mcast = replies.first().and_then(|(_, a)| {
+            proto::parse_mcast_group(a, proto::NBD_GENL_MCAST_GROUP_NAME)
+                .ok()
+                .flatten()
+        });
+        Ok(KernelNbd {
+            sock,
+            family,
+            mcast,
+        })
     }
 
     pub fn family_id(&self) -> u16 {
         self.family
+    }
+
+    /// Subscribes a new socket to the kernel's `NBD_CMD_LINK_DEAD`
+    /// announcements (for every nbd device; filter by index).
+    pub fn watch_link_dead(&self) -> Result<LinkDeadWatcher, KernelNbdError> {
+        let op = "watch for dead nbd connections";
+        let group = self.mcast.ok_or(KernelNbdError::Socket {
+            op,
+            source: SocketError::Reply(msg::MsgError::Missing {
+                ty: msg::CTRL_ATTR_MCAST_GROUPS,
+            }),
+        })?;
+        let mut sock =
+            GenlSocket::open().map_err(|source| KernelNbdError::Socket { op, source })?;
+        sock.join_group(group)
+            .map_err(|source| KernelNbdError::Socket { op, source })?;
+        Ok(LinkDeadWatcher {
+            sock,
+            family: self.family,
+        })
     }
 
     /// Connects a device to `socks` (each already past the handshake) and

@@ -43,6 +43,9 @@ pub const GENL_ID_CTRL: u16 = 0x10;
 pub const CTRL_CMD_GETFAMILY: u8 = 3;
 pub const CTRL_ATTR_FAMILY_ID: u16 = 1;
 pub const CTRL_ATTR_FAMILY_NAME: u16 = 2;
+pub const CTRL_ATTR_MCAST_GROUPS: u16 = 7;
+pub const CTRL_ATTR_MCAST_GRP_NAME: u16 = 1;
+pub const CTRL_ATTR_MCAST_GRP_ID: u16 = 2;
 
 /// Longest message the builder makes (far above what loopd sends).
 pub const MAX_REQUEST: usize = 64 * 1024;

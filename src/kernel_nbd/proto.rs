@@ -3,12 +3,15 @@
 //! over bytes built on [`super::msg`].
 
 use super::msg::{
-    CTRL_ATTR_FAMILY_ID, CTRL_ATTR_FAMILY_NAME, CTRL_CMD_GETFAMILY, GENL_ID_CTRL, MsgBuilder,
-    MsgError, NLM_F_ACK, NLM_F_REQUEST, find, parse_attrs,
+    CTRL_ATTR_FAMILY_ID, CTRL_ATTR_FAMILY_NAME, CTRL_ATTR_MCAST_GROUPS, CTRL_ATTR_MCAST_GRP_ID,
+    CTRL_ATTR_MCAST_GRP_NAME, CTRL_CMD_GETFAMILY, GENL_ID_CTRL, Message, MsgBuilder, MsgError,
+    NLM_F_ACK, NLM_F_REQUEST, find, parse_attrs, parse_datagram,
 };
 
 pub const NBD_GENL_FAMILY_NAME: &str = "nbd";
 pub const NBD_GENL_VERSION: u8 = 1;
+/// The multicast group on which the kernel announces `NBD_CMD_LINK_DEAD`.
+pub const NBD_GENL_MCAST_GROUP_NAME: &str = "nbd_mc_group";
 
 pub const NBD_CMD_CONNECT: u8 = 1;
 pub const NBD_CMD_DISCONNECT: u8 = 2;
@@ -87,6 +90,50 @@ pub fn parse_family_id(attrs: &[u8]) -> Result<u16, MsgError> {
             ty: CTRL_ATTR_FAMILY_ID,
         })?
         .u16()
+}
+
+/// The id of multicast group `name` in a `CTRL_CMD_NEWFAMILY` reply's
+/// attributes, if the family has that group.
+pub fn parse_mcast_group(attrs: &[u8], name: &str) -> Result<Option<u32>, MsgError> {
+    let attrs = parse_attrs(attrs)?;
+    let Some(groups) = find(&attrs, CTRL_ATTR_MCAST_GROUPS) else {
+        return Ok(None);
+    };
+    for g in parse_attrs(groups.payload)? {
+        let fields = parse_attrs(g.payload)?;
+        let is_it = match find(&fields, CTRL_ATTR_MCAST_GRP_NAME) {
+            Some(n) => n.str()? == name,
+            None => false,
+        };
+        if is_it {
+            let id = find(&fields, CTRL_ATTR_MCAST_GRP_ID).ok_or(MsgError::Missing {
+                ty: CTRL_ATTR_MCAST_GRP_ID,
+            })?;
+            return id.u32().map(Some);
+        }
+    }
+    Ok(None)
+}
+
+/// The device indexes in the `NBD_CMD_LINK_DEAD` announcements of `family`
+/// in one datagram read from a socket in the nbd multicast group.
+pub fn parse_link_dead(datagram: &[u8], family: u16) -> Result<Vec<u32>, MsgError> {
+    let mut out = Vec::new();
+    for m in parse_datagram(datagram)? {
+        let Message::Genl {
+            msg_type,
+            cmd,
+            attrs,
+            ..
+        } = m
+        else {
+            continue;
+        };
+        if msg_type == family && cmd == NBD_CMD_LINK_DEAD {
+            out.push(parse_connect_reply(attrs)?);
+        }
+    }
+    Ok(out)
 }
 
 fn nbd_request(family: u16, seq: u32, cmd: u8) -> MsgBuilder {
@@ -312,6 +359,8 @@ mod tests {
             let _ = parse_status_reply(&data);
             let _ = parse_connect_reply(&data);
             let _ = parse_family_id(&data);
+            let _ = parse_mcast_group(&data, NBD_GENL_MCAST_GROUP_NAME);
+            let _ = parse_link_dead(&data, 0x22);
         }
     }
 
@@ -363,6 +412,47 @@ mod tests {
             .u16(CTRL_ATTR_FAMILY_ID, 0x1a);
         let (_, _, raw) = genl_attrs(&b.finish().unwrap());
         assert_eq!(parse_family_id(&raw), Ok(0x1a));
+    }
+
+    fn family_reply(groups: &[(&str, u32)]) -> Vec<u8> {
+        let mut b = MsgBuilder::genl(GENL_ID_CTRL, 0, 1, 1, 2);
+        b.u16(CTRL_ATTR_FAMILY_ID, 0x1a);
+        b.begin_nested(CTRL_ATTR_MCAST_GROUPS);
+        for (i, (name, id)) in groups.iter().enumerate() {
+            b.begin_nested(u16::try_from(i + 1).unwrap());
+            b.u32(CTRL_ATTR_MCAST_GRP_ID, *id)
+                .str(CTRL_ATTR_MCAST_GRP_NAME, name);
+            b.end_nested();
+        }
+        b.end_nested();
+        genl_attrs(&b.finish().unwrap()).2
+    }
+
+    #[test]
+    fn mcast_group_is_found_by_name() {
+        let raw = family_reply(&[("other", 3), (NBD_GENL_MCAST_GROUP_NAME, 9)]);
+        assert_eq!(
+            parse_mcast_group(&raw, NBD_GENL_MCAST_GROUP_NAME),
+            Ok(Some(9))
+        );
+        assert_eq!(parse_mcast_group(&raw, "missing"), Ok(None));
+        assert_eq!(parse_mcast_group(&family_reply(&[]), "x"), Ok(None));
+    }
+
+    #[test]
+    fn link_dead_announcements_of_the_family_are_read() {
+        let mut d = Vec::new();
+        for (family, cmd, index) in [
+            (0x22, NBD_CMD_LINK_DEAD, 4),
+            (0x23, NBD_CMD_LINK_DEAD, 5),
+            (0x22, NBD_CMD_STATUS, 6),
+            (0x22, NBD_CMD_LINK_DEAD, 7),
+        ] {
+            let mut b = MsgBuilder::genl(family, 0, 0, cmd, 1);
+            b.u32(NBD_ATTR_INDEX, index);
+            d.extend(b.finish().unwrap());
+        }
+        assert_eq!(parse_link_dead(&d, 0x22), Ok(vec![4, 7]));
     }
 
     #[test]

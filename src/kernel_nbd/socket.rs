@@ -9,11 +9,12 @@ use rustix::net::{
     AddressFamily, RecvFlags, SendFlags, SocketType, bind, netlink, recv, send, socket,
     sockopt::{Timeout, set_socket_timeout},
 };
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
 use thiserror::Error;
 
 const SOL_NETLINK: libc::c_int = 270;
+const NETLINK_ADD_MEMBERSHIP: libc::c_int = 1;
 const NETLINK_CAP_ACK: libc::c_int = 10;
 const NETLINK_EXT_ACK: libc::c_int = 11;
 
@@ -32,6 +33,10 @@ pub enum SocketError {
     Send(#[source] std::io::Error),
     #[error("cannot read the kernel's reply")]
     Recv(#[source] std::io::Error),
+    #[error("cannot join netlink multicast group {0}")]
+    Join(u32, #[source] std::io::Error),
+    #[error("cannot wait for the kernel's announcements")]
+    Poll(#[source] std::io::Error),
     #[error("the kernel did not answer within {}s", REPLY_TIMEOUT.as_secs())]
     NoReply,
     #[error("the kernel's reply of {0} bytes does not fit the buffer")]
@@ -51,25 +56,39 @@ pub struct GenlSocket {
     seq: u32,
 }
 
+fn set_int_option(fd: &OwnedFd, opt: libc::c_int, value: u32) -> std::io::Result<()> {
+    const LEN: libc::socklen_t = 4;
+    const _: () = assert!(std::mem::size_of::<u32>() == LEN as usize);
+    // SAFETY: `fd` is an open socket; the value points at a live u32 and its
+    // size is passed with it; the kernel only reads it.
+    let r = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            SOL_NETLINK,
+            opt,
+            (&raw const value).cast(),
+            LEN,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// Asks for the kernel's extended-ack messages and for errors that echo only
 /// the request's header. Both are optional: older kernels refuse them, and
 /// then errors come without a message.
 fn set_ack_options(fd: &OwnedFd) {
-    const LEN: libc::socklen_t = 4;
-    const _: () = assert!(std::mem::size_of::<libc::c_int>() == LEN as usize);
     for opt in [NETLINK_CAP_ACK, NETLINK_EXT_ACK] {
-        let one: libc::c_int = 1;
-        // SAFETY: `fd` is an open socket; the value points at a live c_int
-        // and its size is passed with it.
-        let _ = unsafe {
-            libc::setsockopt(
-                fd.as_raw_fd(),
-                SOL_NETLINK,
-                opt,
-                (&raw const one).cast(),
-                LEN,
-            )
-        };
+        let _ = set_int_option(fd, opt, 1);
+    }
+}
+
+impl AsFd for GenlSocket {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
     }
 }
 
@@ -87,6 +106,43 @@ impl GenlSocket {
             .map_err(|e| SocketError::Open(e.into()))?;
         set_ack_options(&fd);
         Ok(GenlSocket { fd, seq: 0 })
+    }
+
+    /// Joins multicast group `group` (an id from `CTRL_CMD_GETFAMILY`).
+    pub fn join_group(&mut self, group: u32) -> Result<(), SocketError> {
+        set_int_option(&self.fd, NETLINK_ADD_MEMBERSHIP, group)
+            .map_err(|e| SocketError::Join(group, e))
+    }
+
+    /// The next datagram, waiting at most `timeout`; `None` if none came.
+    pub fn recv_within(&mut self, timeout: Duration) -> Result<Option<Vec<u8>>, SocketError> {
+        let ts = rustix::event::Timespec {
+            tv_sec: i64::try_from(timeout.as_secs()).unwrap_or(i64::MAX),
+            tv_nsec: i64::from(timeout.subsec_nanos()),
+        };
+        let mut pfd = [rustix::event::PollFd::new(
+            &self.fd,
+            rustix::event::PollFlags::IN,
+        )];
+        match rustix::event::poll(&mut pfd, Some(&ts)) {
+            Ok(0) | Err(rustix::io::Errno::INTR) => return Ok(None),
+            Ok(_) => {}
+            Err(e) => return Err(SocketError::Poll(e.into())),
+        }
+        let mut buf = vec![0u8; RECV_BUF];
+        match recv(
+            &self.fd,
+            &mut buf[..],
+            RecvFlags::TRUNC | RecvFlags::DONTWAIT,
+        ) {
+            Ok((got, full)) if full > got => Err(SocketError::Truncated(full)),
+            Ok((got, _)) => {
+                buf.truncate(got);
+                Ok(Some(buf))
+            }
+            Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => Ok(None),
+            Err(e) => Err(SocketError::Recv(e.into())),
+        }
     }
 
     /// Sends the request `build` makes for a fresh sequence number and
