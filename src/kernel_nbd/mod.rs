@@ -19,9 +19,16 @@
 //!   find its index again). The device lives until [`KernelNbd::disconnect`].
 //! - Restart: with a dead-connection timeout, requests issued while every
 //!   connection is dead wait that long for [`KernelNbd::reconfigure`]
-//!   instead of failing. The kernel replaces only connections it has already
-//!   marked dead (it notices EOF at once); a socket given when none is dead is
-//!   dropped without an error (`ENOSPC` is turned into success in nbd.c).
+//!   instead of failing. Requests in flight when a connection died are sent
+//!   again once they time out ([`ConnectParams::timeout`]: set it). The
+//!   kernel replaces only connections it has already marked dead (it notices
+//!   EOF at once and announces it, see [`LinkDeadWatcher`]); a socket given
+//!   when none is dead is dropped without an error (nbd.c turns `ENOSPC` into
+//!   success). A restarted daemon finds its device with
+//!   [`KernelNbd::find_backend`].
+//! - The per-request timeout cuts both ways: a request slower than it makes
+//!   the kernel shut that connection down and resend the request elsewhere,
+//!   so a live daemon should watch [`LinkDeadWatcher`] and reconfigure.
 //!
 //! Does not import the engine, NBD server or daemon: the daemon makes the
 //! socket pairs and hands one end here, the other to a reactor.
