@@ -133,6 +133,7 @@ fn spec(image: &Path, name: &str) -> DeviceSpec {
         create: None,
         shared: false,
         format: None,
+        ..Default::default()
     }
 }
 

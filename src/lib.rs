@@ -14,6 +14,7 @@ pub mod device;
 pub mod engine;
 pub mod frontend;
 pub mod kernel_loop;
+pub mod kernel_nbd;
 pub mod reactor;
 pub mod ring;
 pub mod server;

@@ -705,11 +705,11 @@ impl Daemon {
         })?;
         // The removal is durable before anything else happens; if it cannot be
         // recorded the device stays as it was.
-        if let Err(err) = self.record_del(&e) {
+        if let Err(err) = self.record_del(e) {
             e.reopen();
             return Err(err);
         }
-        self.unpublish(&e);
+        self.unpublish(e);
         if n > 0 {
             self.kick_reactors();
             self.kick_handshakes();

@@ -296,6 +296,7 @@ mod tests {
             create: None,
             shared: false,
             format: None,
+            ..Default::default()
         };
         (Arc::new(Export::new(dev, spec, false)), dir)
     }

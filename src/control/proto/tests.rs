@@ -15,6 +15,7 @@ fn attach_round_trips() {
         create: None,
         shared: true,
         format: Some(crate::backing::format::ImageFormat::Raw),
+        ..Default::default()
     });
     assert_eq!(parse_request(encode_request(&r).as_bytes()), Ok(r));
 }
@@ -113,6 +114,7 @@ fn device_spec() -> impl Strategy<Value = DeviceSpec> {
                     create,
                     shared,
                     format: raw.then_some(crate::backing::format::ImageFormat::Raw),
+                    ..Default::default()
                 }
             },
         )

@@ -14,6 +14,7 @@ fn spec(name: &str) -> DeviceSpec {
         create: None,
         shared: false,
         format: None,
+        ..Default::default()
     }
 }
 
