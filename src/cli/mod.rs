@@ -68,8 +68,9 @@ pub struct DeviceArgs {
     #[arg(long, value_enum, value_name = "FORMAT")]
     pub format: Option<Format>,
     /// Also hand the device to the kernel as a block device: `ublk` gives
-    /// /dev/ublkbN (Linux 6.0+, module ublk_drv). The block device is printed
-    /// once it exists and serves I/O.
+    /// /dev/ublkbN (Linux 6.0+, module ublk_drv); `nbd` connects the kernel's NBD
+    /// client to this export in one step and gives /dev/nbdN (module nbd). The
+    /// block device is printed once it exists and serves I/O.
     #[arg(long, value_enum, value_name = "KIND")]
     pub blockdev: Option<BlockdevArg>,
     /// ublk: hardware queues, each served by one reactor [default: one per reactor].
@@ -78,6 +79,10 @@ pub struct DeviceArgs {
     /// ublk: requests in flight per queue [default: 128].
     #[arg(long, value_name = "D", requires = "blockdev")]
     pub queue_depth: Option<u16>,
+    /// nbd: connections between the kernel and loopd, served by several
+    /// reactors (like qemu-nbd --connect with multiple connections) [default: 1].
+    #[arg(long, value_name = "N", requires = "blockdev")]
+    pub connections: Option<u16>,
     /// Return only once the block device's partition devices exist (no window
     /// where mkfs races udev).
     #[arg(long, requires = "blockdev")]
@@ -88,12 +93,15 @@ pub struct DeviceArgs {
 pub enum BlockdevArg {
     /// /dev/ublkbN through the kernel's ublk driver.
     Ublk,
+    /// /dev/nbdN: the kernel's NBD client on socket pairs to this export.
+    Nbd,
 }
 
 impl From<BlockdevArg> for Blockdev {
     fn from(b: BlockdevArg) -> Blockdev {
         match b {
             BlockdevArg::Ublk => Blockdev::Ublk,
+            BlockdevArg::Nbd => Blockdev::Nbd,
         }
     }
 }
@@ -131,6 +139,7 @@ impl DeviceArgs {
             blockdev: self.blockdev.map(Into::into),
             queues: self.queues,
             queue_depth: self.queue_depth,
+            connections: self.connections,
             partscan: self.partscan,
             ublk_id: None,
         }

@@ -1,11 +1,19 @@
-//! Handing a device to the kernel as a block device: `/dev/ublkbN`.
+//! Handing a device to the kernel as a block device: `/dev/ublkbN` (ublk) or
+//! `/dev/nbdN` (the kernel's NBD client, connected in one step).
 //!
-//! Order (the driver's): ADD_DEV → SET_PARAMS (from the device's geometry) →
+//! ublk, in the driver's order: ADD_DEV → SET_PARAMS (from the device's geometry) →
 //! every queue built on its reactor with all its tags fetched → START_DEV, which
 //! returns once the disk exists (the kernel reads its partition table through
 //! the queues meanwhile). Removal: STOP_DEV (the disk goes away; the kernel
 //! aborts the queues' commands) → wait until every queue is gone (they hold the
 //! char device) → DEL_DEV.
+//!
+//! NBD: socket pairs, one end handed to a reactor as an already negotiated
+//! connection (no handshake round trip), the other to the kernel over netlink
+//! (NBD_CMD_CONNECT) with the export's size, block size and transmission flags
+//! and a backend identifier; a dead-connection timeout keeps I/O waiting when the
+//! daemon dies, and a restarted daemon finds the device by its identifier and
+//! hands it new connections (NBD_CMD_RECONFIGURE). Removal: NBD_CMD_DISCONNECT.
 //!
 //! Everything here runs on control threads and may block (control commands,
 //! the char device's appearance, START_DEV); the reactors never wait for it.
@@ -14,6 +22,11 @@
 use crate::device::Device;
 use crate::device::export::Export;
 use crate::device::spec::DeviceSpec;
+use crate::engine::admit::Admission;
+use crate::frontend::nbd::affinity::Peer;
+use crate::frontend::nbd::handshake::transmission_flags;
+use crate::kernel_nbd::{ConnectParams, KernelNbd, KernelNbdError, ReconfigureParams};
+use crate::reactor::NewConn;
 use crate::frontend::ublk::chardev::{CharError, UblkChar};
 use crate::frontend::ublk::ctrl::{AddDev, CtrlError, DeviceParams, UblkCtrl};
 use crate::frontend::ublk::sys::{
@@ -21,6 +34,7 @@ use crate::frontend::ublk::sys::{
 };
 use crate::reactor::ReactorHandle;
 use crate::reactor::handle::UblkQueueSetup;
+use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::sync::{Arc, Mutex};
@@ -36,8 +50,20 @@ const MAX_ZEROES: u32 = 1 << 30;
 /// How long to wait for the char device, the queues, or their end.
 const WAIT: Duration = Duration::from_secs(10);
 
+/// Per-request timeout the kernel NBD client applies (a request in flight when
+/// a connection dies is sent again after it).
+const NBD_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the kernel NBD client keeps I/O waiting for a restarted daemon.
+const NBD_DEAD_CONN_TIMEOUT: Duration = Duration::from_secs(300);
+
 #[derive(Debug, Error)]
 pub enum BlockdevError {
+    #[error("{0}")]
+    Nbd(#[from] KernelNbdError),
+    #[error("cannot make a socket pair for the kernel NBD connection")]
+    SocketPair(#[source] std::io::Error),
+    #[error("--connections must be 1..=64, not {0}")]
+    Connections(u16),
     #[error("{0}")]
     Ctrl(#[from] CtrlError),
     #[error("{0}")]
@@ -309,5 +335,193 @@ fn recover(
         dev_id: info.dev_id,
         ctrl: Mutex::new(ctrl),
         done: Mutex::new(done_rx),
+    })
+}
+
+/// A device's kernel NBD client (`/dev/nbdN`) connected to its export.
+pub struct NbdDevice {
+    pub index: u32,
+    kn: Mutex<KernelNbd>,
+    export: Arc<Export>,
+    /// Connections handed to the kernel.
+    conns: u32,
+}
+
+impl NbdDevice {
+    pub fn path(&self) -> PathBuf {
+        crate::kernel_nbd::device_path(self.index)
+    }
+
+    /// Disconnect the kernel client (the device goes back to size 0) and wait
+    /// until its connections are gone from the reactors.
+    pub fn remove(&self) -> Result<(), BlockdevError> {
+        let goal = self.export.clients().saturating_sub(self.conns);
+        let mut kn = self.kn.lock().unwrap_or_else(|p| p.into_inner());
+        kn.disconnect(self.index)?;
+        let deadline = Instant::now() + WAIT;
+        // The kernel shuts its sockets; their reactor connections see EOF.
+        while self.export.clients() > goal && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(())
+    }
+}
+
+/// The identifier the kernel keeps in `/sys/block/nbdN/backend`, by which a
+/// restarted daemon finds its device again.
+fn nbd_backend(export: &Export) -> String {
+    format!("loopd:{}", export.name)
+}
+
+/// Connect the kernel's NBD client to `export` over `n` socket pairs, the
+/// loopd ends served by `reactors` as negotiated connections; or, where a
+/// device with this export's backend identifier waits for its dead connections
+/// (the daemon died), hand it new ones.
+pub fn start_nbd(
+    export: &Arc<Export>,
+    spec: &DeviceSpec,
+    reactors: &[Arc<ReactorHandle>],
+) -> Result<NbdDevice, BlockdevError> {
+    if reactors.is_empty() {
+        return Err(BlockdevError::NoReactors);
+    }
+    let n = spec.connections.unwrap_or(1);
+    if !(1..=64).contains(&n) {
+        return Err(BlockdevError::Connections(n));
+    }
+    let mut kn = KernelNbd::open()?;
+    let backend = nbd_backend(export);
+    let existing = kn.find_backend(&backend)?;
+    let (dev, _) = export.current();
+    let mut kernel_ends = Vec::new();
+    // Kernel connections are the daemon's own: outside --max-connections.
+    let admission = Admission::new(usize::MAX);
+    for i in 0..usize::from(n) {
+        let (k, u) = rustix::net::socketpair(
+            rustix::net::AddressFamily::UNIX,
+            rustix::net::SocketType::STREAM,
+            rustix::net::SocketFlags::CLOEXEC,
+            None,
+        )
+        .map_err(|e| BlockdevError::SocketPair(e.into()))?;
+        let (Some(client), Some(permit)) = (export.join(), admission.try_admit()) else {
+            return Err(BlockdevError::NoReactors);
+        };
+        reactors[i % reactors.len()].add(NewConn {
+            sock: u,
+            client,
+            permit,
+            structured: false,
+            meta_context: false,
+            peer: Peer::Unknown,
+        });
+        kernel_ends.push(k);
+    }
+    let fds: Vec<_> = kernel_ends.iter().map(|f| f.as_fd()).collect();
+    let index = match existing {
+        Some(index) => {
+            kn.reconfigure(
+                index,
+                &ReconfigureParams {
+                    timeout: Some(NBD_TIMEOUT),
+                    dead_conn_timeout: Some(NBD_DEAD_CONN_TIMEOUT),
+                    backend: Some(backend.clone()),
+                },
+                &fds,
+            )?;
+            tracing::info!(
+                "device {:?}: reconnected /dev/nbd{index} left by the previous server",
+                export.name
+            );
+            index
+        }
+        None => kn.connect(
+            &ConnectParams {
+                index: None,
+                size_bytes: dev.size - dev.size % u64::from(dev.block_size),
+                block_size: dev.block_size,
+                server_flags: transmission_flags(&dev, false),
+                timeout: Some(NBD_TIMEOUT),
+                dead_conn_timeout: Some(NBD_DEAD_CONN_TIMEOUT),
+                destroy_on_disconnect: false,
+                backend: Some(backend),
+            },
+            &fds,
+        )?,
+    };
+    // The kernel holds its own references to the sockets now.
+    drop(fds);
+    drop(kernel_ends);
+    Ok(NbdDevice {
+        index,
+        kn: Mutex::new(kn),
+        export: Arc::clone(export),
+        conns: u32::from(n),
+    })
+}
+
+/// A device's kernel block device, of either kind.
+pub enum KernelDev {
+    Ublk(UblkDevice),
+    Nbd(NbdDevice),
+}
+
+impl KernelDev {
+    pub fn path(&self) -> PathBuf {
+        match self {
+            KernelDev::Ublk(u) => u.path(),
+            KernelDev::Nbd(n) => n.path(),
+        }
+    }
+
+    /// The export's clients that are this block device's own connections.
+    pub fn own_clients(&self) -> u32 {
+        match self {
+            KernelDev::Ublk(_) => 0,
+            KernelDev::Nbd(n) => n.conns,
+        }
+    }
+
+    pub fn remove(&self) -> Result<(), BlockdevError> {
+        match self {
+            KernelDev::Ublk(u) => u.remove(),
+            KernelDev::Nbd(n) => n.remove(),
+        }
+    }
+
+    /// Whether the kernel can follow a size change.
+    pub fn can_resize(&self) -> Result<(), BlockdevError> {
+        match self {
+            KernelDev::Ublk(u) => u.can_resize(),
+            KernelDev::Nbd(_) => Err(BlockdevError::Unfollowable(
+                "the kernel NBD client cannot change a connected device's size (netlink \
+                 reconfigure carries no size); detach and attach the device to give it the new size"
+                    .into(),
+            )),
+        }
+    }
+
+    pub fn resize(&self, bytes: u64) -> Result<(), BlockdevError> {
+        match self {
+            KernelDev::Ublk(u) => u.resize(bytes),
+            KernelDev::Nbd(_) => self.can_resize(),
+        }
+    }
+}
+
+/// Make the kernel block device `spec` asks for.
+pub fn start(
+    export: &Arc<Export>,
+    spec: &DeviceSpec,
+    reactors: &[Arc<ReactorHandle>],
+) -> Result<Option<KernelDev>, BlockdevError> {
+    Ok(match spec.blockdev {
+        None => None,
+        Some(crate::device::spec::Blockdev::Ublk) => {
+            Some(KernelDev::Ublk(start_ublk(export, spec, reactors)?))
+        }
+        Some(crate::device::spec::Blockdev::Nbd) => {
+            Some(KernelDev::Nbd(start_nbd(export, spec, reactors)?))
+        }
     })
 }

@@ -30,12 +30,12 @@ use crate::control::proto::{
     DeviceSpec, ErrorBody, ErrorCode, Request, SetSpec, err_reply, ok_reply,
 };
 use crate::device::export::{ClientRef, Export};
-use crate::device::spec::Blockdev;
 use crate::device::{Device, DeviceError, DeviceParams};
 use crate::frontend::nbd::handshake::Exports;
 use crate::frontend::ublk::ctrl::CtrlError;
 use crate::reactor::{CONTROL_GEN, ReactorHandle};
-use blockdev::{BlockdevError, UblkDevice};
+use crate::kernel_nbd::KernelNbdError;
+use blockdev::{BlockdevError, KernelDev};
 use info::{DeviceInfo, DeviceStatus, SetResult};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -102,7 +102,15 @@ impl CtlError {
             CtlError::ShuttingDown => ErrorCode::ShuttingDown,
             CtlError::State { .. } => ErrorCode::Io,
             CtlError::Blockdev { source, .. } => match source {
-                BlockdevError::TooManyQueues { .. } | BlockdevError::Depth(_) => ErrorCode::Invalid,
+                BlockdevError::TooManyQueues { .. }
+                | BlockdevError::Depth(_)
+                | BlockdevError::Connections(_) => ErrorCode::Invalid,
+                BlockdevError::Nbd(
+                    KernelNbdError::NoModule | KernelNbdError::NotPermitted { .. },
+                )
+                | BlockdevError::Nbd(KernelNbdError::NoDevice { .. }) => ErrorCode::Unavailable,
+                BlockdevError::Nbd(KernelNbdError::BlockSize(_)) => ErrorCode::Invalid,
+                BlockdevError::Nbd(_) | BlockdevError::SocketPair(_) => ErrorCode::Io,
                 BlockdevError::Unfollowable(_) => ErrorCode::Unavailable,
                 BlockdevError::Ctrl(CtrlError::Params(_)) => ErrorCode::Invalid,
                 BlockdevError::Ctrl(
@@ -199,7 +207,7 @@ pub struct Daemon {
     /// Pokes the handshake loop (see [`Daemon::set_handshake_kick`]).
     handshake_kick: Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
     /// Block devices handed to the kernel, by device name.
-    blockdevs: Mutex<BTreeMap<String, Arc<UblkDevice>>>,
+    blockdevs: Mutex<BTreeMap<String, Arc<KernelDev>>>,
 }
 
 /// A recorded device that is not attached: its spec and why.
@@ -388,7 +396,7 @@ impl Daemon {
     }
 
     /// The block device of device `name`, if it has one.
-    fn blockdev(&self, name: &str) -> Option<Arc<UblkDevice>> {
+    fn blockdev(&self, name: &str) -> Option<Arc<KernelDev>> {
         let g = self.blockdevs.lock().unwrap_or_else(|p| p.into_inner());
         g.get(name).cloned()
     }
@@ -401,22 +409,28 @@ impl Daemon {
             return Err(CtlError::NotFound(name.to_owned()));
         };
         let spec = e.spec();
-        let Some(Blockdev::Ublk) = spec.blockdev else {
+        if spec.blockdev.is_none() {
             return Ok(());
-        };
+        }
         if self.reactors().is_empty() || self.blockdev(name).is_some() {
             // Made once the reactors run (start_pending_blockdevs), or made.
             return Ok(());
         }
-        match blockdev::start_ublk(&e, &spec, &self.reactors()) {
-            Ok(u) => {
-                tracing::info!("device {name:?}: {}", u.path().display());
-                let id = u.dev_id;
+        match blockdev::start(&e, &spec, &self.reactors()) {
+            Ok(None) => Ok(()),
+            Ok(Some(k)) => {
+                tracing::info!("device {name:?}: {}", k.path().display());
+                let ublk_id = match &k {
+                    KernelDev::Ublk(u) => Some(u.dev_id),
+                    KernelDev::Nbd(_) => None,
+                };
                 {
                     let mut g = self.blockdevs.lock().unwrap_or_else(|p| p.into_inner());
-                    g.insert(name.to_owned(), Arc::new(u));
+                    g.insert(name.to_owned(), Arc::new(k));
                 }
-                if spec.ublk_id != Some(id) {
+                if let Some(id) = ublk_id
+                    && spec.ublk_id != Some(id)
+                {
                     // Recorded so that a daemon restarted after a crash takes the
                     // same device back (user recovery).
                     let mut spec = spec;
@@ -677,7 +691,7 @@ impl Daemon {
             .ok_or_else(|| CtlError::NotFound(name.to_owned()))?;
         if let Some(b) = self.blockdev(name) {
             let path = b.path();
-            let n = e.clients();
+            let n = e.clients().saturating_sub(b.own_clients());
             if !force && n > 0 {
                 return Err(CtlError::Busy(format!(
                     "device {name:?} has {n} connected client(s); disconnect them or use --force"

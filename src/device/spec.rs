@@ -44,6 +44,9 @@ pub struct DeviceSpec {
     /// ublk: requests in flight per queue (default 128).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue_depth: Option<u16>,
+    /// nbd: connections to the kernel's NBD client (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connections: Option<u16>,
     /// Return from attach only once the partition devices exist.
     #[serde(default, skip_serializing_if = "is_false")]
     pub partscan: bool,
@@ -59,6 +62,9 @@ pub struct DeviceSpec {
 pub enum Blockdev {
     /// ublk (`/dev/ublkbN`; Linux 6.0+, module `ublk_drv`).
     Ublk,
+    /// The kernel's NBD client (`/dev/nbdN`; module `nbd`), connected to the
+    /// device's own export over socket pairs.
+    Nbd,
 }
 
 fn is_false(b: &bool) -> bool {
