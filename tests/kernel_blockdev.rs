@@ -1,12 +1,13 @@
-//! `loopd attach IMAGE --blockdev ublk`: a real `/dev/ublkbN` from loopd's own
-//! reactors, in direct and buffered cache mode: a filesystem with files and
-//! checksums, `fstrim` reaching the image as holes, fio with verification,
+//! `loopd attach IMAGE --blockdev ublk|nbd`: a real `/dev/ublkbN` served by
+//! loopd's own reactors, and `/dev/nbdN` (the kernel's NBD client connected to
+//! loopd in one step), in direct and buffered cache mode: a filesystem with files
+//! and checksums, `fstrim` reaching the image as holes, fio with verification,
 //! read-only devices, offset/size-limit windows, set/resize as far as the kernel
-//! follows, detach refusing while mounted, `kill -9` + restart recovering a
-//! mounted filesystem, partitions, and 50 devices.
+//! follows, detach refusing while mounted or open, `kill -9` + restart keeping a
+//! mounted filesystem (ublk recovery; NBD reconnect), and 50 devices.
 //!
-//! Runs as root inside the VM `scripts/vm-test.sh` boots (`ublk_drv` loaded,
-//! TMPDIR on a tmpfs). Every server, mount and device is a guard released on
+//! Runs as root inside the VM `scripts/vm-test.sh` boots (`ublk_drv` and `nbd`
+//! loaded, TMPDIR on a tmpfs). Every server, mount and device is a guard released on
 //! drop; a daemon's ublk devices are removed when it stops.
 
 #![cfg(feature = "vm-tests")]
@@ -34,6 +35,7 @@ fn scratch() -> tempfile::TempDir {
 fn daemon(dir: &Path) -> Server {
     require_root();
     require_module("ublk_drv");
+    require_module("nbd");
     Server::daemon()
         .socket_path(&dir.join("nbd.sock"))
         .args([OsArg::from("--state"), dir.join("loopd.state").into()])
@@ -124,12 +126,12 @@ fn drop_caches() {
 
 /// mkfs + mount + files + checksums across a remount and a page-cache drop +
 /// e2fsck; then fstrim punches the deleted file's blocks out of the image.
-fn filesystem_round_trip(cache: &str) {
+fn filesystem_round_trip(kind: &str, cache: &str) {
     let t = scratch();
     let srv = daemon(t.path());
     let img = t.path().join("fs.img");
     create_sparse_image(&img, 256 << 20);
-    let dev = attach(&srv, &img, &["--cache", cache]);
+    let dev = attach(&srv, kind, &img, &["--cache", cache]);
     assert_eq!(dev_size(&dev), 256 << 20);
     mkfs_ext4(&dev);
     let mnt = t.path().join("mnt");
@@ -158,25 +160,37 @@ fn filesystem_round_trip(cache: &str) {
         [OsArg::from("-fn"), dev.clone().into()],
     );
     srv.ctl_ok(&["detach", "fs"]);
-    assert!(!dev.exists(), "{} removed by detach", dev.display());
+    assert!(gone(&dev), "{} removed by detach", dev.display());
 }
 
 #[test]
-fn filesystem_direct() {
-    filesystem_round_trip("direct");
+fn ublk_filesystem_direct() {
+    filesystem_round_trip("ublk", "direct");
 }
 
 #[test]
-fn filesystem_buffered() {
-    filesystem_round_trip("buffered");
+fn ublk_filesystem_buffered() {
+    filesystem_round_trip("ublk", "buffered");
 }
 
-fn fio_verify(cache: &str) {
+#[test]
+fn nbd_filesystem_direct() {
+    filesystem_round_trip("nbd", "direct");
+}
+
+#[test]
+fn nbd_filesystem_buffered() {
+    filesystem_round_trip("nbd", "buffered");
+}
+
+fn fio_verify(kind: &str, cache: &str, extra: &[&str]) {
     let t = scratch();
     let srv = daemon(t.path());
     let img = t.path().join("fio.img");
     create_sparse_image(&img, 64 << 20);
-    let dev = attach(&srv, &img, &["--cache", cache]);
+    let mut args = vec!["--cache", cache];
+    args.extend_from_slice(extra);
+    let dev = attach(&srv, kind, &img, &args);
     for engine in ["libaio", "io_uring"] {
         sh(
             FIO_TIMEOUT,
@@ -203,22 +217,31 @@ fn fio_verify(cache: &str) {
 }
 
 #[test]
-fn fio_verifies_direct() {
-    fio_verify("direct");
+fn ublk_fio_verifies_direct() {
+    fio_verify("ublk", "direct", &[]);
 }
 
 #[test]
-fn fio_verifies_buffered() {
-    fio_verify("buffered");
+fn ublk_fio_verifies_buffered() {
+    fio_verify("ublk", "buffered", &[]);
 }
 
 #[test]
-fn read_only_device_refuses_writes() {
+fn nbd_fio_verifies_direct_two_connections() {
+    fio_verify("nbd", "direct", &["--connections", "2"]);
+}
+
+#[test]
+fn nbd_fio_verifies_buffered() {
+    fio_verify("nbd", "buffered", &[]);
+}
+
+fn read_only_device_refuses_writes(kind: &str) {
     let t = scratch();
     let srv = daemon(t.path());
     let img = t.path().join("ro.img");
     create_pattern_image(&img, 16 << 20, 7);
-    let dev = attach(&srv, &img, &["--read-only"]);
+    let dev = attach(&srv, kind, &img, &["--read-only"]);
     assert_eq!(
         sysblock(&dev, "ro"),
         "1",
@@ -249,13 +272,24 @@ fn read_only_device_refuses_writes() {
 }
 
 #[test]
-fn offset_and_size_limit_make_a_window() {
+fn ublk_read_only_device_refuses_writes() {
+    read_only_device_refuses_writes("ublk");
+}
+
+#[test]
+fn nbd_read_only_device_refuses_writes() {
+    read_only_device_refuses_writes("nbd");
+}
+
+#[test]
+fn ublk_offset_and_size_limit_make_a_window() {
     let t = scratch();
     let srv = daemon(t.path());
     let img = t.path().join("win.img");
     create_pattern_image(&img, 32 << 20, 3);
     let dev = attach(
         &srv,
+        "ublk",
         &img,
         &["--offset", "4M", "--size-limit", "8M", "--cache", "direct"],
     );
@@ -285,11 +319,17 @@ fn offset_and_size_limit_make_a_window() {
 
 #[test]
 fn set_and_resize_refuse_what_the_kernel_cannot_follow() {
+    for kind in ["ublk", "nbd"] {
+        set_and_resize_refusals(kind);
+    }
+}
+
+fn set_and_resize_refusals(kind: &str) {
     let t = scratch();
     let srv = daemon(t.path());
     let img = t.path().join("rs.img");
     create_sparse_image(&img, 16 << 20);
-    let dev = attach(&srv, &img, &[]);
+    let dev = attach(&srv, kind, &img, &[]);
     assert_eq!(dev_size(&dev), 16 << 20);
     fs::OpenOptions::new()
         .write(true)
@@ -298,10 +338,8 @@ fn set_and_resize_refuse_what_the_kernel_cannot_follow() {
         .set_len(32 << 20)
         .expect("grow image");
     let out = srv.ctl_err(&["resize", "rs"], "unavailable");
-    assert!(
-        out.stderr.contains("6.14"),
-        "the refusal says which kernel can: {out}"
-    );
+    let why = if kind == "ublk" { "6.14" } else { "size" };
+    assert!(out.stderr.contains(why), "the refusal says why: {out}");
     assert_eq!(dev_size(&dev), 16 << 20, "nothing changed");
     let out = srv.ctl_err(
         &["set", "rs", "--block-size", "4096", "--force"],
@@ -313,11 +351,17 @@ fn set_and_resize_refuse_what_the_kernel_cannot_follow() {
 
 #[test]
 fn detach_refuses_while_mounted_and_force_removes() {
+    for kind in ["ublk", "nbd"] {
+        detach_refusals(kind);
+    }
+}
+
+fn detach_refusals(kind: &str) {
     let t = scratch();
     let srv = daemon(t.path());
     let img = t.path().join("busy.img");
     create_sparse_image(&img, 64 << 20);
-    let dev = attach(&srv, &img, &[]);
+    let dev = attach(&srv, kind, &img, &[]);
     mkfs_ext4(&dev);
     let mnt = t.path().join("mnt");
     let m = Mount::new(&dev, &mnt, None);
@@ -326,7 +370,7 @@ fn detach_refuses_while_mounted_and_force_removes() {
         out.stderr.contains("mounted on") && out.stderr.contains(mnt.to_str().expect("utf-8")),
         "the refusal says where it is mounted: {out}"
     );
-    assert!(dev.exists(), "still there after the refusal");
+    assert!(!gone(&dev), "still there after the refusal");
     m.unmount();
     // Held open by another process: refused, and named.
     let mut holder = std::process::Command::new("sleep")
@@ -337,18 +381,27 @@ fn detach_refuses_while_mounted_and_force_removes() {
     let out = srv.ctl_err(&["detach", "busy"], "busy");
     assert!(out.stderr.contains("open by sleep"), "{out}");
     srv.ctl_ok(&["detach", "busy", "--force"]);
-    assert!(!dev.exists(), "--force removes it");
+    assert!(gone(&dev), "--force removes it");
     let _ = holder.kill();
     let _ = holder.wait();
 }
 
 #[test]
-fn kill_9_and_restart_recovers_a_mounted_filesystem() {
+fn ublk_kill_9_and_restart_recovers_a_mounted_filesystem() {
+    kill_9_and_restart("ublk", "recovered /dev/ublkb");
+}
+
+#[test]
+fn nbd_kill_9_and_restart_reconnects_a_mounted_filesystem() {
+    kill_9_and_restart("nbd", "reconnected /dev/nbd");
+}
+
+fn kill_9_and_restart(kind: &str, says: &str) {
     let t = scratch();
     let mut srv = daemon(t.path());
     let img = t.path().join("rec.img");
     create_sparse_image(&img, 128 << 20);
-    let dev = attach(&srv, &img, &["--cache", "buffered"]);
+    let dev = attach(&srv, kind, &img, &["--cache", "buffered"]);
     mkfs_ext4(&dev);
     let mnt = t.path().join("mnt");
     let m = Mount::new(&dev, &mnt, None);
@@ -366,8 +419,8 @@ fn kill_9_and_restart_recovers_a_mounted_filesystem() {
     let srv = daemon(t.path());
     let during = bg.join().expect("the write during the outage completed");
     assert!(
-        srv.stderr_text().contains("recovered /dev/ublkb"),
-        "the restarted daemon recovered the device:\n{}",
+        srv.stderr_text().contains(says),
+        "the restarted daemon took the device back:\n{}",
         srv.stderr_text()
     );
     assert_eq!(md5(&mnt.join("before")), before, "fsync'd data intact");
@@ -383,11 +436,11 @@ fn kill_9_and_restart_recovers_a_mounted_filesystem() {
         [OsArg::from("-fn"), dev.clone().into()],
     );
     srv.ctl_ok(&["detach", "rec"]);
-    assert!(!dev.exists());
+    assert!(gone(&dev));
 }
 
 #[test]
-fn fifty_devices_attach_and_detach() {
+fn ublk_fifty_devices_attach_and_detach() {
     let t = scratch();
     let srv = daemon(t.path());
     let start = Instant::now();
@@ -395,7 +448,7 @@ fn fifty_devices_attach_and_detach() {
     for i in 0..50u8 {
         let img = t.path().join(format!("m{i}.img"));
         create_pattern_image(&img, 1 << 20, i);
-        let dev = attach(&srv, &img, &["--queues", "1", "--queue-depth", "4"]);
+        let dev = attach(&srv, "ublk", &img, &["--queues", "1", "--queue-depth", "4"]);
         devs.push((img, dev, i));
     }
     for (_, dev, i) in &devs {
