@@ -11,14 +11,15 @@
 # status per binary, the console output) go to target/vm-test/. Exits non-zero
 # if the VM did not boot, if any suite failed, or if a suite wrote no result.
 # Environment: LOOPD_VM_KERNEL (a vmlinuz; default the newest /boot/vmlinuz-6.12*),
-# LOOPD_VM_TIMEOUT (seconds for the whole VM run, default 2400), LOOPD_VM_CPUS (2),
-# LOOPD_VM_MEMORY (3G).
+# LOOPD_VNG_VENV (virtme-ng's venv, default /opt/loopd-vng), LOOPD_VM_TIMEOUT
+# (seconds for the whole VM run, default 2400), LOOPD_VM_CPUS (2), LOOPD_VM_MEMORY (3G), LOOPD_VM_TEST_ARGS (extra arguments for every test
+# binary, e.g. a name filter: LOOPD_VM_TEST_ARGS=create_on_9p).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
 OUT=$ROOT/target/vm-test
-VNG=${LOOPD_VNG:-/opt/loopd-vng/bin/vng}
+VNG=${LOOPD_VNG_VENV:-/opt/loopd-vng}/bin/vng
 TIMEOUT=${LOOPD_VM_TIMEOUT:-2400}
 CPUS=${LOOPD_VM_CPUS:-2}
 MEMORY=${LOOPD_VM_MEMORY:-3G}
@@ -41,7 +42,6 @@ command -v busybox >/dev/null || die "busybox missing (run scripts/install-test-
 echo "== vm-test: build"
 cargo build --release
 mkdir -p "$OUT"
-cargo test --release --features vm-tests --no-run --message-format=json >"$OUT/build.json"
 
 # The suites to run: every tests/kernel_*.rs, or those named on the command line.
 suites=()
@@ -54,6 +54,17 @@ else
     done
 fi
 [ "${#suites[@]}" -gt 0 ] || die "no tests/kernel_*.rs suite found"
+for s in "${suites[@]}"; do
+    [ -e "tests/$s.rs" ] || die "no suite tests/$s.rs"
+done
+
+# Only the kernel suites: the feature changes the library's build, so building
+# every test target with it would rebuild the whole host suite.
+test_targets=()
+for s in "${suites[@]}"; do
+    test_targets+=(--test "$s")
+done
+cargo test --release --features vm-tests --no-run --message-format=json-render-diagnostics "${test_targets[@]}" >"$OUT/build.json"
 
 # Map each suite to the test binary cargo just built (from cargo's JSON messages).
 declare -A bin_of=()
@@ -86,6 +97,7 @@ GUEST=$RUN/guest.sh
     echo "RUN='$RUN'"
     echo "ROOT='$ROOT'"
     echo "SUITES='${suites[*]}'"
+    echo "TEST_ARGS='${LOOPD_VM_TEST_ARGS:-}'"
     for s in "${suites[@]}"; do
         echo "BIN_$s='${bin_of[$s]}'"
     done
@@ -113,7 +125,8 @@ for s in $SUITES; do
     eval "bin=\$BIN_$s"
     echo "guest: running $s"
     start=$(date +%s)
-    "$bin" --test-threads=1 >"$RUN/logs/$s.log" 2>&1
+    # shellcheck disable=SC2086 # TEST_ARGS is split on purpose
+    "$bin" --test-threads=1 $TEST_ARGS >"$RUN/logs/$s.log" 2>&1
     rc=$?
     echo "guest: $s exited $rc after $(($(date +%s) - start)) s"
     echo "$rc" >"$RUN/status/$s"

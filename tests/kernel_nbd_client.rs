@@ -323,8 +323,8 @@ fn ninep_dir() -> PathBuf {
             panic!("LOOPD_VM_9P_DIR is not set: run this suite with scripts/vm-test.sh")
         });
     assert_eq!(
-        fs_magic(&d),
-        V9FS_MAGIC,
+        fs_type(&d),
+        "9p",
         "LOOPD_VM_9P_DIR={} is not on 9p",
         d.display()
     );

@@ -286,13 +286,28 @@ pub fn allocated_bytes(path: &Path) -> u64 {
         * 512
 }
 
-/// The filesystem type magic of the filesystem holding `path` (`statfs` f_type).
-pub fn fs_magic(path: &Path) -> i64 {
-    let st = rustix::fs::statfs(path).unwrap_or_else(|e| panic!("statfs {}: {e}", path.display()));
-    #[allow(clippy::unnecessary_cast)]
-    let t = st.f_type as i64;
-    t
+/// The type of the filesystem mounted at or above `path` (`/proc/self/mountinfo`,
+/// the longest mount point that is a prefix of the canonical path). `statfs`
+/// cannot tell: 9p reports the host filesystem's magic.
+pub fn fs_type(path: &Path) -> String {
+    let path =
+        fs::canonicalize(path).unwrap_or_else(|e| panic!("canonicalize {}: {e}", path.display()));
+    let info = fs::read_to_string("/proc/self/mountinfo").expect("read /proc/self/mountinfo");
+    let mut best: Option<(usize, String)> = None;
+    for line in info.lines() {
+        // ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER
+        let fields: Vec<&str> = line.split(' ').collect();
+        let (Some(mp), Some(dash)) = (fields.get(4), fields.iter().position(|f| *f == "-")) else {
+            continue;
+        };
+        let Some(fstype) = fields.get(dash + 1) else {
+            continue;
+        };
+        let mp = mp.replace("\\040", " ");
+        if path.starts_with(&mp) && best.as_ref().is_none_or(|(len, _)| mp.len() >= *len) {
+            best = Some((mp.len(), (*fstype).to_string()));
+        }
+    }
+    best.map(|(_, t)| t)
+        .unwrap_or_else(|| panic!("no mount holds {}", path.display()))
 }
-
-/// `statfs` magic of 9p (v9fs).
-pub const V9FS_MAGIC: i64 = 0x0102_1997;
