@@ -12,7 +12,9 @@
 # if the VM did not boot, if any suite failed, or if a suite wrote no result.
 # Environment: LOOPD_VM_KERNEL (a vmlinuz; default the newest /boot/vmlinuz-6.12*),
 # LOOPD_VNG_VENV (virtme-ng's venv, default /opt/loopd-vng), LOOPD_VM_TIMEOUT
-# (seconds for the whole VM run, default 2400), LOOPD_VM_CPUS (2), LOOPD_VM_MEMORY (3G), LOOPD_VM_TEST_ARGS (extra arguments for every test
+# (seconds for the whole VM run, default 2400), LOOPD_VM_SUITE_TIMEOUT (seconds
+# for one suite, default 1200; exit 124 when exceeded), LOOPD_VM_BOOT_TIMEOUT
+# (seconds until the guest must have started, default 300), LOOPD_VM_CPUS (2), LOOPD_VM_MEMORY (3G), LOOPD_VM_TEST_ARGS (extra arguments for every test
 # binary, e.g. a name filter: LOOPD_VM_TEST_ARGS=create_on_9p).
 set -euo pipefail
 
@@ -21,6 +23,8 @@ ROOT=$PWD
 OUT=$ROOT/target/vm-test
 VNG=${LOOPD_VNG_VENV:-/opt/loopd-vng}/bin/vng
 TIMEOUT=${LOOPD_VM_TIMEOUT:-2400}
+SUITE_TIMEOUT=${LOOPD_VM_SUITE_TIMEOUT:-1200}
+BOOT_TIMEOUT=${LOOPD_VM_BOOT_TIMEOUT:-300}
 CPUS=${LOOPD_VM_CPUS:-2}
 MEMORY=${LOOPD_VM_MEMORY:-3G}
 
@@ -98,6 +102,7 @@ GUEST=$RUN/guest.sh
     echo "ROOT='$ROOT'"
     echo "SUITES='${suites[*]}'"
     echo "TEST_ARGS='${LOOPD_VM_TEST_ARGS:-}'"
+    echo "SUITE_TIMEOUT='$SUITE_TIMEOUT'"
     for s in "${suites[@]}"; do
         echo "BIN_$s='${bin_of[$s]}'"
     done
@@ -126,7 +131,7 @@ for s in $SUITES; do
     echo "guest: running $s"
     start=$(date +%s)
     # shellcheck disable=SC2086 # TEST_ARGS is split on purpose
-    "$bin" --test-threads=1 $TEST_ARGS >"$RUN/logs/$s.log" 2>&1
+    timeout --kill-after=10 "$SUITE_TIMEOUT" "$bin" --test-threads=1 $TEST_ARGS >"$RUN/logs/$s.log" 2>&1
     rc=$?
     echo "guest: $s exited $rc after $(($(date +%s) - start)) s"
     echo "$rc" >"$RUN/status/$s"
@@ -140,19 +145,35 @@ chmod +x "$GUEST"
 # --- boot once, run everything ------------------------------------------------
 echo "== vm-test: booting $KERNEL (TCG, $CPUS cpus, $MEMORY) for: ${suites[*]}"
 t0=$(date +%s)
-set +e
+# In the background, so that a guest that never starts is caught early; timeout
+# leads its own process group (vng, qemu), which the trap ends if this script
+# is interrupted.
 PATH=$(dirname "$VNG"):$PATH timeout --kill-after=30 "$TIMEOUT" \
     "$VNG" --run "$KERNEL" --disable-kvm --cpus "$CPUS" --memory "$MEMORY" \
-    --rwdir "$RUN" --exec "$GUEST" </dev/null >"$RUN/console.log" 2>&1
+    --rwdir "$RUN" --exec "$GUEST" </dev/null >"$RUN/console.log" 2>&1 &
+vm_pid=$!
+stop_vm() { kill -TERM -- "-$vm_pid" 2>/dev/null || kill -TERM "$vm_pid" 2>/dev/null || true; }
+trap stop_vm EXIT
+trap 'stop_vm; exit 130' INT TERM
+no_boot=
+while kill -0 "$vm_pid" 2>/dev/null; do
+    if [ -z "$no_boot" ] && [ ! -e "$RUN/booted" ] && [ "$(date +%s)" -ge $((t0 + BOOT_TIMEOUT)) ]; then
+        no_boot="the guest did not start its script within $BOOT_TIMEOUT s"
+        stop_vm
+    fi
+    sleep 1
+done
+set +e
+wait "$vm_pid"
 vng_rc=$?
 set -e
+trap - EXIT INT TERM
 t1=$(date +%s)
 
 # --- report ---------------------------------------------------------------------
 echo "== vm-test: VM exited ($vng_rc) after $((t1 - t0)) s; logs in $RUN"
 if [ ! -e "$RUN/booted" ]; then
-    why="vng exited $vng_rc"
-    [ "$vng_rc" -eq 124 ] && why="no result within ${TIMEOUT} s"
+    why=${no_boot:-"vng exited $vng_rc"}
     echo "---- console ($RUN/console.log, last 40 lines)"
     tail -n 40 "$RUN/console.log" || true
     die "VM did not boot: $why, see $RUN/console.log"
