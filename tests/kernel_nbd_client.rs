@@ -243,11 +243,17 @@ fn read_only_refuses_writes(cache: &str) {
         )
     };
     match OpenOptions::new().write(true).open(nbd.path()) {
-        Err(e) => assert!(refused(&e), "open for writing failed oddly: {e}"),
+        Err(e) => {
+            eprintln!("open(O_WRONLY) refused: {e}");
+            assert!(refused(&e), "open for writing failed oddly: {e}");
+        }
         Ok(f) => {
             let r = f.write_all_at(&[0xAB; 4096], 0).and_then(|()| f.sync_all());
             match r {
-                Err(e) => assert!(refused(&e), "the write failed oddly: {e}"),
+                Err(e) => {
+                    eprintln!("write refused: {e}");
+                    assert!(refused(&e), "the write failed oddly: {e}");
+                }
                 Ok(()) => panic!(
                     "a write to the read-only {} succeeded",
                     nbd.path().display()
@@ -395,4 +401,36 @@ fn create_on_9p_falls_back_to_link() {
         "image on 9p after a write through /dev/nbdN",
     );
     drop(srv);
+}
+
+/// Racing creators on 9p (all through the link fallback): exactly one wins,
+/// the file has the winner's size, the losers and a later call leave it alone,
+/// and no temporary name is left.
+#[test]
+fn racing_creates_on_9p_have_one_winner() {
+    use loopd::backing::create::create_sparse;
+    let dir = tempfile::Builder::new()
+        .prefix("loopd-race-9p")
+        .tempdir_in(ninep_dir())
+        .expect("tempdir on 9p");
+    let img = dir.path().join("race.img");
+    let results: Vec<(u64, bool)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (1..=8u64)
+            .map(|i| {
+                let img = &img;
+                s.spawn(move || (i * MIB, create_sparse(img, i * MIB).expect("create on 9p")))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("thread")).collect()
+    });
+    let winners: Vec<u64> = results.iter().filter(|r| r.1).map(|r| r.0).collect();
+    assert_eq!(winners.len(), 1, "creators that won: {results:?}");
+    assert_eq!(file_len(&img), winners[0], "{results:?}");
+    assert!(!create_sparse(&img, 99 * MIB).expect("create over an existing file"));
+    assert_eq!(file_len(&img), winners[0]);
+    let names: Vec<String> = fs::read_dir(dir.path())
+        .expect("readdir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["race.img"], "left in the directory: {names:?}");
 }
