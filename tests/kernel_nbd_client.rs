@@ -111,7 +111,7 @@ fn ext4_files_survive_remount(cache: &str) {
         }
         fs::write(&p, data).unwrap_or_else(|e| panic!("write {}: {e}", p.display()));
     }
-    sh(KCMD_TIMEOUT, "sync", [m.dir()]);
+    sh(KCMD_TIMEOUT, "sync", [OsArg::from("-f"), m.dir().into()]);
     m.unmount();
     nbd.disconnect();
 
@@ -194,14 +194,14 @@ fn fstrim_punches_holes(cache: &str) {
         }
         f.sync_all().expect("fsync big file");
     }
-    sh(KCMD_TIMEOUT, "sync", [m.dir()]);
+    sh(KCMD_TIMEOUT, "sync", [OsArg::from("-f"), m.dir().into()]);
     let before = allocated_bytes(&img);
     assert!(
         before >= BIG,
         "the image holds {before} bytes after writing a {BIG}-byte file ({cache})"
     );
     fs::remove_file(&big).expect("rm big file");
-    sh(KCMD_TIMEOUT, "sync", [m.dir()]);
+    sh(KCMD_TIMEOUT, "sync", [OsArg::from("-f"), m.dir().into()]);
     let out = sh(KCMD_TIMEOUT, "fstrim", [OsArg::from("-v"), m.dir().into()]);
     let after = allocated_bytes(&img);
     assert!(
@@ -224,13 +224,8 @@ fn read_only_refuses_writes(cache: &str) {
     create_pattern_image(&img, SIZE, 7);
     let srv = serve(&img, cache, &["--read-only"]);
     let nbd = connect(&srv);
-    let index = nbd
-        .path()
-        .to_string_lossy()
-        .trim_start_matches("/dev/nbd")
-        .to_string();
     assert_eq!(
-        sysfs(format!("/sys/block/nbd{index}/ro")).as_deref(),
+        nbd.attr("ro").as_deref(),
         Some("1"),
         "the kernel did not mark {} read-only",
         nbd.path().display()

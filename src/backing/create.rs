@@ -64,7 +64,7 @@ pub fn rename_noreplace_unsupported(e: Errno) -> bool {
 /// Whether `link` failing with `e` means the filesystem does not do hard links
 /// (rather than, say, a permission or space problem worth reporting as is).
 fn link_unsupported(e: Errno) -> bool {
-    e == Errno::PERM || e == Errno::OPNOTSUPP || e == Errno::MLINK
+    e == Errno::PERM || e == Errno::OPNOTSUPP
 }
 
 /// Create a sparse image of `size` bytes at `path` (see the module doc).

@@ -130,11 +130,14 @@ impl NbdDev {
         &self.dev
     }
 
+    /// The device's sysfs attribute `name` (`/sys/block/nbdN/NAME`), trimmed.
+    pub fn attr(&self, name: &str) -> Option<String> {
+        sysfs(format!("/sys/block/nbd{}/{name}", self.index))
+    }
+
     /// The device's size in bytes, as the kernel sees it.
     pub fn size(&self) -> u64 {
-        let sectors: u64 = sysfs(format!("/sys/block/nbd{}/size", self.index))
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
+        let sectors: u64 = self.attr("size").and_then(|s| s.parse().ok()).unwrap_or(0);
         sectors * 512
     }
 
