@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Installs the external tools the end-to-end tests need (Debian/Ubuntu).
+# Installs the external tools the end-to-end tests need (Debian/Ubuntu), and
+# what the kernel-side tests (scripts/vm-test.sh) need (Debian 12): a 6.12
+# kernel from bookworm-backports, QEMU, busybox-static and virtme-ng.
 # Idempotent: does nothing when every tool is already present.
 set -euo pipefail
 
-PACKAGES=(qemu-utils fio nbdkit libnbd-bin python3-libnbd nbd-client)
-TOOLS=(qemu-io qemu-img qemu-nbd fio nbdkit nbdinfo nbdcopy nbdsh nbd-client nbdfuse)
+PACKAGES=(qemu-utils fio nbdkit libnbd-bin python3-libnbd nbd-client e2fsprogs util-linux fdisk)
+TOOLS=(qemu-io qemu-img qemu-nbd fio nbdkit nbdinfo nbdcopy nbdsh nbd-client nbdfuse
+    mkfs.ext4 e2fsck fstrim sfdisk)
 
 # /usr/bin first: nbdsh runs `python3`, which must be the system Python that
 # has the `nbd` module (not, say, a pyenv shim).
@@ -23,7 +26,7 @@ fi
 
 if [ "${#missing[@]}" -eq 0 ]; then
     echo "install-test-deps: all test tools present"
-    exit 0
+    exec "$(dirname "${BASH_SOURCE[0]}")/install-vm-deps.sh"
 fi
 
 echo "install-test-deps: missing: ${missing[*]}"
@@ -53,3 +56,4 @@ if [ "${#still[@]}" -ne 0 ]; then
     exit 1
 fi
 echo "install-test-deps: installed ${PACKAGES[*]}"
+exec "$(dirname "${BASH_SOURCE[0]}")/install-vm-deps.sh"

@@ -18,6 +18,9 @@ echo "== cargo test (release)"
 # --no-fail-fast: report failures from every test binary, not just the first.
 cargo test --release --no-fail-fast
 
+echo "== kernel-side tests (scripts/vm-test.sh: one VM boot, every tests/kernel_*.rs)"
+scripts/vm-test.sh
+
 echo "== fuzz smoke (every parser of untrusted bytes, ${FUZZ_SECONDS:-20}s each)"
 scripts/fuzz-smoke.sh "${FUZZ_SECONDS:-20}"
 

@@ -44,21 +44,26 @@ fn daemon(dir: &Path) -> Server {
 
 type OsArg = std::ffi::OsString;
 
-/// `loopd attach IMG --blockdev ublk ARGS`: the block device it printed.
-fn attach(srv: &Server, img: &Path, args: &[&str]) -> PathBuf {
+/// `loopd attach IMG --blockdev KIND ARGS`: the block device it printed.
+fn attach(srv: &Server, kind: &str, img: &Path, args: &[&str]) -> PathBuf {
     let mut a = vec![
         "attach",
         img.to_str().expect("utf-8 path"),
         "--blockdev",
-        "ublk",
+        kind,
     ];
     a.extend_from_slice(args);
     let out = srv.ctl_ok(&a);
+    let prefix = if kind == "ublk" {
+        "/dev/ublkb"
+    } else {
+        "/dev/nbd"
+    };
     let dev = out
         .stdout
         .lines()
-        .find(|l| l.starts_with("/dev/ublkb"))
-        .unwrap_or_else(|| panic!("attach printed no /dev/ublkbN:\n{out}"))
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_else(|| panic!("attach printed no {prefix}N:\n{out}"))
         .to_string();
     let dev = PathBuf::from(dev);
     // Printed only once it exists and serves I/O.
@@ -69,7 +74,17 @@ fn attach(srv: &Server, img: &Path, args: &[&str]) -> PathBuf {
         "{} is a block device",
         dev.display()
     );
+    assert!(
+        sysblock(&dev, "size").parse::<u64>().expect("size") > 0,
+        "{} has its size when attach returns",
+        dev.display()
+    );
     dev
+}
+
+/// Whether `dev` is gone (ublk: no node; nbd: the node stays, disconnected).
+fn gone(dev: &Path) -> bool {
+    !dev.exists() || sysblock(dev, "size") == "0"
 }
 
 fn sysblock(dev: &Path, attr: &str) -> String {

@@ -25,13 +25,13 @@ use crate::device::spec::DeviceSpec;
 use crate::engine::admit::Admission;
 use crate::frontend::nbd::affinity::Peer;
 use crate::frontend::nbd::handshake::transmission_flags;
-use crate::kernel_nbd::{ConnectParams, KernelNbd, KernelNbdError, ReconfigureParams};
-use crate::reactor::NewConn;
 use crate::frontend::ublk::chardev::{CharError, UblkChar};
 use crate::frontend::ublk::ctrl::{AddDev, CtrlError, DeviceParams, UblkCtrl};
 use crate::frontend::ublk::sys::{
     UBLK_F_UPDATE_SIZE, UBLK_S_DEV_FAIL_IO, UBLK_S_DEV_QUIESCED, UblksrvCtrlDevInfo,
 };
+use crate::kernel_nbd::{ConnectParams, KernelNbd, KernelNbdError, ReconfigureParams};
+use crate::reactor::NewConn;
 use crate::reactor::ReactorHandle;
 use crate::reactor::handle::UblkQueueSetup;
 use std::os::fd::AsFd;
@@ -462,7 +462,7 @@ pub fn start_nbd(
 
 /// A device's kernel block device, of either kind.
 pub enum KernelDev {
-    Ublk(UblkDevice),
+    Ublk(Box<UblkDevice>),
     Nbd(NbdDevice),
 }
 
@@ -517,9 +517,9 @@ pub fn start(
 ) -> Result<Option<KernelDev>, BlockdevError> {
     Ok(match spec.blockdev {
         None => None,
-        Some(crate::device::spec::Blockdev::Ublk) => {
-            Some(KernelDev::Ublk(start_ublk(export, spec, reactors)?))
-        }
+        Some(crate::device::spec::Blockdev::Ublk) => Some(KernelDev::Ublk(Box::new(start_ublk(
+            export, spec, reactors,
+        )?))),
         Some(crate::device::spec::Blockdev::Nbd) => {
             Some(KernelDev::Nbd(start_nbd(export, spec, reactors)?))
         }

@@ -22,6 +22,7 @@ pub mod stats;
 pub mod status;
 
 use crate::backing::align::{self, DioAlign};
+use crate::backing::create::{self, CreateError};
 use crate::backing::format::{self, Detected, ImageFormat};
 use crate::backing::lock::{ImageLock, LockError, Mode};
 use range_lock::RangeLock;
@@ -80,7 +81,7 @@ pub enum DeviceError {
     Create {
         path: PathBuf,
         #[source]
-        source: std::io::Error,
+        source: CreateError,
     },
     #[error("cannot open {path}")]
     Open {
@@ -219,45 +220,13 @@ fn open_file(path: &Path, read_only: bool, direct: bool) -> std::io::Result<File
     o.open(path)
 }
 
-/// Create a sparse image of `size` bytes at `path`, atomically: it is sized under
-/// a temporary name and renamed into place only if nothing is there, so a
-/// concurrent opener never sees it half-made. `Ok(false)`: someone else created it.
+/// Create a sparse image of `size` bytes at `path` if nothing is there (see
+/// [`crate::backing::create`]). `Ok(false)`: someone else created it.
 fn create_sparse(path: &Path, size: u64) -> Result<bool, DeviceError> {
-    use std::sync::atomic::AtomicU32;
-    static SEQ: AtomicU32 = AtomicU32::new(0);
-    let err = |source| DeviceError::Create {
+    create::create_sparse(path, size).map_err(|source| DeviceError::Create {
         path: path.to_path_buf(),
         source,
-    };
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-    let tmp = path.with_file_name(format!(".{name}.loopd-create.{}.{seq}", std::process::id()));
-    let f = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&tmp)
-        .map_err(err)?;
-    if let Err(e) = f.set_len(size) {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(err(e));
-    }
-    drop(f);
-    let cwd = rustix::fs::CWD;
-    let r = rustix::fs::renameat_with(cwd, &tmp, cwd, path, rustix::fs::RenameFlags::NOREPLACE);
-    match r {
-        Ok(()) => Ok(true),
-        Err(e) => {
-            let _ = std::fs::remove_file(&tmp);
-            if e == rustix::io::Errno::EXIST {
-                Ok(false)
-            } else {
-                Err(err(e.into()))
-            }
-        }
-    }
+    })
 }
 
 /// Refuse an image whose first bytes name a container format.

@@ -9,6 +9,9 @@
 
 #![allow(dead_code)]
 
+#[cfg(feature = "vm-tests")]
+pub mod kernel;
+
 use std::ffi::{OsStr, OsString};
 use std::fmt;
 use std::fs::{self, File, OpenOptions};

@@ -1,0 +1,316 @@
+//! Helpers for the kernel-side suites (`tests/kernel_*.rs`, feature `vm-tests`),
+//! which run as root inside the VM that `scripts/vm-test.sh` boots.
+//!
+//! Every resource is a guard that releases it on drop, also when the test
+//! panics: [`NbdDev`] disconnects its `/dev/nbdN`, [`Mount`] unmounts. Declare
+//! them in use order (server, then device, then mount) so that Rust drops them
+//! in the reverse, safe order. Nothing is ever found or cleaned up by name:
+//! a device is the one this guard connected, a mount the one it mounted.
+//!
+//! A missing kernel module or tool panics with what to do; nothing is skipped.
+
+use super::{Out, require_tool, run_cmd_timeout, tool};
+use std::ffi::OsStr;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// How long one external command (mkfs, mount, fio, ...) may take under TCG.
+pub const KCMD_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// Runs `name args` (killed after `timeout`) and panics with its output unless
+/// it exits 0.
+#[track_caller]
+pub fn sh<I, S>(timeout: Duration, name: &str, args: I) -> Out
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    sh_status(timeout, name, args).assert_success()
+}
+
+/// Runs `name args` (killed after `timeout`), whatever its exit status.
+pub fn sh_status<I, S>(timeout: Duration, name: &str, args: I) -> Out
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    let mut c = tool(name);
+    c.args(args);
+    run_cmd_timeout(c, timeout)
+}
+
+/// Panics unless the kernel module `module` is loaded (the runner loads
+/// `nbd` and `ublk_drv`; a test never loads modules behind the user's back).
+pub fn require_module(module: &str) {
+    if !Path::new("/sys/module").join(module).exists() {
+        panic!(
+            "kernel module {module} is not loaded: run 'modprobe {module}' \
+             (scripts/vm-test.sh does, inside its VM)"
+        );
+    }
+}
+
+/// Panics unless running as root (block devices, mounts).
+pub fn require_root() {
+    if rustix::process::geteuid().as_raw() != 0 {
+        panic!("the kernel-side tests need root (run them with scripts/vm-test.sh)");
+    }
+}
+
+/// Reads a sysfs attribute, trimmed; `None` if it does not exist.
+pub fn sysfs(path: impl AsRef<Path>) -> Option<String> {
+    fs::read_to_string(path).ok().map(|s| s.trim().to_string())
+}
+
+/// Serialises picking and connecting an NBD device between test threads.
+static NBD_PICK: Mutex<()> = Mutex::new(());
+
+/// A kernel NBD device connected by `nbd-client` to a Unix socket; dropping
+/// it runs `nbd-client -d` on it (and waits until the kernel let go).
+pub struct NbdDev {
+    dev: PathBuf,
+    index: u32,
+}
+
+/// What [`NbdDev::connect`] passes to `nbd-client`.
+#[derive(Clone, Debug)]
+pub struct NbdClientOpts<'a> {
+    pub socket: &'a Path,
+    pub name: &'a str,
+    /// `-b`: the device's logical block size.
+    pub block_size: u32,
+}
+
+impl NbdDev {
+    /// Connects the first free `/dev/nbdN` with `nbd-client -unix SOCK -N NAME
+    /// -b BS /dev/nbdN` and waits until the device has its size.
+    pub fn connect(o: &NbdClientOpts<'_>) -> NbdDev {
+        require_module("nbd");
+        require_tool("nbd-client");
+        let _g = NBD_PICK.lock().unwrap_or_else(|e| e.into_inner());
+        let mut tried = Vec::new();
+        for index in 0..nbds_max() {
+            if !nbd_is_free(index) {
+                continue;
+            }
+            let dev = PathBuf::from(format!("/dev/nbd{index}"));
+            let out = sh_status(
+                KCMD_TIMEOUT,
+                "nbd-client",
+                [
+                    OsStr::new("-unix"),
+                    o.socket.as_os_str(),
+                    OsStr::new("-N"),
+                    OsStr::new(o.name),
+                    OsStr::new("-b"),
+                    OsStr::new(&o.block_size.to_string()),
+                    dev.as_os_str(),
+                ],
+            );
+            if !out.success() {
+                // Another process may have taken it between the check and the
+                // connect; try the next one, and report all if none works.
+                tried.push(out.to_string());
+                continue;
+            }
+            let d = NbdDev { dev, index };
+            d.wait_sized();
+            return d;
+        }
+        panic!(
+            "no free /dev/nbdN could be connected (nbds_max {}):\n{}",
+            nbds_max(),
+            tried.join("\n")
+        );
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.dev
+    }
+
+    /// The device's sysfs attribute `name` (`/sys/block/nbdN/NAME`), trimmed.
+    pub fn attr(&self, name: &str) -> Option<String> {
+        sysfs(format!("/sys/block/nbd{}/{name}", self.index))
+    }
+
+    /// The device's size in bytes, as the kernel sees it.
+    pub fn size(&self) -> u64 {
+        let sectors: u64 = self.attr("size").and_then(|s| s.parse().ok()).unwrap_or(0);
+        sectors * 512
+    }
+
+    fn wait_sized(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.size() == 0 {
+            if Instant::now() > deadline {
+                panic!(
+                    "{} has no size 30 s after nbd-client returned",
+                    self.dev.display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Disconnects now (the drop does it otherwise), panicking if it fails.
+    pub fn disconnect(mut self) {
+        let r = self.try_disconnect();
+        self.dev = PathBuf::new();
+        if let Err(e) = r {
+            panic!("{e}");
+        }
+    }
+
+    fn try_disconnect(&mut self) -> Result<(), String> {
+        let out = sh_status(
+            KCMD_TIMEOUT,
+            "nbd-client",
+            [OsStr::new("-d"), self.dev.as_os_str()],
+        );
+        if !out.success() {
+            return Err(format!("nbd-client -d failed: {out}"));
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !nbd_is_free(self.index) {
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "{} still connected 30 s after nbd-client -d",
+                    self.dev.display()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for NbdDev {
+    fn drop(&mut self) {
+        if self.dev.as_os_str().is_empty() {
+            return;
+        }
+        if let Err(e) = self.try_disconnect() {
+            eprintln!("cleanup: {e}");
+            if !std::thread::panicking() {
+                panic!("{e}");
+            }
+        }
+    }
+}
+
+/// How many NBD devices the module made (`nbds_max`, 16 by default).
+fn nbds_max() -> u32 {
+    sysfs("/sys/module/nbd/parameters/nbds_max")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(16)
+}
+
+/// A device is free when no client task holds it (`pid` absent) and it has no size.
+fn nbd_is_free(index: u32) -> bool {
+    let base = PathBuf::from(format!("/sys/block/nbd{index}"));
+    base.exists()
+        && !base.join("pid").exists()
+        && sysfs(base.join("size")).is_some_and(|s| s == "0")
+}
+
+/// A mounted filesystem; dropping it unmounts (retrying while busy).
+pub struct Mount {
+    dir: PathBuf,
+}
+
+impl Mount {
+    /// `mount [-o OPTS] DEV DIR` (DIR is created).
+    pub fn new(dev: &Path, dir: &Path, opts: Option<&str>) -> Mount {
+        fs::create_dir_all(dir).unwrap_or_else(|e| panic!("mkdir {}: {e}", dir.display()));
+        let mut args: Vec<&OsStr> = Vec::new();
+        if let Some(o) = opts {
+            args.extend([OsStr::new("-o"), OsStr::new(o)]);
+        }
+        args.extend([dev.as_os_str(), dir.as_os_str()]);
+        sh(KCMD_TIMEOUT, "mount", args);
+        Mount {
+            dir: dir.to_path_buf(),
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Unmounts now (the drop does it otherwise), panicking if it fails.
+    pub fn unmount(mut self) {
+        let r = self.try_unmount();
+        self.dir = PathBuf::new();
+        if let Err(e) = r {
+            panic!("{e}");
+        }
+    }
+
+    fn try_unmount(&mut self) -> Result<(), String> {
+        let mut last = None;
+        for _ in 0..20 {
+            let out = sh_status(KCMD_TIMEOUT, "umount", [self.dir.as_os_str()]);
+            if out.success() {
+                return Ok(());
+            }
+            last = Some(out);
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        Err(format!(
+            "cannot unmount {}: {}",
+            self.dir.display(),
+            last.map(|o| o.to_string()).unwrap_or_default()
+        ))
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if self.dir.as_os_str().is_empty() {
+            return;
+        }
+        if let Err(e) = self.try_unmount() {
+            eprintln!("cleanup: {e}");
+            if !std::thread::panicking() {
+                panic!("{e}");
+            }
+        }
+    }
+}
+
+/// Bytes the file occupies on disk (`st_blocks` × 512).
+pub fn allocated_bytes(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    fs::metadata(path)
+        .unwrap_or_else(|e| panic!("stat {}: {e}", path.display()))
+        .blocks()
+        * 512
+}
+
+/// The type of the filesystem mounted at or above `path` (`/proc/self/mountinfo`,
+/// the longest mount point that is a prefix of the canonical path). `statfs`
+/// cannot tell: 9p reports the host filesystem's magic.
+pub fn fs_type(path: &Path) -> String {
+    let path =
+        fs::canonicalize(path).unwrap_or_else(|e| panic!("canonicalize {}: {e}", path.display()));
+    let info = fs::read_to_string("/proc/self/mountinfo").expect("read /proc/self/mountinfo");
+    let mut best: Option<(usize, String)> = None;
+    for line in info.lines() {
+        // ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER
+        let fields: Vec<&str> = line.split(' ').collect();
+        let (Some(mp), Some(dash)) = (fields.get(4), fields.iter().position(|f| *f == "-")) else {
+            continue;
+        };
+        let Some(fstype) = fields.get(dash + 1) else {
+            continue;
+        };
+        let mp = mp.replace("\\040", " ");
+        if path.starts_with(&mp) && best.as_ref().is_none_or(|(len, _)| mp.len() >= *len) {
+            best = Some((mp.len(), (*fstype).to_string()));
+        }
+    }
+    best.map(|(_, t)| t)
+        .unwrap_or_else(|| panic!("no mount holds {}", path.display()))
+}
