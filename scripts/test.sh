@@ -13,6 +13,7 @@ cargo fmt --all -- --check
 
 echo "== cargo clippy"
 cargo clippy --all-targets -- -D warnings
+cargo clippy --all-targets --features vm-tests -- -D warnings
 
 echo "== cargo test (release)"
 # --no-fail-fast: report failures from every test binary, not just the first.
