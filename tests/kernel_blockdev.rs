@@ -396,9 +396,22 @@ fn detach_refusals(kind: &str) {
     let out = srv.ctl_err(&["detach", "busy"], "busy");
     assert!(out.stderr.contains("open by sleep"), "{out}");
     srv.ctl_ok(&["detach", "busy", "--force"]);
-    assert!(gone(&dev), "--force removes it");
+    if kind == "ublk" {
+        assert!(gone(&dev), "--force removes it at once");
+    } else {
+        // The kernel NBD client keeps a device its opener holds configured
+        // (every I/O to it fails) until the opener closes it.
+        let mut buf = vec![0u8; 4096];
+        let r = fs::File::open(&dev).and_then(|f| f.read_exact_at(&mut buf, 0));
+        assert!(r.is_err(), "I/O to a force-detached nbd device fails");
+    }
     let _ = holder.kill();
     let _ = holder.wait();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !gone(&dev) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(gone(&dev), "{} is gone once its opener closed it", dev.display());
 }
 
 #[test]
