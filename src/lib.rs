@@ -4,6 +4,7 @@
 //! io_uring) → [`device`] (window, range lock, stats) → backing file.
 
 pub mod backing;
+pub mod blockdev;
 pub mod control;
 pub mod daemon;
 pub mod device;

@@ -6,15 +6,38 @@
 //! that direct I/O is really on; the result is checked in sysfs
 //! (`loop/dio`, `queue/logical_block_size`). Another process may take the free
 //! device between the two calls (`EBUSY`): then ask for another, a few times.
+//!
+//! Partitions without races (`partscan`): `LOOP_CONFIGURE` with
+//! `LO_FLAGS_PARTSCAN` sends its change uevent before it scans, so udev's open
+//! can run a first scan that the loop driver's own scan then drops and redoes —
+//! partition devices appear, vanish and reappear (systemd/systemd#41425; fixed
+//! in the kernel by "loop: fix partition scan race between udev and
+//! loop_reread_partitions()", in 6.12.90 among others). As systemd now does, the
+//! device is configured without the flag, which keeps scanning suppressed, and
+//! the flag is then turned on with `LOOP_SET_STATUS64`, whose one scan runs
+//! before the ioctl returns. Both steps run under an exclusive BSD `flock` on a
+//! second descriptor of the device, the lock udev takes (shared) before it
+//! probes, so udev never probes a half-configured device; it probes once the
+//! lock is gone and loopd's writable descriptor is closed. `attach` returns
+//! only when every partition the kernel found has its `/dev` node
+//! ([`crate::blockdev::partitions::settle`], bounded by [`PARTITION_WAIT`]);
+//! when anything in these steps fails the device is cleared again.
+//!
+//! Blocking: `attach` may wait up to [`LOCK_WAIT`] per candidate device for
+//! the lock and up to [`PARTITION_WAIT`] for partition nodes.
 
+use crate::blockdev::partitions::{self, Partition, PartitionError, Rescan};
 use crate::engine::align;
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 use thiserror::Error;
 
 const LOOP_CLR_FD: libc::c_ulong = 0x4C01;
+const LOOP_SET_STATUS64: libc::c_ulong = 0x4C04;
+const LOOP_GET_STATUS64: libc::c_ulong = 0x4C05;
 const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
 const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
 
@@ -49,6 +72,32 @@ struct LoopConfig {
     info: LoopInfo64,
     reserved: [u64; 8],
 }
+
+impl LoopInfo64 {
+    fn zeroed() -> LoopInfo64 {
+        LoopInfo64 {
+            lo_device: 0,
+            lo_inode: 0,
+            lo_rdevice: 0,
+            lo_offset: 0,
+            lo_sizelimit: 0,
+            lo_number: 0,
+            lo_encrypt_type: 0,
+            lo_encrypt_key_size: 0,
+            lo_flags: 0,
+            lo_file_name: [0; 64],
+            lo_crypt_name: [0; 64],
+            lo_encrypt_key: [0; 32],
+            lo_init: [0; 2],
+        }
+    }
+}
+
+/// How long `attach` waits for the partition nodes of a `partscan` device.
+pub const PARTITION_WAIT: Duration = Duration::from_secs(10);
+/// How long `attach` waits for the BSD lock on a free device before it asks
+/// for another (someone else, e.g. systemd, is setting that one up).
+pub const LOCK_WAIT: Duration = Duration::from_secs(1);
 
 const _: () = assert!(std::mem::size_of::<LoopInfo64>() == 232);
 const _: () = assert!(std::mem::size_of::<LoopConfig>() == 304);
@@ -88,6 +137,12 @@ pub enum KernelLoopError {
     GetFree(#[source] std::io::Error),
     #[error("LOOP_CONFIGURE on {0} failed")]
     Configure(PathBuf, #[source] std::io::Error),
+    #[error("cannot take the BSD lock (flock) on {0}")]
+    Lock(PathBuf, #[source] std::io::Error),
+    #[error("turning on partition scanning (LOOP_SET_STATUS64) on {0} failed; device removed")]
+    PartScan(PathBuf, #[source] std::io::Error),
+    #[error("the partitions of {0} are not ready; device removed")]
+    Partitions(PathBuf, #[source] PartitionError),
     #[error("every free loop device was taken by someone else {0} times in a row")]
     Contended(u32),
     #[error(
@@ -119,6 +174,9 @@ pub struct Attached {
     pub direct_io: bool,
     /// Attempts it took (more than 1 when another process raced us).
     pub attempts: u32,
+    /// With `partscan`: the partitions the kernel found, each with its `/dev`
+    /// node in place (empty without `partscan`).
+    pub partitions: Vec<Partition>,
 }
 
 fn sysfs(dev: u32, rel: &str) -> Option<String> {
@@ -178,9 +236,7 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
     if p.autoclear {
         flags |= LO_FLAGS_AUTOCLEAR;
     }
-    if p.partscan {
-        flags |= LO_FLAGS_PARTSCAN;
-    }
+    // LO_FLAGS_PARTSCAN is turned on after LOOP_CONFIGURE (see the module doc).
     let mut info = LoopInfo64 {
         lo_device: 0,
         lo_inode: 0,
@@ -228,6 +284,11 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => return Err(KernelLoopError::Open(dev, e)),
         };
+        // Dropped before `loopf`, so that udev's probe (on our writable close)
+        // finds the device unlocked and complete.
+        let Some(lock) = lock_exclusive(&dev)? else {
+            continue; // someone else holds it for longer than LOCK_WAIT
+        };
         // SAFETY: LOOP_CONFIGURE reads a `struct loop_config`, which `cfg` is
         // (layout checked at compile time); both fds are open during the call.
         let r =
@@ -238,6 +299,12 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
                 continue; // someone else configured it first
             }
             return Err(KernelLoopError::Configure(dev, e));
+        }
+        if p.partscan {
+            if let Err(e) = enable_partscan(&loopf, n) {
+                let _ = ioctl_int(&loopf, LOOP_CLR_FD, 0);
+                return Err(KernelLoopError::PartScan(dev, e));
+            }
         }
         let direct_io = sysfs(n, "loop/dio").as_deref() == Some("1");
         let lbs = sysfs(n, "queue/logical_block_size")
@@ -251,6 +318,18 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
                 align: a.offset,
             });
         }
+        drop(lock);
+        let partitions = if p.partscan {
+            match partitions::settle(&dev, Rescan::AlreadyDone, PARTITION_WAIT) {
+                Ok(v) => v,
+                Err(e) => {
+                    let _ = ioctl_int(&loopf, LOOP_CLR_FD, 0);
+                    return Err(KernelLoopError::Partitions(dev, e));
+                }
+            }
+        } else {
+            Vec::new()
+        };
         drop(loopf);
         if p.autoclear && sysfs(n, "loop/backing_file").is_none() {
             return Err(KernelLoopError::AutoclearedAtOnce(dev));
@@ -260,9 +339,83 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
             block_size: lbs,
             direct_io,
             attempts: attempt,
+            partitions,
         });
     }
     Err(KernelLoopError::Contended(TRIES))
+}
+
+/// An exclusive BSD lock on `dev`, taken on a descriptor of its own (closing
+/// it releases the lock, and being read-only its close does not make udev
+/// re-probe). `None` when another holder keeps it for longer than [`LOCK_WAIT`].
+fn lock_exclusive(dev: &Path) -> Result<Option<File>, KernelLoopError> {
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(dev)
+        .map_err(|e| KernelLoopError::Open(dev.to_path_buf(), e))?;
+    let start = Instant::now();
+    loop {
+        match rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => return Ok(Some(f)),
+            Err(e) if e == rustix::io::Errno::WOULDBLOCK || e == rustix::io::Errno::INTR => {
+                if start.elapsed() >= LOCK_WAIT {
+                    return Ok(None);
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => return Err(KernelLoopError::Lock(dev.to_path_buf(), e.into())),
+        }
+    }
+}
+
+/// Turns on `LO_FLAGS_PARTSCAN` on a configured device with
+/// `LOOP_SET_STATUS64` (everything else as `LOOP_GET_STATUS64` reports it);
+/// the kernel scans the partition table before the call returns.
+fn enable_partscan(loopf: &File, n: u32) -> std::io::Result<()> {
+    let mut info = LoopInfo64::zeroed();
+    // SAFETY: LOOP_GET_STATUS64 writes one `struct loop_info64`, which `info`
+    // is (layout checked at compile time), exclusively borrowed for the call.
+    let r = unsafe {
+        libc::ioctl(
+            loopf.as_raw_fd(),
+            LOOP_GET_STATUS64,
+            &mut info as *mut LoopInfo64,
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    info.lo_flags |= LO_FLAGS_PARTSCAN;
+    // Kernels before 5.x could answer EAGAIN while someone else had the
+    // device open; retry a few times like systemd does.
+    let mut tries = 0;
+    loop {
+        // SAFETY: LOOP_SET_STATUS64 reads one `struct loop_info64` (`info`);
+        // `loopf` is open during the call.
+        let r = unsafe {
+            libc::ioctl(
+                loopf.as_raw_fd(),
+                LOOP_SET_STATUS64,
+                &info as *const LoopInfo64,
+            )
+        };
+        if r == 0 {
+            break;
+        }
+        let e = std::io::Error::last_os_error();
+        tries += 1;
+        if e.raw_os_error() != Some(libc::EAGAIN) || tries >= 20 {
+            return Err(e);
+        }
+        std::thread::sleep(Duration::from_millis(10 * tries));
+    }
+    if sysfs(n, "loop/partscan").as_deref() != Some("1") {
+        return Err(std::io::Error::other(
+            "the kernel did not turn partition scanning on (sysfs loop/partscan is not 1)",
+        ));
+    }
+    Ok(())
 }
 
 fn loop_number(dev: &Path) -> Option<u32> {

@@ -1,0 +1,18 @@
+//! Block devices that loopd hands to its user, whichever frontend made them
+//! (kernel loop, ublk, kernel NBD): what is true of every whole-disk device
+//! once it exists, independent of how it was set up.
+//!
+//! This layer sits below the frontends and beside `backing`: it imports only
+//! std, libc and serde, never the engine, a frontend, the daemon or the
+//! control plane, so every frontend can share it.
+//!
+//! - [`uevent`]: pure parsers of the sysfs text the kernel writes for a block
+//!   device (`uevent`, `dev`, sector counts).
+//! - [`partitions`]: after a frontend has made a whole-disk device, trigger the
+//!   partition scan the kernel may have deferred, read the partitions it found
+//!   and wait (bounded) until their `/dev` nodes exist.
+
+pub mod partitions;
+pub mod uevent;
+
+pub use partitions::{Partition, PartitionError, Rescan, settle};
