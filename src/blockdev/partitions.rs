@@ -91,7 +91,8 @@ pub enum PartitionError {
     #[error(
         "the kernel lists partition(s) {} of {disk} in sysfs, but {} did not appear in /dev \
          within {waited:?} (is devtmpfs mounted on /dev?)",
-        list(found), list(missing)
+        list(found),
+        list(missing)
     )]
     NodesMissing {
         disk: PathBuf,

@@ -90,7 +90,9 @@ fn checked_devname(value: &str) -> Result<String, UeventError> {
     let ok = !value.is_empty()
         && !value.starts_with('/')
         && !value.contains('\0')
-        && value.split('/').all(|c| !c.is_empty() && c != "." && c != "..");
+        && value
+            .split('/')
+            .all(|c| !c.is_empty() && c != "." && c != "..");
     if ok {
         Ok(value.to_owned())
     } else {

@@ -9,6 +9,8 @@
 
 #![allow(dead_code)]
 
+pub mod gpt;
+
 use std::ffi::{OsStr, OsString};
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
