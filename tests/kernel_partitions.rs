@@ -19,9 +19,12 @@ mod common;
 use common::gpt::{TWO_PARTS, two_partition_image};
 use common::*;
 use loopd::blockdev::partitions::{self, Rescan};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 fn require_root() {
@@ -114,13 +117,150 @@ fn assert_node_now(dev: &Path, k: u32, ctx: &str) {
     );
 }
 
+/// How long each round watches the partition nodes after attach returned.
+const SETTLE_WATCH: Duration = Duration::from_millis(500);
+
+/// Inode numbers of `/dev/<disk>p1` and `p2` (0 for a missing node).
+fn node_inodes(dev: &Path) -> [u64; 2] {
+    [1, 2].map(|k| std::fs::metadata(part_node(dev, k)).map_or(0, |m| m.ino()))
+}
+
+/// Kernel uevents (`ACTION@DEVPATH` headers), as they arrive, from a
+/// `NETLINK_KOBJECT_UEVENT` socket read by a thread; stopped on drop.
+struct Uevents {
+    log: Arc<Mutex<Vec<String>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+fn socklen<T>() -> libc::socklen_t {
+    libc::socklen_t::try_from(std::mem::size_of::<T>()).unwrap()
+}
+
+impl Uevents {
+    fn listen() -> Uevents {
+        // SAFETY: plain socket(2) call; the result is checked below.
+        let fd = unsafe {
+            libc::socket(
+                libc::AF_NETLINK,
+                libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
+                libc::NETLINK_KOBJECT_UEVENT,
+            )
+        };
+        assert!(
+            fd >= 0,
+            "uevent socket: {}",
+            std::io::Error::last_os_error()
+        );
+        // SAFETY: `fd` is a fresh socket nothing else owns.
+        let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: all-zero is a valid sockaddr_nl; the fields are set below.
+        let mut addr: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+        addr.nl_family = libc::sa_family_t::try_from(libc::AF_NETLINK).unwrap();
+        addr.nl_groups = 1; // the kernel's multicast group
+        // SAFETY: `addr` is a valid sockaddr_nl of the size passed.
+        let r = unsafe {
+            libc::bind(
+                sock.as_raw_fd(),
+                &addr as *const libc::sockaddr_nl as *const libc::sockaddr,
+                socklen::<libc::sockaddr_nl>(),
+            )
+        };
+        assert_eq!(
+            r,
+            0,
+            "bind uevent socket: {}",
+            std::io::Error::last_os_error()
+        );
+        let tv = libc::timeval {
+            tv_sec: 0,
+            tv_usec: 50_000,
+        };
+        let big: libc::c_int = 4 << 20;
+        // SAFETY: both options take the pointed-to value of the size passed.
+        unsafe {
+            libc::setsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                &tv as *const libc::timeval as *const libc::c_void,
+                socklen::<libc::timeval>(),
+            );
+            libc::setsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUFFORCE,
+                &big as *const libc::c_int as *const libc::c_void,
+                socklen::<libc::c_int>(),
+            );
+        }
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (l, st) = (log.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            let mut buf = vec![0u8; 16 * 1024];
+            while !st.load(Ordering::Relaxed) {
+                // SAFETY: `buf` is writable for its length; `sock` is open.
+                let n = unsafe {
+                    libc::recv(
+                        sock.as_raw_fd(),
+                        buf.as_mut_ptr() as *mut libc::c_void,
+                        buf.len(),
+                        0,
+                    )
+                };
+                let Ok(n) = usize::try_from(n) else {
+                    continue; // timeout (or EINTR): look at `stop` again
+                };
+                let msg = &buf[..n];
+                let head = msg.split(|&b| b == 0).next().unwrap_or(&[]);
+                let head = String::from_utf8_lossy(head).into_owned();
+                if head.contains('@') {
+                    l.lock().unwrap().push(head);
+                }
+            }
+        });
+        Uevents {
+            log,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.log.lock().unwrap().len()
+    }
+
+    /// Events since `from` whose header is exactly `ACTION@DEVPATH`.
+    fn count(&self, from: usize, action: &str, devpath_end: &str) -> usize {
+        self.log.lock().unwrap()[from..]
+            .iter()
+            .filter(|h| {
+                h.split_once('@')
+                    .is_some_and(|(a, p)| a == action && p.ends_with(devpath_end))
+            })
+            .count()
+    }
+}
+
+impl Drop for Uevents {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 fn backing_of(dev: &Path) -> Option<String> {
     loop_sysfs(dev, "loop/backing_file")
 }
 
 /// `--partscan` on a GPT image with two partitions, 20 times: the moment
 /// `loopd kernel attach` returns, both partition nodes exist and are the
-/// partitions sysfs lists (one stat each, no waiting); `--json` and the plain
+/// partitions sysfs lists (one stat each, no waiting), and they are not
+/// dropped and re-added in the next 500 ms (same inodes; exactly one `add`
+/// and no `remove` uevent for each from the kernel); `--json` and the plain
 /// output list them with the table's start and size; ext4 made on p1 mounts
 /// and keeps a file across detach/attach; p2's bytes are untouched; after
 /// detach the partitions are gone.
@@ -132,6 +272,7 @@ fn loop_partscan_nodes_exist_on_return() {
     let img = scratch.path().join("kgpt.img");
     two_partition_image(&img, 21);
     let mnt = scratch.path().join("mnt");
+    let events = Uevents::listen();
     const ROUNDS: u32 = 20;
     let started = Instant::now();
     for round in 0..ROUNDS {
@@ -142,12 +283,38 @@ fn loop_partscan_nodes_exist_on_return() {
         } else {
             &["--partscan"]
         };
+        let mark = events.len();
         let (dev, out) = KernelLoop::attach(&img, args);
         // First thing after the command returned: the nodes.
         assert_node_now(&dev.dev, 1, &ctx);
         assert_node_now(&dev.dev, 2, &ctx);
         assert!(!part_node(&dev.dev, 3).exists(), "{ctx}: a third partition");
         assert_eq!(dev.sysfs("loop/partscan").as_deref(), Some("1"), "{ctx}");
+        // No second scan after the return (udev re-reading the table on our
+        // close would drop and re-add the partitions: devtmpfs then makes new
+        // nodes, with new inode numbers).
+        let inodes = node_inodes(&dev.dev);
+        std::thread::sleep(SETTLE_WATCH);
+        assert_eq!(
+            node_inodes(&dev.dev),
+            inodes,
+            "{ctx}: partition nodes were re-created within {SETTLE_WATCH:?} after attach returned"
+        );
+        // And the kernel's own account: each partition added once, never
+        // removed, from before the attach until now.
+        let name = path_str(&dev.dev).trim_start_matches("/dev/").to_string();
+        for k in [1, 2] {
+            let tail = format!("/{name}/{name}p{k}");
+            let (adds, removes) = (
+                events.count(mark, "add", &tail),
+                events.count(mark, "remove", &tail),
+            );
+            assert_eq!(
+                (adds, removes),
+                (1, 0),
+                "{ctx}: uevents for {name}p{k}: {adds} add, {removes} remove (one scan wanted)"
+            );
+        }
 
         if json {
             let j = Json::parse(&out.stdout);
@@ -294,7 +461,12 @@ impl NbdConn {
         let mut conn = NbdConn { dev, child };
         let name = conn.dev.file_name().unwrap().to_str().unwrap().to_owned();
         let t = Instant::now();
-        while !Path::new(&format!("/sys/block/{name}/pid")).exists() {
+        // `pid` appears before the size is set: wait for both.
+        let size = || {
+            std::fs::read_to_string(format!("/sys/block/{name}/size"))
+                .map_or(0, |s| s.trim().parse::<u64>().unwrap_or(0))
+        };
+        while !Path::new(&format!("/sys/block/{name}/pid")).exists() || size() == 0 {
             if let Ok(Some(st)) = conn.child.try_wait() {
                 panic!("qemu-nbd exited before connecting {name}: {st}");
             }

@@ -15,12 +15,16 @@
 //! loop_reread_partitions()", in 6.12.90 among others). As systemd now does, the
 //! device is configured without the flag, which keeps scanning suppressed, and
 //! the flag is then turned on with `LOOP_SET_STATUS64`, whose one scan runs
-//! before the ioctl returns. Both steps run under an exclusive BSD `flock` on a
-//! second descriptor of the device, the lock udev takes (shared) before it
-//! probes, so udev never probes a half-configured device; it probes once the
-//! lock is gone and loopd's writable descriptor is closed. `attach` returns
-//! only when every partition the kernel found has its `/dev` node
-//! ([`crate::blockdev::partitions::settle`], bounded by [`PARTITION_WAIT`]);
+//! before the ioctl returns. Everything runs under an exclusive BSD `flock`
+//! on a second, read-only descriptor of the device — the lock udev takes
+//! before it probes or re-reads a table — so udev never probes a
+//! half-configured device. udev also re-reads a disk's partition table when a
+//! writer closes it (inotify `IN_CLOSE_WRITE`), which would drop and re-add the
+//! partitions after `attach` returned; so the writable descriptor needed for
+//! `LOOP_CONFIGURE` is closed right after it, while the lock is held and
+//! scanning is still off, and the rest goes through the read-only one. `attach`
+//! returns, and releases the lock, only when every partition the kernel found
+//! has its `/dev` node ([`crate::blockdev::partitions::settle`], bounded by [`PARTITION_WAIT`]);
 //! when anything in these steps fails the device is cleared again.
 //!
 //! Blocking: `attach` may wait up to [`LOCK_WAIT`] per candidate device for
@@ -284,8 +288,6 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => return Err(KernelLoopError::Open(dev, e)),
         };
-        // Dropped before `loopf`, so that udev's probe (on our writable close)
-        // finds the device unlocked and complete.
         let Some(lock) = lock_exclusive(&dev)? else {
             continue; // someone else holds it for longer than LOCK_WAIT
         };
@@ -300,9 +302,18 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
             }
             return Err(KernelLoopError::Configure(dev, e));
         }
+        // The writable descriptor is closed now, while the lock is held and
+        // scanning still off: udev re-reads a disk's table when a writer
+        // closes it (inotify IN_CLOSE_WRITE), but only if it can take the lock,
+        // so that re-read cannot drop the partitions after we return. From
+        // here on only the read-only lock descriptor is used.
+        drop(loopf);
+        let clear = || {
+            let _ = ioctl_int(&lock, LOOP_CLR_FD, 0);
+        };
         if p.partscan {
-            if let Err(e) = enable_partscan(&loopf, n) {
-                let _ = ioctl_int(&loopf, LOOP_CLR_FD, 0);
+            if let Err(e) = enable_partscan(&lock, n) {
+                clear();
                 return Err(KernelLoopError::PartScan(dev, e));
             }
         }
@@ -311,26 +322,25 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
             .and_then(|s| s.parse().ok())
             .unwrap_or(block_size);
         if p.direct_io == DirectIo::On && !direct_io {
-            let _ = ioctl_int(&loopf, LOOP_CLR_FD, 0);
+            clear();
             return Err(KernelLoopError::DirectRefused {
                 dev,
                 block_size: lbs,
                 align: a.offset,
             });
         }
-        drop(lock);
         let partitions = if p.partscan {
             match partitions::settle(&dev, Rescan::AlreadyDone, PARTITION_WAIT) {
                 Ok(v) => v,
                 Err(e) => {
-                    let _ = ioctl_int(&loopf, LOOP_CLR_FD, 0);
+                    clear();
                     return Err(KernelLoopError::Partitions(dev, e));
                 }
             }
         } else {
             Vec::new()
         };
-        drop(loopf);
+        drop(lock);
         if p.autoclear && sysfs(n, "loop/backing_file").is_none() {
             return Err(KernelLoopError::AutoclearedAtOnce(dev));
         }
@@ -345,9 +355,10 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
     Err(KernelLoopError::Contended(TRIES))
 }
 
-/// An exclusive BSD lock on `dev`, taken on a descriptor of its own (closing
-/// it releases the lock, and being read-only its close does not make udev
-/// re-probe). `None` when another holder keeps it for longer than [`LOCK_WAIT`].
+/// An exclusive BSD lock on `dev`, taken on a read-only descriptor of its own
+/// (closing it releases the lock; being read-only, its close does not make
+/// udev re-read the partition table). `None` when another holder keeps the
+/// lock for longer than [`LOCK_WAIT`].
 fn lock_exclusive(dev: &Path) -> Result<Option<File>, KernelLoopError> {
     let f = OpenOptions::new()
         .read(true)
@@ -371,7 +382,8 @@ fn lock_exclusive(dev: &Path) -> Result<Option<File>, KernelLoopError> {
 
 /// Turns on `LO_FLAGS_PARTSCAN` on a configured device with
 /// `LOOP_SET_STATUS64` (everything else as `LOOP_GET_STATUS64` reports it);
-/// the kernel scans the partition table before the call returns.
+/// the kernel scans the partition table before the call returns. Root may do
+/// this through a read-only descriptor.
 fn enable_partscan(loopf: &File, n: u32) -> std::io::Result<()> {
     let mut info = LoopInfo64::zeroed();
     // SAFETY: LOOP_GET_STATUS64 writes one `struct loop_info64`, which `info`

@@ -7,9 +7,11 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 pub const SECTOR: u64 = 512;
-const ENTRIES: u64 = 128;
-const ENTRY_SIZE: u64 = 128;
-const ENTRY_SECTORS: u64 = ENTRIES * ENTRY_SIZE / SECTOR; // 32
+const SECTOR_LEN: usize = 512;
+const ENTRIES: u32 = 128;
+const ENTRY_LEN: usize = 128;
+const ARRAY_LEN: usize = 128 * ENTRY_LEN;
+const ENTRY_SECTORS: u64 = 32; // ARRAY_LEN / SECTOR
 
 /// "Linux filesystem data", 0FC63DAF-8483-4772-8E79-3D69D8477DE4, as GPT
 /// stores it (first three fields little-endian).
@@ -51,7 +53,7 @@ fn put(buf: &mut [u8], at: usize, v: &[u8]) {
 }
 
 fn header(disk_sectors: u64, my: u64, alt: u64, entries_lba: u64, entries_crc: u32) -> Vec<u8> {
-    let mut h = vec![0u8; SECTOR as usize];
+    let mut h = vec![0u8; SECTOR_LEN];
     put(&mut h, 0, b"EFI PART");
     put(&mut h, 8, &0x0001_0000u32.to_le_bytes());
     put(&mut h, 12, &92u32.to_le_bytes());
@@ -65,8 +67,8 @@ fn header(disk_sectors: u64, my: u64, alt: u64, entries_lba: u64, entries_crc: u
     ); // last usable
     put(&mut h, 56, &[0x6c; 16]); // disk GUID
     put(&mut h, 72, &entries_lba.to_le_bytes());
-    put(&mut h, 80, &(ENTRIES as u32).to_le_bytes());
-    put(&mut h, 84, &(ENTRY_SIZE as u32).to_le_bytes());
+    put(&mut h, 80, &ENTRIES.to_le_bytes());
+    put(&mut h, 84, &128u32.to_le_bytes());
     put(&mut h, 88, &entries_crc.to_le_bytes());
     let crc = crc32(&h[..92]);
     put(&mut h, 16, &crc.to_le_bytes());
@@ -99,7 +101,7 @@ pub fn write_gpt(path: &Path, parts: &[Part]) {
     }
 
     // Protective MBR: one partition of type 0xEE covering the disk.
-    let mut mbr = vec![0u8; SECTOR as usize];
+    let mut mbr = vec![0u8; SECTOR_LEN];
     let e = 446;
     put(
         &mut mbr,
@@ -114,12 +116,12 @@ pub fn write_gpt(path: &Path, parts: &[Part]) {
     );
     put(&mut mbr, 510, &[0x55, 0xaa]);
 
-    let mut entries = vec![0u8; (ENTRIES * ENTRY_SIZE) as usize];
+    let mut entries = vec![0u8; ARRAY_LEN];
     for (i, p) in parts.iter().enumerate() {
-        let at = i * ENTRY_SIZE as usize;
+        let at = i * ENTRY_LEN;
         put(&mut entries, at, &LINUX_FS);
         let mut uniq = [0u8; 16];
-        uniq[0] = i as u8 + 1;
+        uniq[0] = u8::try_from(i + 1).expect("at most 255 partitions");
         uniq[15] = 0x5a;
         put(&mut entries, at + 16, &uniq);
         put(&mut entries, at + 32, &p.first_lba.to_le_bytes());
