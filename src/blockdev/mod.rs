@@ -11,8 +11,12 @@
 //! - [`partitions`]: after a frontend has made a whole-disk device, trigger the
 //!   partition scan the kernel may have deferred, read the partitions it found
 //!   and wait (bounded) until their `/dev` nodes exist.
+//! - [`udev`]: close a writer of a whole disk under an exclusive `flock` and
+//!   wait for udev's answer, so udev does not re-read the partition table
+//!   (dropping and re-adding every partition) after the caller returns.
 
 pub mod partitions;
+pub mod udev;
 pub mod uevent;
 
 pub use partitions::{Partition, PartitionError, Rescan, settle};

@@ -19,18 +19,22 @@
 //! on a second, read-only descriptor of the device — the lock udev takes
 //! before it probes or re-reads a table — so udev never probes a
 //! half-configured device. udev also re-reads a disk's partition table when a
-//! writer closes it (inotify `IN_CLOSE_WRITE`), which would drop and re-add the
-//! partitions after `attach` returned; so the writable descriptor needed for
-//! `LOOP_CONFIGURE` is closed right after it, while the lock is held and
-//! scanning is still off, and the rest goes through the read-only one. `attach`
-//! returns, and releases the lock, only when every partition the kernel found
+//! writer closes it (inotify `IN_CLOSE_WRITE`) and it can take the lock,
+//! which would drop and re-add the partitions after `attach` returned; so the
+//! writable descriptor needed for `LOOP_CONFIGURE` is closed right after it,
+//! lock held and scanning still off, and with `partscan` loopd waits (bounded
+//! by [`UDEV_WAIT`]) for udev's answer to that close before it goes on through
+//! the read-only descriptor ([`crate::blockdev::udev`]). `attach` returns, and
+//! releases the lock, only when every partition the kernel found
 //! has its `/dev` node ([`crate::blockdev::partitions::settle`], bounded by [`PARTITION_WAIT`]);
 //! when anything in these steps fails the device is cleared again.
 //!
 //! Blocking: `attach` may wait up to [`LOCK_WAIT`] per candidate device for
-//! the lock and up to [`PARTITION_WAIT`] for partition nodes.
+//! the lock, and with `partscan` up to [`UDEV_WAIT`] for udev and
+//! [`PARTITION_WAIT`] for partition nodes.
 
 use crate::blockdev::partitions::{self, Partition, PartitionError, Rescan};
+use crate::blockdev::udev;
 use crate::engine::align;
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -99,6 +103,9 @@ impl LoopInfo64 {
 
 /// How long `attach` waits for the partition nodes of a `partscan` device.
 pub const PARTITION_WAIT: Duration = Duration::from_secs(10);
+/// How long `attach --partscan` waits, lock held, for udev's answer to the
+/// close of its writable descriptor (see [`crate::blockdev::udev`]).
+pub const UDEV_WAIT: Duration = Duration::from_secs(2);
 /// How long `attach` waits for the BSD lock on a free device before it asks
 /// for another (someone else, e.g. systemd, is setting that one up).
 pub const LOCK_WAIT: Duration = Duration::from_secs(1);
@@ -291,6 +298,12 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
         let Some(lock) = lock_exclusive(&dev)? else {
             continue; // someone else holds it for longer than LOCK_WAIT
         };
+        // Listening before the close, so udev's answer cannot be missed.
+        let udev_listener = if p.partscan && udev::running() {
+            udev::UeventListener::open().ok()
+        } else {
+            None
+        };
         // SAFETY: LOOP_CONFIGURE reads a `struct loop_config`, which `cfg` is
         // (layout checked at compile time); both fds are open during the call.
         let r =
@@ -304,10 +317,14 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
         }
         // The writable descriptor is closed now, while the lock is held and
         // scanning still off: udev re-reads a disk's table when a writer
-        // closes it (inotify IN_CLOSE_WRITE), but only if it can take the lock,
-        // so that re-read cannot drop the partitions after we return. From
-        // here on only the read-only lock descriptor is used.
+        // closes it (inotify IN_CLOSE_WRITE), but only if it can take the lock;
+        // with partscan, wait (bounded) for udev's answer to that close, so the
+        // re-read cannot come after we return. From here on only the
+        // read-only lock descriptor is used.
         drop(loopf);
+        if let Some(l) = &udev_listener {
+            let _ = l.wait_synthetic_change(&format!("loop{n}"), UDEV_WAIT);
+        }
         let clear = || {
             let _ = ioctl_int(&lock, LOOP_CLR_FD, 0);
         };
