@@ -197,6 +197,7 @@ impl Uevents {
         let log = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(AtomicBool::new(false));
         let (l, st) = (log.clone(), stop.clone());
+        let started = Instant::now();
         let thread = std::thread::spawn(move || {
             let mut buf = vec![0u8; 16 * 1024];
             while !st.load(Ordering::Relaxed) {
@@ -213,10 +214,17 @@ impl Uevents {
                     continue; // timeout (or EINTR): look at `stop` again
                 };
                 let msg = &buf[..n];
-                let head = msg.split(|&b| b == 0).next().unwrap_or(&[]);
-                let head = String::from_utf8_lossy(head).into_owned();
+                let mut fields = msg.split(|&b| b == 0);
+                let head = String::from_utf8_lossy(fields.next().unwrap_or(&[])).into_owned();
                 if head.contains('@') {
-                    l.lock().unwrap().push(head);
+                    let extra: Vec<String> = fields
+                        .filter(|f| f.starts_with(b"SEQNUM=") || f.starts_with(b"SYNTH_UUID="))
+                        .map(|f| String::from_utf8_lossy(f).into_owned())
+                        .collect();
+                    let at = started.elapsed();
+                    l.lock()
+                        .unwrap()
+                        .push(format!("{head}\t{at:?} {}", extra.join(" ")));
                 }
             }
         });
@@ -225,6 +233,16 @@ impl Uevents {
             stop,
             thread: Some(thread),
         }
+    }
+
+    /// Every event since `from` whose devpath contains `needle`, with times.
+    fn dump(&self, from: usize, needle: &str) -> String {
+        self.log.lock().unwrap()[from..]
+            .iter()
+            .filter(|h| h.contains(needle))
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     fn len(&self) -> usize {
@@ -236,6 +254,7 @@ impl Uevents {
         self.log.lock().unwrap()[from..]
             .iter()
             .filter(|h| {
+                let h = h.split('\t').next().unwrap_or("");
                 h.split_once('@')
                     .is_some_and(|(a, p)| a == action && p.ends_with(devpath_end))
             })
@@ -284,7 +303,9 @@ fn loop_partscan_nodes_exist_on_return() {
             &["--partscan"]
         };
         let mark = events.len();
+        let t0 = Instant::now();
         let (dev, out) = KernelLoop::attach(&img, args);
+        let took = t0.elapsed();
         // First thing after the command returned: the nodes.
         assert_node_now(&dev.dev, 1, &ctx);
         assert_node_now(&dev.dev, 2, &ctx);
@@ -312,7 +333,9 @@ fn loop_partscan_nodes_exist_on_return() {
             assert_eq!(
                 (adds, removes),
                 (1, 0),
-                "{ctx}: uevents for {name}p{k}: {adds} add, {removes} remove (one scan wanted)"
+                "{ctx}: uevents for {name}p{k}: {adds} add, {removes} remove (one scan wanted); \
+                 attach took {took:?}; events:\n{}",
+                events.dump(mark, &format!("/{name}"))
             );
         }
 

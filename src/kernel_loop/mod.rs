@@ -322,8 +322,18 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
         // re-read cannot come after we return. From here on only the
         // read-only lock descriptor is used.
         drop(loopf);
+        if p.partscan {
+            // Kernels without "loop: fix partition scan race…" leave the disk
+            // marked for a scan at its next open (GD_NEED_PART_SCAN). Open it
+            // once now, read-only, while scanning is still suppressed: that
+            // clears the mark without a scan, so no open (udev's) can start a
+            // second scan racing the one LOOP_SET_STATUS64 runs.
+            drop(OpenOptions::new().read(true).open(&dev));
+        }
         if let Some(l) = &udev_listener {
-            let _ = l.wait_synthetic_change(&format!("loop{n}"), UDEV_WAIT);
+            let t = Instant::now();
+            let answered = l.wait_synthetic_change(&format!("loop{n}"), UDEV_WAIT);
+            tracing::debug!(?answered, waited = ?t.elapsed(), "udev's answer to closing /dev/loop{n}");
         }
         let clear = || {
             let _ = ioctl_int(&lock, LOOP_CLR_FD, 0);
