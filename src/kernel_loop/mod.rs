@@ -21,7 +21,9 @@
 //! half-configured device. udev also re-reads a disk's partition table when a
 //! writer closes it (inotify `IN_CLOSE_WRITE`) and it can take the lock,
 //! which would drop and re-add the partitions after `attach` returned; so the
-//! writable descriptor needed for `LOOP_CONFIGURE` is closed right after it,
+//! writable descriptor needed for `LOOP_CONFIGURE` is opened only once the
+//! lock is held and the device is seen unbound (so a device someone else set
+//! up meanwhile is never closed-after-write by loopd), closed right after it,
 //! lock held and scanning still off, and with `partscan` loopd waits (bounded
 //! by [`UDEV_WAIT`]) for udev's answer to that close before it goes on through
 //! the read-only descriptor ([`crate::blockdev::udev`]). `attach` returns, and
@@ -289,14 +291,20 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
         let n = ioctl_int(&ctl, LOOP_CTL_GET_FREE, 0).map_err(KernelLoopError::GetFree)?;
         let n = u32::try_from(n).unwrap_or(0);
         let dev = PathBuf::from(format!("/dev/loop{n}"));
+        let Some(lock) = lock_exclusive(&dev)? else {
+            continue; // gone, or someone else holds it for longer than LOCK_WAIT
+        };
+        // Only an unbound device is opened for writing: closing a writable
+        // descriptor makes udev re-read the disk's partition table, which must
+        // never happen to a device someone else just set up.
+        if is_bound(&lock) {
+            continue;
+        }
         let loopf = match OpenOptions::new().read(true).write(true).open(&dev) {
             Ok(f) => f,
             // The node may be gone already (another process removed it): next.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => return Err(KernelLoopError::Open(dev, e)),
-        };
-        let Some(lock) = lock_exclusive(&dev)? else {
-            continue; // someone else holds it for longer than LOCK_WAIT
         };
         // Listening before the close, so udev's answer cannot be missed.
         let udev_listener = if p.partscan && udev::running() {
@@ -311,7 +319,9 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
         if r < 0 {
             let e = std::io::Error::last_os_error();
             if e.raw_os_error() == Some(libc::EBUSY) {
-                continue; // someone else configured it first
+                // Someone configured it first without the lock: `loopf` is
+                // closed before `lock`, so udev cannot re-read their table.
+                continue;
             }
             return Err(KernelLoopError::Configure(dev, e));
         }
@@ -385,13 +395,17 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
 /// An exclusive BSD lock on `dev`, taken on a read-only descriptor of its own
 /// (closing it releases the lock; being read-only, its close does not make
 /// udev re-read the partition table). `None` when another holder keeps the
-/// lock for longer than [`LOCK_WAIT`].
+/// lock for longer than [`LOCK_WAIT`], or when the device node is gone.
 fn lock_exclusive(dev: &Path) -> Result<Option<File>, KernelLoopError> {
-    let f = OpenOptions::new()
+    let f = match OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK)
         .open(dev)
-        .map_err(|e| KernelLoopError::Open(dev.to_path_buf(), e))?;
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(KernelLoopError::Open(dev.to_path_buf(), e)),
+    };
     let start = Instant::now();
     loop {
         match rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
@@ -405,6 +419,22 @@ fn lock_exclusive(dev: &Path) -> Result<Option<File>, KernelLoopError> {
             Err(e) => return Err(KernelLoopError::Lock(dev.to_path_buf(), e.into())),
         }
     }
+}
+
+/// Whether the loop device has a backing file (`LOOP_GET_STATUS64` answers
+/// `ENXIO` when it has none); any other failure counts as "not for us".
+fn is_bound(f: &File) -> bool {
+    let mut info = LoopInfo64::zeroed();
+    // SAFETY: LOOP_GET_STATUS64 writes one `struct loop_info64`, which `info`
+    // is (layout checked at compile time), exclusively borrowed for the call.
+    let r = unsafe {
+        libc::ioctl(
+            f.as_raw_fd(),
+            LOOP_GET_STATUS64,
+            &mut info as *mut LoopInfo64,
+        )
+    };
+    !(r < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO))
 }
 
 /// Turns on `LO_FLAGS_PARTSCAN` on a configured device with
