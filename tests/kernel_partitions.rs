@@ -387,7 +387,20 @@ fn loop_partscan_nodes_exist_on_return() {
 
         let node1 = part_node(&dev.dev, 1);
         let loopdev = dev.dev.clone();
+        let removed_from = events.len();
         drop(dev); // detach and wait
+        // The detach's own `remove` uevents, before the next round's mark.
+        let t = Instant::now();
+        while [1, 2]
+            .iter()
+            .any(|k| events.count(removed_from, "remove", &format!("/{name}/{name}p{k}")) == 0)
+        {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "{ctx}: no remove uevents for the partitions of {name} after detach"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
         let t = Instant::now();
         while node1.exists() && t.elapsed() < Duration::from_secs(5) {
             std::thread::sleep(Duration::from_millis(10));
@@ -532,6 +545,13 @@ fn nbd_settle_first_open_scans_and_waits() {
     let img = scratch.path().join("nbdgpt.img");
     two_partition_image(&img, 24);
     let conn = NbdConn::connect(&img);
+    // qemu-nbd connects through the ioctl interface, whose NBD_DO_IT marks
+    // the disk for a scan a second time after the size is set; udev's open
+    // may then rescan after ours. Let udev finish first (loopd's netlink
+    // connect marks it once).
+    if which("udevadm").is_some() && Path::new("/run/udev/control").exists() {
+        let _ = run_status("udevadm", ["settle", "--timeout=10"]);
+    }
     let parts = partitions::settle(&conn.dev, Rescan::FirstOpen, Duration::from_secs(10))
         .unwrap_or_else(|e| panic!("settle {}: {e:#}", conn.dev.display()));
     assert_eq!(parts.len(), 2, "{parts:?}");

@@ -140,11 +140,16 @@ pub fn settle(
             .filter(|p| !node_is(p))
             .map(|p| p.device.clone())
             .collect();
-        if missing.is_empty() {
+        // Every node present, and the list unchanged since: not a snapshot
+        // taken in the middle of somebody else's re-scan.
+        if missing.is_empty() && read_partitions(&sys)? == parts {
             return Ok(parts);
         }
         let waited = start.elapsed();
         if waited >= timeout {
+            if missing.is_empty() {
+                return Ok(parts); // complete, though still changing
+            }
             return Err(PartitionError::NodesMissing {
                 disk: whole.to_path_buf(),
                 found: parts.into_iter().map(|p| p.device).collect(),
@@ -152,7 +157,7 @@ pub fn settle(
                 waited,
             });
         }
-        std::thread::sleep(POLL.min(timeout - waited));
+        std::thread::sleep(POLL.min(timeout.saturating_sub(waited)));
     }
 }
 
@@ -194,12 +199,18 @@ fn sysfs_dir(whole: &Path) -> Result<PathBuf, PartitionError> {
     Ok(dir)
 }
 
-/// Reads one sysfs file; `None` if it is gone (the partition was dropped
-/// while we looked: a concurrent re-scan).
+/// Whether an error reading sysfs means "this device went away while we
+/// looked" (a concurrent re-scan dropped the partition).
+fn gone(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::NotFound
+        || matches!(e.raw_os_error(), Some(libc::ENODEV) | Some(libc::ENXIO))
+}
+
+/// Reads one sysfs file; `None` if it is gone.
 fn read_sys(path: PathBuf) -> Result<Option<(String, PathBuf)>, PartitionError> {
     match std::fs::read_to_string(&path) {
         Ok(s) => Ok(Some((s, path))),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) if gone(&e) => Ok(None),
         Err(e) => Err(PartitionError::Sysfs(path, e)),
     }
 }
@@ -208,7 +219,11 @@ fn read_partitions(sys: &Path) -> Result<Vec<Partition>, PartitionError> {
     let rd = std::fs::read_dir(sys).map_err(|e| PartitionError::Sysfs(sys.to_path_buf(), e))?;
     let mut out = Vec::new();
     for entry in rd {
-        let entry = entry.map_err(|e| PartitionError::Sysfs(sys.to_path_buf(), e))?;
+        let entry = match entry {
+            Ok(e) => e,
+            Err(e) if gone(&e) => continue,
+            Err(e) => return Err(PartitionError::Sysfs(sys.to_path_buf(), e)),
+        };
         let dir = entry.path();
         if !dir.join("partition").exists() {
             continue;
