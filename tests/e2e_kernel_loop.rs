@@ -449,8 +449,26 @@ fn attach_partscan_flag() {
 struct BlkpgParts<'a>(&'a Path);
 
 impl Drop for BlkpgParts<'_> {
+    /// `partx --delete` fails while a partition is open (udev, where it runs,
+    /// probes new partitions): retry for up to 5 s until none is left.
     fn drop(&mut self) {
-        let _ = run_status("partx", ["--delete", path_str(self.0)]);
+        let n = loop_number(self.0);
+        let left = || {
+            std::fs::read_dir(format!("/sys/block/loop{n}"))
+                .map(|rd| {
+                    rd.flatten().any(|e| {
+                        e.file_name()
+                            .to_string_lossy()
+                            .starts_with(&format!("loop{n}p"))
+                    })
+                })
+                .unwrap_or(false)
+        };
+        let t = std::time::Instant::now();
+        while left() && t.elapsed() < std::time::Duration::from_secs(5) {
+            let _ = run_status("partx", ["--delete", path_str(self.0)]);
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
     }
 }
 
