@@ -7,6 +7,7 @@
 
 mod common;
 
+use common::gpt::{TWO_PARTS, two_partition_image};
 use common::*;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -415,19 +416,113 @@ fn list_direct_io_modes_and_detach() {
     assert!(listed(&off).is_empty());
 }
 
-/// `--partscan` sets the partscan flag (sysfs and list --json).
+/// `--partscan` sets the partscan flag (sysfs and list --json); on an image
+/// without a partition table attach reports no partitions (`partitions: []`
+/// in --json, only the device in the plain output).
 #[test]
 fn attach_partscan_flag() {
     require_root();
     let dir = image_dir();
     let img = dir.path().join("kps.img");
     create_sparse_image(&img, 2 * MIB);
-    let (dev, _) = KernelLoop::attach(&img, &["--partscan"]);
+    let (dev, out) = KernelLoop::attach(&img, &["--partscan", "--json"]);
+    assert!(
+        Json::parse(&out.stdout).at("partitions").arr().is_empty(),
+        "{out}"
+    );
     assert_eq!(dev.sysfs("loop/partscan").as_deref(), Some("1"));
     let l = listed(&img);
     assert_eq!(l.len(), 1);
     assert!(l[0].at("partscan").bool());
     assert!(!l[0].at("autoclear").bool());
+    let img2 = dir.path().join("kps2.img");
+    create_sparse_image(&img2, 2 * MIB);
+    let (dev2, out) = KernelLoop::attach(&img2, &["--partscan"]);
+    assert_eq!(
+        out.stdout.lines().collect::<Vec<_>>(),
+        vec![path_str(&dev2.dev)]
+    );
+}
+
+/// Removes the partitions `partx --add` put on a loop device (they would
+/// outlive the detach: the kernel drops only partitions it scanned itself).
+struct BlkpgParts<'a>(&'a Path);
+
+impl Drop for BlkpgParts<'_> {
+    /// `partx --delete` fails while a partition is open (udev, where it runs,
+    /// probes new partitions): retry for up to 5 s until none is left.
+    fn drop(&mut self) {
+        let n = loop_number(self.0);
+        let left = || {
+            std::fs::read_dir(format!("/sys/block/loop{n}"))
+                .map(|rd| {
+                    rd.flatten().any(|e| {
+                        e.file_name()
+                            .to_string_lossy()
+                            .starts_with(&format!("loop{n}p"))
+                    })
+                })
+                .unwrap_or(false)
+        };
+        let t = std::time::Instant::now();
+        while left() && t.elapsed() < std::time::Duration::from_secs(5) {
+            let _ = run_status("partx", ["--delete", path_str(self.0)]);
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+}
+
+/// The shared partition helper (`loopd::blockdev::partitions`) against this
+/// kernel: it has no partition-table parser (so `--partscan` finds nothing
+/// here; the scan itself is tested in tests/kernel_partitions.rs under the
+/// VM), but partitions added with BLKPG (`partx --add`) are real ones. `settle`
+/// returns both with the GPT's start and size and checked /dev nodes, p2's
+/// node reads p2's bytes, a partition is refused as a whole disk, and after
+/// `partx --delete` `current` lists none.
+#[test]
+fn blockdev_settle_reads_blkpg_partitions() {
+    use loopd::blockdev::partitions::{self, Rescan};
+    use std::time::Duration;
+    require_root();
+    require_tool("partx");
+    let dir = image_dir();
+    let img = dir.path().join("kblkpg.img");
+    two_partition_image(&img, 23);
+    let (dev, _) = KernelLoop::attach(&img, &[]);
+    let added = BlkpgParts(&dev.dev);
+    run("partx", ["--add", path_str(&dev.dev)]);
+    let parts = partitions::settle(&dev.dev, Rescan::AlreadyDone, Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("settle {}: {e}", dev.dev.display()));
+    assert_eq!(parts.len(), 2, "{parts:?}");
+    for (i, (p, want)) in parts.iter().zip(TWO_PARTS).enumerate() {
+        let k = u32::try_from(i).unwrap() + 1;
+        assert_eq!(
+            p.device,
+            PathBuf::from(format!("{}p{k}", dev.dev.display()))
+        );
+        assert_eq!(p.number, k);
+        assert_eq!(p.start, want.start_bytes(), "p{k} start");
+        assert_eq!(p.size, want.size_bytes(), "p{k} size");
+    }
+    assert_bytes_eq(
+        &read_range(&parts[1].device, 0, 64 * KIB),
+        &pattern_bytes(23, TWO_PARTS[1].start_bytes(), 64 * 1024),
+        0,
+        "p2 through its node",
+    );
+    let e = partitions::settle(&parts[0].device, Rescan::AlreadyDone, Duration::ZERO)
+        .expect_err("settle on a partition");
+    assert!(e.to_string().contains("not a whole disk"), "{e}");
+    drop(added);
+    assert!(
+        partitions::current(&dev.dev).unwrap().is_empty(),
+        "partitions left after partx --delete"
+    );
+    assert!(
+        !parts[0].device.exists(),
+        "{} left",
+        parts[0].device.display()
+    );
 }
 
 /// `--autoclear`: the kernel clears such a device at its last close. When loopd's

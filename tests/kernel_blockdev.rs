@@ -411,7 +411,11 @@ fn detach_refusals(kind: &str) {
     while !gone(&dev) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert!(gone(&dev), "{} is gone once its opener closed it", dev.display());
+    assert!(
+        gone(&dev),
+        "{} is gone once its opener closed it",
+        dev.display()
+    );
 }
 
 #[test]

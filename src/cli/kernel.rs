@@ -8,7 +8,8 @@ use std::path::PathBuf;
 
 #[derive(Subcommand)]
 pub enum KernelCmd {
-    /// Set up /dev/loopN for IMAGE with one LOOP_CONFIGURE; prints the device.
+    /// Set up /dev/loopN for IMAGE with one LOOP_CONFIGURE; prints the device
+    /// (with --partscan, then each partition's node, one per line).
     Attach(KernelAttach),
     /// Detach a kernel loop device (LOOP_CLR_FD).
     Detach {
@@ -55,10 +56,13 @@ pub struct KernelAttach {
     /// Remove the device when its last user closes it.
     #[arg(long)]
     autoclear: bool,
-    /// Scan the device for partitions.
+    /// Scan the device for partitions: turned on after the device is
+    /// configured, under a BSD lock (no udev race); returns once every
+    /// partition node (/dev/loopNpK) exists.
     #[arg(long)]
     partscan: bool,
-    /// Print JSON instead of the device path.
+    /// Print JSON (device, block size, direct I/O, partitions) instead of
+    /// the device path.
     #[arg(long)]
     json: bool,
 }
@@ -85,6 +89,9 @@ pub fn run(cmd: KernelCmd) -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {
                 println!("{}", r.device.display());
+                for part in &r.partitions {
+                    println!("{}", part.device.display());
+                }
                 if matches!(a.direct_io, Dio::Auto) && !r.direct_io {
                     eprintln!(
                         "loopd: note: the kernel did not enable direct I/O on {} (block size {})",
