@@ -503,3 +503,58 @@ fn ublk_fifty_devices_attach_and_detach() {
         start.elapsed()
     );
 }
+
+/// `--partscan`: the partition devices exist the moment attach returns (it
+/// prints them), and p2 reads p2's bytes; for ublk and for nbd.
+fn partitions_on_return(kind: &str) {
+    use common::gpt::{TWO_PARTS, two_partition_image};
+    let t = scratch();
+    let srv = daemon(t.path());
+    let img = t.path().join("gpt.img");
+    two_partition_image(&img, 9);
+    let out = srv.ctl_ok(&[
+        "attach",
+        img.to_str().expect("utf-8"),
+        "--blockdev",
+        kind,
+        "--partscan",
+    ]);
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    let dev = PathBuf::from(lines[1]);
+    let sep = "p";
+    let p1 = PathBuf::from(format!("{}{sep}1", dev.display()));
+    let p2 = PathBuf::from(format!("{}{sep}2", dev.display()));
+    // Stat at once: no waiting, no udevadm settle.
+    assert!(
+        p1.exists() && p2.exists(),
+        "partitions exist on return:\n{out}"
+    );
+    assert!(
+        out.stdout.contains(p1.to_str().expect("utf-8"))
+            && out.stdout.contains(p2.to_str().expect("utf-8")),
+        "attach prints the partitions:\n{out}"
+    );
+    let p = TWO_PARTS[1];
+    let mut buf = vec![0u8; 4096];
+    fs::File::open(&p2)
+        .expect("open p2")
+        .read_exact_at(&mut buf, 0)
+        .expect("read p2");
+    assert_eq!(
+        buf,
+        pattern_bytes(9, p.start_bytes(), 4096),
+        "p2 is partition 2"
+    );
+    srv.ctl_ok(&["detach", "gpt"]);
+    assert!(gone(&dev));
+}
+
+#[test]
+fn ublk_partitions_exist_when_attach_returns() {
+    partitions_on_return("ublk");
+}
+
+#[test]
+fn nbd_partitions_exist_when_attach_returns() {
+    partitions_on_return("nbd");
+}

@@ -205,6 +205,9 @@ pub fn print_device(v: &Value, json: bool) -> Result<()> {
     if let Some(b) = v["blockdev"].as_str() {
         println!("{b}");
     }
+    for p in v["partitions"].as_array().into_iter().flatten() {
+        println!("{}", p.as_str().unwrap_or_default());
+    }
     for u in v["uris"].as_array().into_iter().flatten() {
         println!("{}", u.as_str().unwrap_or_default());
     }

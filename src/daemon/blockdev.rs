@@ -19,6 +19,7 @@
 //! the char device's appearance, START_DEV); the reactors never wait for it.
 //! A failure part-way removes what was made: no half-made device is left.
 
+use crate::blockdev::partitions::{self, PartitionError, Rescan};
 use crate::device::Device;
 use crate::device::export::Export;
 use crate::device::spec::DeviceSpec;
@@ -64,6 +65,8 @@ pub enum BlockdevError {
     SocketPair(#[source] std::io::Error),
     #[error("--connections must be 1..=64, not {0}")]
     Connections(u16),
+    #[error("the partition devices did not appear")]
+    Partitions(#[source] PartitionError),
     #[error("{0}")]
     Ctrl(#[from] CtrlError),
     #[error("{0}")]
@@ -509,19 +512,35 @@ impl KernelDev {
     }
 }
 
-/// Make the kernel block device `spec` asks for.
+/// How long `--partscan` waits for the partition devices.
+const PARTSCAN_WAIT: Duration = Duration::from_secs(10);
+
+/// Make the kernel block device `spec` asks for. With `partscan`, it returns
+/// only once the partition devices exist (the kernel's scan is run where the
+/// driver defers it), so nothing races udev for them afterwards.
 pub fn start(
     export: &Arc<Export>,
     spec: &DeviceSpec,
     reactors: &[Arc<ReactorHandle>],
 ) -> Result<Option<KernelDev>, BlockdevError> {
-    Ok(match spec.blockdev {
-        None => None,
-        Some(crate::device::spec::Blockdev::Ublk) => Some(KernelDev::Ublk(Box::new(start_ublk(
-            export, spec, reactors,
-        )?))),
-        Some(crate::device::spec::Blockdev::Nbd) => {
-            Some(KernelDev::Nbd(start_nbd(export, spec, reactors)?))
-        }
-    })
+    let (k, rescan) = match spec.blockdev {
+        None => return Ok(None),
+        Some(crate::device::spec::Blockdev::Ublk) => (
+            KernelDev::Ublk(Box::new(start_ublk(export, spec, reactors)?)),
+            // START_DEV returns after add_disk, which scans the table.
+            Rescan::AlreadyDone,
+        ),
+        Some(crate::device::spec::Blockdev::Nbd) => (
+            KernelDev::Nbd(start_nbd(export, spec, reactors)?),
+            // nbd marks the disk for a scan at its next open.
+            Rescan::FirstOpen,
+        ),
+    };
+    if spec.partscan
+        && let Err(e) = partitions::settle(&k.path(), rescan, PARTSCAN_WAIT)
+    {
+        let _ = k.remove();
+        return Err(BlockdevError::Partitions(e));
+    }
+    Ok(Some(k))
 }

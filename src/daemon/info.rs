@@ -47,6 +47,9 @@ pub struct DeviceInfo {
     /// The kernel block device the device is handed to (`/dev/ublkbN`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub blockdev: Option<PathBuf>,
+    /// Its partition devices, as the kernel has them now.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub partitions: Vec<PathBuf>,
 }
 
 impl DeviceInfo {
@@ -69,6 +72,7 @@ impl DeviceInfo {
             state: DeviceState::Live,
             reason: None,
             blockdev: None,
+            partitions: Vec::new(),
         }
     }
 
@@ -90,6 +94,7 @@ impl DeviceInfo {
             state: DeviceState::Missing,
             reason: Some(reason.to_owned()),
             blockdev: None,
+            partitions: Vec::new(),
         }
     }
 }

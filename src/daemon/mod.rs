@@ -128,7 +128,9 @@ impl CtlError {
                 )
                 | BlockdevError::Nbd(KernelNbdError::NoDevice { .. }) => ErrorCode::Unavailable,
                 BlockdevError::Nbd(KernelNbdError::BlockSize(_)) => ErrorCode::Invalid,
-                BlockdevError::Nbd(_) | BlockdevError::SocketPair(_) => ErrorCode::Io,
+                BlockdevError::Nbd(_)
+                | BlockdevError::SocketPair(_)
+                | BlockdevError::Partitions(_) => ErrorCode::Io,
                 BlockdevError::Unfollowable(_) => ErrorCode::Unavailable,
                 BlockdevError::Ctrl(CtrlError::Params(_)) => ErrorCode::Invalid,
                 BlockdevError::Ctrl(
@@ -409,7 +411,13 @@ impl Daemon {
 
     fn info(&self, e: &Export) -> DeviceInfo {
         let mut i = DeviceInfo::of(e, &self.endpoints());
-        i.blockdev = self.blockdev(&e.name).map(|b| b.path());
+        if let Some(b) = self.blockdev(&e.name) {
+            let path = b.path();
+            i.partitions = crate::blockdev::partitions::current(&path)
+                .map(|ps| ps.into_iter().map(|p| p.device).collect())
+                .unwrap_or_default();
+            i.blockdev = Some(path);
+        }
         i
     }
 
