@@ -63,3 +63,13 @@ fn ring_and_frontends_never_import_the_reactor_or_the_daemon() {
     bad.extend(violations("frontend", &["reactor", "daemon", "server"]));
     assert!(bad.is_empty(), "imports running up:\n{}", bad.join("\n"));
 }
+
+#[test]
+fn kernel_block_device_helpers_import_nothing_above_backing() {
+    let above = [ABOVE_ENGINE, &["engine", "device"]].concat();
+    let mut bad = Vec::new();
+    for m in ["blockdev", "kernel_nbd", "kernel_loop"] {
+        bad.extend(violations(m, &above));
+    }
+    assert!(bad.is_empty(), "imports running up:\n{}", bad.join("\n"));
+}
