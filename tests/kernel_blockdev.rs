@@ -141,12 +141,48 @@ fn drop_caches() {
 
 /// mkfs + mount + files + checksums across a remount and a page-cache drop +
 /// e2fsck; then fstrim punches the deleted file's blocks out of the image.
+/// The loopd threads that serve ublk queues run as I/O flushers
+/// (`PR_SET_IO_FLUSHER`: PF_MEMALLOC_NOIO | PF_LOCAL_THROTTLE in their flags),
+/// so memory reclaim never waits on them to write back their own device.
+fn assert_reactors_are_io_flushers(srv: &Server) {
+    const PF_MEMALLOC_NOIO: u64 = 0x0008_0000;
+    const PF_LOCAL_THROTTLE: u64 = 0x0010_0000;
+    let tasks = format!("/proc/{}/task", srv.pid());
+    let mut reactors = 0;
+    for e in fs::read_dir(&tasks).expect("task dir") {
+        let p = e.expect("task").path();
+        let comm = fs::read_to_string(p.join("comm")).unwrap_or_default();
+        if !comm.starts_with("loopd-reactor") {
+            continue;
+        }
+        reactors += 1;
+        let stat = fs::read_to_string(p.join("stat")).expect("stat");
+        let after = &stat[stat.rfind(')').expect("comm end") + 2..];
+        let flags: u64 = after
+            .split(' ')
+            .nth(6)
+            .and_then(|f| f.parse().ok())
+            .expect("flags field");
+        assert_eq!(
+            flags & (PF_MEMALLOC_NOIO | PF_LOCAL_THROTTLE),
+            PF_MEMALLOC_NOIO | PF_LOCAL_THROTTLE,
+            "{} ({}) is an I/O flusher: flags {flags:#x}",
+            p.display(),
+            comm.trim()
+        );
+    }
+    assert!(reactors > 0, "found loopd's reactor threads");
+}
+
 fn filesystem_round_trip(kind: &str, cache: &str) {
     let t = scratch();
     let srv = daemon(t.path());
     let img = t.path().join("fs.img");
     create_sparse_image(&img, 256 << 20);
     let dev = attach(&srv, kind, &img, &["--cache", cache]);
+    if kind == "ublk" {
+        assert_reactors_are_io_flushers(&srv);
+    }
     assert_eq!(dev_size(&dev), 256 << 20);
     mkfs_ext4(&dev);
     let mnt = t.path().join("mnt");

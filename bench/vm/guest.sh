@@ -1,0 +1,85 @@
+#!/bin/bash
+# Runs inside the benchmark VM (see bench/vm-run): the seed 000 experiment —
+# ext4 on the block device, fio psync inside the filesystem, 16 jobs and 1 job,
+# randread/read/randwrite/write — for kernel loop (direct I/O and buffered),
+# loopd ublk (direct and buffered), loopd --blockdev nbd and nbd-client -> loopd,
+# plus 4k randread/randwrite at QD1 and QD32 on the raw device. Records IOPS,
+# context switches (/proc/stat) and the image's page-cache footprint (fincore).
+set -u
+OUT=$1          # a host-visible directory for results
+LOOPD=$2        # the loopd binary
+RUNTIME=${3:-5}
+exec > "$OUT/guest.log" 2>&1
+set -x
+modprobe ublk_drv && modprobe nbd || { echo "modules missing"; exit 1; }
+DISK=$(ls /dev/sd? | head -1)
+mkfs.ext4 -q -F "$DISK" && mkdir -p /mnt/disk && mount "$DISK" /mnt/disk || exit 1
+RES=$OUT/results.csv
+echo "system,case,iops,ctxt,cache_kib" > "$RES"
+IMG=/mnt/disk/img.raw
+MNT=/mnt/fs
+mkdir -p $MNT
+
+ctxt() { awk '/^ctxt/ {print $2}' /proc/stat; }
+
+run_fio() { # system case fio-args...
+    local sys=$1 case=$2; shift 2
+    sync; echo 3 > /proc/sys/vm/drop_caches
+    local c0; c0=$(ctxt)
+    fio --output-format=json --output=/tmp/fio.json "$@" >/dev/null 2>&1
+    local c1; c1=$(ctxt)
+    local iops; iops=$(python3 -c "import json;d=json.load(open('/tmp/fio.json'));j=d['jobs'];print(round(sum(x['read']['iops']+x['write']['iops'] for x in j)))" 2>/dev/null || echo 0)
+    local cache; cache=$(fincore --bytes --noheadings --output RES "$IMG" 2>/dev/null | awk '{print int($1/1024)}')
+    echo "$sys,$case,$iops,$((c1 - c0)),${cache:-0}" >> "$RES"
+}
+
+bench_device() { # system device
+    local sys=$1 dev=$2
+    for rw in randread randwrite; do
+        for qd in 1 32; do
+            run_fio "$sys" "raw-$rw-4k-qd$qd" --name=r --filename="$dev" --direct=1 --ioengine=io_uring \
+                --rw=$rw --bs=4k --iodepth=$qd --size=512M --time_based --runtime="$RUNTIME"
+        done
+    done
+    mkfs.ext4 -q -F "$dev" && mount "$dev" $MNT || { echo "mount failed for $sys"; return; }
+    for rw in randread read randwrite write; do
+        run_fio "$sys" "ext4-$rw-16j" --name=j --directory=$MNT --ioengine=psync --rw=$rw --bs=4k \
+            --numjobs=16 --size=24M --time_based --runtime="$RUNTIME" --group_reporting
+        run_fio "$sys" "ext4-$rw-1j" --name=one --directory=$MNT --ioengine=psync --rw=$rw --bs=4k \
+            --numjobs=1 --size=384M --time_based --runtime="$RUNTIME"
+    done
+    umount $MNT
+}
+
+fresh_image() { rm -f "$IMG"; truncate -s 1G "$IMG"; }
+
+# kernel loop, direct I/O and buffered
+for mode in on off; do
+    fresh_image
+    dev=$(losetup --direct-io=$mode -f --show "$IMG")
+    bench_device "loop-$( [ $mode = on ] && echo dio || echo buffered)" "$dev"
+    losetup -d "$dev"
+done
+
+# loopd: ublk direct/buffered, --blockdev nbd, nbd-client -> loopd serve
+for sys in ublk-direct ublk-buffered knbd-direct nbdclient-direct; do
+    fresh_image
+    cache=${sys#*-}
+    S=/tmp/b.sock
+    case $sys in
+        ublk-*) "$LOOPD" serve "$IMG" --cache "$cache" --blockdev ublk --socket $S --state /tmp/b.state > /tmp/serve.out 2>/tmp/serve.err & ;;
+        knbd-*) "$LOOPD" serve "$IMG" --cache "$cache" --blockdev nbd --socket $S --state /tmp/b.state > /tmp/serve.out 2>/tmp/serve.err & ;;
+        nbdclient-*) "$LOOPD" serve "$IMG" --cache "$cache" --socket $S --state /tmp/b.state > /tmp/serve.out 2>/tmp/serve.err & ;;
+    esac
+    P=$!
+    for i in $(seq 1 200); do grep -q "nbd+unix" /tmp/serve.out 2>/dev/null && break; sleep 0.1; done
+    case $sys in
+        nbdclient-*) nbd-client -unix $S -N img /dev/nbd5 -b 512 >/dev/null && dev=/dev/nbd5 ;;
+        *) dev=$(grep '^/dev/' /tmp/serve.out | head -1) ;;
+    esac
+    bench_device "$sys" "$dev"
+    case $sys in nbdclient-*) nbd-client -d /dev/nbd5 ;; esac
+    kill $P; wait $P
+    rm -f /tmp/b.state* $S
+done
+echo DONE >> "$RES.done"
