@@ -11,13 +11,20 @@ LOOPD=$2        # the loopd binary
 RUNTIME=${3:-5}
 exec > "$OUT/guest.log" 2>&1
 set -x
-modprobe ublk_drv && modprobe nbd || { echo "modules missing"; exit 1; }
-DISK=$(ls /dev/sd? | head -1)
-mkfs.ext4 -q -F "$DISK" && mkdir -p /mnt/disk && mount "$DISK" /mnt/disk || exit 1
+modprobe loop && modprobe ublk_drv && modprobe nbd || { echo "modules missing"; exit 1; }
+modprobe virtio_scsi 2>/dev/null; modprobe sd_mod 2>/dev/null
+DISK=
+for i in $(seq 1 50); do
+    DISK=$(ls /dev/vd? /dev/sd? 2>/dev/null | head -1)
+    [ -n "$DISK" ] && break
+    sleep 0.2
+done
+[ -n "$DISK" ] || { echo "no benchmark disk (/dev/vdX or /dev/sdX) in the guest"; exit 1; }
+mkfs.ext4 -q -F "$DISK" && mkdir -p /run/bench/disk && mount "$DISK" /run/bench/disk || exit 1
 RES=$OUT/results.csv
 echo "system,case,iops,ctxt,cache_kib" > "$RES"
-IMG=/mnt/disk/img.raw
-MNT=/mnt/fs
+IMG=/run/bench/disk/img.raw
+MNT=/run/bench/fs
 mkdir -p $MNT
 
 ctxt() { awk '/^ctxt/ {print $2}' /proc/stat; }
