@@ -126,7 +126,7 @@ fn serve_without_image_defaults() {
     let table = srv.ctl_ok(&["list"]).stdout;
     assert_eq!(
         table.lines().collect::<Vec<_>>(),
-        vec!["NAME SIZE OFFSET SIZELIMIT BLOCK CACHE DIO RO AUTOCLEAR CLIENTS IMAGE"],
+        vec!["NAME SIZE OFFSET SIZELIMIT BLOCK CACHE DIO RO AUTOCLEAR CLIENTS BLOCKDEV IMAGE"],
         "empty list table"
     );
     // Connecting with the empty name finds nothing to serve.
@@ -275,6 +275,7 @@ fn attach_list_status_detach() {
             "RO",
             "AUTOCLEAR",
             "CLIENTS",
+            "BLOCKDEV",
             "IMAGE"
         ]
     );
@@ -286,7 +287,8 @@ fn attach_list_status_detach() {
     assert!(["512", "1024", "2048", "4096"].contains(&r[4]), "{table}");
     assert_eq!(r[5], "auto", "{table}");
     assert_eq!(&r[7..10], &["no", "no", "0"], "{table}");
-    assert_eq!(r[10], path_str(&img), "{table}");
+    assert_eq!(r[10], "-", "no block device: {table}");
+    assert_eq!(r[11], path_str(&img), "{table}");
 
     // list --json.
     let d = srv.device("disk1").expect("disk1 listed");
