@@ -97,20 +97,6 @@ fn dev_size(dev: &Path) -> u64 {
     sysblock(dev, "size").parse::<u64>().expect("size") * 512
 }
 
-fn mkfs_ext4(dev: &Path) {
-    sh(
-        KCMD_TIMEOUT,
-        "mkfs.ext4",
-        [
-            OsArg::from("-q"),
-            "-F".into(),
-            "-E".into(),
-            "lazy_itable_init=0,lazy_journal_init=0".into(),
-            dev.into(),
-        ],
-    );
-}
-
 fn md5(path: &Path) -> String {
     let out = sh(KCMD_TIMEOUT, "md5sum", [path]);
     out.stdout

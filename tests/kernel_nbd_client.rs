@@ -48,22 +48,6 @@ fn connect(srv: &Server) -> NbdDev {
     })
 }
 
-/// `mkfs.ext4` with no lazy initialisation, so nothing writes in the background
-/// after mount (which would disturb allocation counts).
-fn mkfs_ext4(dev: &Path) {
-    sh(
-        KCMD_TIMEOUT,
-        "mkfs.ext4",
-        [
-            OsArg::from("-q"),
-            "-F".into(),
-            "-E".into(),
-            "lazy_itable_init=0,lazy_journal_init=0".into(),
-            dev.into(),
-        ],
-    );
-}
-
 /// A path or a string as a command argument.
 struct OsArg(std::ffi::OsString);
 

@@ -314,3 +314,19 @@ pub fn fs_type(path: &Path) -> String {
     best.map(|(_, t)| t)
         .unwrap_or_else(|| panic!("no mount holds {}", path.display()))
 }
+
+/// `mkfs.ext4` with no lazy initialisation, so nothing writes in the background
+/// after mount (which would disturb allocation counts).
+pub fn mkfs_ext4(dev: &Path) {
+    sh(
+        KCMD_TIMEOUT,
+        "mkfs.ext4",
+        [
+            OsStr::new("-q"),
+            OsStr::new("-F"),
+            OsStr::new("-E"),
+            OsStr::new("lazy_itable_init=0,lazy_journal_init=0"),
+            dev.as_os_str(),
+        ],
+    );
+}
