@@ -72,8 +72,6 @@ pub struct Queue {
     file_ops: u32,
     /// Tags waiting for the export to thaw, oldest first.
     frozen: Vec<u16>,
-    /// A command failed in a way that needs the device stopped.
-    pub failed: Option<i32>,
     /// Dropped with the queue: tells the daemon its commands are all done.
     _done: Sender<()>,
 }
@@ -121,7 +119,6 @@ impl Queue {
             max_io,
             file_ops: 0,
             frozen: Vec::new(),
-            failed: None,
             _done: done,
         })
     }
@@ -149,11 +146,6 @@ impl Queue {
         }
     }
 
-    /// The queue's number among the device's queues.
-    pub fn q_id(&self) -> u16 {
-        self.q_id
-    }
-
     /// Route a completion of this queue.
     pub fn on_cqe(&mut self, io: &mut Io, si: u32, tag_kind: u64, tag: u16, res: i32) {
         match tag_kind {
@@ -173,7 +165,6 @@ impl Queue {
                     self.q_id,
                     self.dev.name
                 );
-                self.failed = Some(e);
             }
             Err(e) => tracing::warn!("ublk queue {} of {:?}: {e}", self.q_id, self.dev.name),
         }
@@ -346,17 +337,21 @@ impl Queue {
         if self.tags.commit(tag).is_err() {
             return;
         }
-        let slot = &self.slots[usize::from(tag)];
+        let max_io = self.max_io as usize;
+        let slot = &mut self.slots[usize::from(tag)];
         if slot.buf.is_none() {
-            // Cannot happen (the task gave the buffer back above); never hand
-            // the kernel an address we do not own.
-            tracing::error!("ublk queue {} tag {tag}: buffer lost", self.q_id);
-            self.failed = Some(-libc::EIO);
+            // Cannot happen (the task gives the buffer back before the commit);
+            // never hand the kernel an address this queue does not own: give the
+            // tag a new buffer (the kernel takes the address from every command).
+            tracing::error!("ublk queue {} tag {tag}: buffer lost; replaced", self.q_id);
+            let mut b = AlignedBuf::unbudgeted(max_io);
+            slot.addr = b.as_mut_ptr() as u64;
+            slot.buf = Some(b);
         }
         let e = io_cmd::commit_and_fetch(self.char.raw_fd(), self.q_id, tag, res, slot.addr)
             .user_data(ud(TAG_UBLK, si, tag));
-        // SAFETY: the tag's buffer lives in this queue's slot table, which
-        // outlives the command (see the module contract).
+        // SAFETY: `addr` is the tag's buffer, held in this queue's slot table,
+        // which outlives the command (see the module contract).
         unsafe { io.push(e) };
     }
 
@@ -371,11 +366,6 @@ impl Queue {
         // Once the device is stopped the kernel aborts every command: nothing
         // in flight any more means the queue is done.
         self.tags.all_fetched() && self.tags.is_drained() && self.file_ops == 0
-    }
-
-    /// The device is being stopped: fetch nothing more.
-    pub fn stop(&mut self) {
-        self.tags.stop();
     }
 
     /// Whether any command or file operation of the queue is in flight.
