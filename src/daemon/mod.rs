@@ -428,9 +428,12 @@ impl Daemon {
     }
 
     /// Give device `name` to the kernel as the block device its spec asks
-    /// for. On failure the device is detached again: an attach that asked for a
-    /// block device either has one or did not happen.
-    fn start_blockdev(&self, name: &str) -> Result<(), CtlError> {
+    /// for. On failure, with `undo` (a new attach), the device is detached
+    /// again: an attach that asked for a block device either has one or did not
+    /// happen. Without it (a device coming back from the state file or a config
+    /// file) the device stays, served over NBD, and keeps its record: a driver
+    /// not loaded yet at boot must not erase the configuration.
+    fn start_blockdev(&self, name: &str, undo: bool) -> Result<(), CtlError> {
         let Some(e) = self.export(name) else {
             return Err(CtlError::NotFound(name.to_owned()));
         };
@@ -472,7 +475,7 @@ impl Daemon {
                 Ok(())
             }
             Err(source) => {
-                if let Err(d) = self.detach_export(&e, true) {
+                if undo && let Err(d) = self.detach_export(&e, true) {
                     tracing::warn!("device {name:?}: undoing the attach failed: {d}");
                 }
                 Err(CtlError::Blockdev {
@@ -492,7 +495,7 @@ impl Daemon {
             if e.spec().blockdev.is_none() || self.blockdev(&e.name).is_some() {
                 continue;
             }
-            let r = self.start_blockdev(&e.name).and_then(|()| {
+            let r = self.start_blockdev(&e.name, false).and_then(|()| {
                 self.blockdev(&e.name)
                     .map(|b| b.path())
                     .ok_or(CtlError::NotFound(e.name.clone()))
@@ -592,7 +595,7 @@ impl Daemon {
             Source::Static
         };
         let info = self.attach_inner(spec, source, Tuning::default(), false)?;
-        self.start_blockdev(&info.name)?;
+        self.start_blockdev(&info.name, true)?;
         Ok(self.export(&info.name).map_or(info, |e| self.info(&e)))
     }
 
@@ -601,7 +604,7 @@ impl Daemon {
     pub fn attach_default(&self, spec: DeviceSpec, tuning: Tuning) -> Result<DeviceInfo, CtlError> {
         let info = self.attach_inner(spec, Source::Static, tuning, true)?;
         self.set_default(&info.name);
-        self.start_blockdev(&info.name)?;
+        self.start_blockdev(&info.name, true)?;
         Ok(self.export(&info.name).map_or(info, |e| self.info(&e)))
     }
 
@@ -1116,10 +1119,15 @@ impl Daemon {
         };
         for (name, x) in all {
             match self.attach_inner(x.spec.clone(), Source::Restored, Tuning::default(), false) {
-                Ok(_) => tracing::info!(
-                    "device {name:?} is back: {} can be opened again",
-                    x.spec.image.display()
-                ),
+                Ok(_) => {
+                    tracing::info!(
+                        "device {name:?} is back: {} can be opened again",
+                        x.spec.image.display()
+                    );
+                    if let Err(e) = self.start_blockdev(&name, false) {
+                        tracing::error!("{}", e.body().message);
+                    }
+                }
                 Err(CtlError::NameTaken(_)) => {}
                 Err(e) => {
                     let reason = e.body().message;
