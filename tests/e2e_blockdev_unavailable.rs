@@ -57,3 +57,44 @@ fn nbd_without_the_module_names_modprobe() {
             .is_ok_and(|o| o.status.success());
     attach_refused_or_made("nbd", present, "modprobe nbd");
 }
+
+/// A device of the state file whose block device cannot be made at start (the
+/// driver is not loaded yet) is still attached and served over NBD, and keeps
+/// its record: a missing module at boot must not erase the configuration.
+#[test]
+fn restored_device_keeps_its_record_when_the_block_device_cannot_be_made() {
+    let present = std::path::Path::new("/dev/ublk-control").exists();
+    let t = tempfile::tempdir().expect("tempdir");
+    let img = t.path().join("keep.img");
+    create_filled_image(&img, 4 << 20, 0x5a);
+    let state = t.path().join("loopd.state");
+    std::fs::write(
+        &state,
+        format!(
+            "{{\"loopd_state\":1}}\n{{\"put\":{{\"image\":\"{}\",\"name\":\"keep\",\"blockdev\":\"ublk\"}}}}\n",
+            img.display()
+        ),
+    )
+    .expect("write state");
+    let srv = Server::daemon()
+        .args([std::ffi::OsStr::new("--state"), state.as_os_str()])
+        .start();
+    let d = srv.device("keep").expect("the device is attached");
+    if present {
+        assert!(d.get("blockdev").is_some(), "the driver is there: {d:?}");
+    } else {
+        assert!(d.get("blockdev").is_none(), "no block device: {d:?}");
+        assert!(
+            srv.stderr_text().contains("modprobe ublk_drv"),
+            "the log says why and what to do:\n{}",
+            srv.stderr_text()
+        );
+    }
+    let text = std::fs::read_to_string(&state).expect("read state");
+    assert!(
+        text.contains("\"name\":\"keep\"") && text.contains("\"blockdev\":\"ublk\""),
+        "the record stays:\n{text}"
+    );
+    let out = qemu_io(&srv.uri_for_name("keep"), &["read -P 0x5a 0 4k"]);
+    assert!(out.stdout.contains("read 4096/4096"), "served over NBD: {out}");
+}
