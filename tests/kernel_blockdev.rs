@@ -319,14 +319,20 @@ fn nbd_read_only_device_refuses_writes() {
 }
 
 #[test]
-fn ublk_offset_and_size_limit_make_a_window() {
+fn offset_and_size_limit_make_a_window() {
+    for kind in ["ublk", "nbd"] {
+        window(kind);
+    }
+}
+
+fn window(kind: &str) {
     let t = scratch();
     let srv = daemon(t.path());
     let img = t.path().join("win.img");
     create_pattern_image(&img, 32 << 20, 3);
     let dev = attach(
         &srv,
-        "ublk",
+        kind,
         &img,
         &["--offset", "4M", "--size-limit", "8M", "--cache", "direct"],
     );
