@@ -96,5 +96,8 @@ fn restored_device_keeps_its_record_when_the_block_device_cannot_be_made() {
         "the record stays:\n{text}"
     );
     let out = qemu_io(&srv.uri_for_name("keep"), &["read -P 0x5a 0 4k"]);
-    assert!(out.stdout.contains("read 4096/4096"), "served over NBD: {out}");
+    assert!(
+        out.stdout.contains("read 4096/4096"),
+        "served over NBD: {out}"
+    );
 }
