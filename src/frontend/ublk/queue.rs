@@ -35,19 +35,6 @@ use crate::ring::{Io, TAG_FILE, TAG_UBLK, ud};
 use std::sync::Arc;
 use std::sync::mpsc::Sender;
 
-/// A tag's request as the engine runs it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Stage {
-    /// No request (fetching, committing or retired).
-    Idle,
-    /// Waiting for the export to thaw.
-    Frozen,
-    /// Waiting for its range.
-    WaitLock,
-    /// A file operation is in flight.
-    Io,
-}
-
 struct TagSlot {
     req: Request,
     /// The tag's buffer while no task has it.
@@ -55,7 +42,8 @@ struct TagSlot {
     /// Its address, as given to the kernel (stable: the buffer never moves).
     addr: u64,
     op: Option<UblkOp>,
-    stage: Stage,
+    /// Parked on its range (in the reactor's lock waiters).
+    waiting_lock: bool,
 }
 
 /// One ublk queue. See the module documentation.
@@ -103,7 +91,7 @@ impl Queue {
                     buf: Some(b),
                     addr,
                     op: None,
-                    stage: Stage::Idle,
+                    waiting_lock: false,
                 }
             })
             .collect();
@@ -190,7 +178,6 @@ impl Queue {
     /// Enter the export and plan the task (again after a thaw).
     fn begin(&mut self, io: &mut Io, si: u32, tag: u16) {
         if !self.export.enter(&io.waker) {
-            self.slots[usize::from(tag)].stage = Stage::Frozen;
             self.frozen.push(tag);
             io.parked.push(si);
             return;
@@ -244,8 +231,8 @@ impl Queue {
     /// Take the range and run the first operation.
     fn dispatch(&mut self, io: &mut Io, si: u32, tag: u16) {
         let slot = &mut self.slots[usize::from(tag)];
-        if !slot.req.admit(&self.dev, &io.waker) {
-            slot.stage = Stage::WaitLock;
+        slot.waiting_lock = !slot.req.admit(&self.dev, &io.waker);
+        if slot.waiting_lock {
             io.lock_waiters.push((si, tag));
             return;
         }
@@ -261,7 +248,7 @@ impl Queue {
         if self
             .slots
             .get(usize::from(tag))
-            .is_some_and(|s| s.stage == Stage::WaitLock)
+            .is_some_and(|s| s.waiting_lock)
         {
             self.dispatch(io, si, tag);
         }
@@ -270,7 +257,6 @@ impl Queue {
     fn advance(&mut self, io: &mut Io, si: u32, tag: u16, next: Next) {
         match next {
             Next::Submit(op) => {
-                self.slots[usize::from(tag)].stage = Stage::Io;
                 self.file_ops += 1;
                 io.file_ops += 1;
                 let e = ops::sqe(op);
@@ -321,7 +307,6 @@ impl Queue {
                 b.as_mut_slice()[..n].copy_from_slice(&data[..n]);
             }
         }
-        slot.stage = Stage::Idle;
         let res = match (r, op) {
             (Err(e), _) => -e.raw(),
             (Ok(_), Some(UblkOp::Read { len, .. } | UblkOp::Write { len, .. })) => {
