@@ -3,9 +3,40 @@
 //! `/proc/self/mountinfo`, `/sys/class/block/*/holders` and `/proc/*/fd`;
 //! the parsing is pure and tested. May block briefly on procfs/sysfs reads.
 
+use std::fmt;
 use std::fs;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// One user of a block device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Use {
+    /// It (or one of its partitions) is mounted here.
+    Mounted(String),
+    /// A stacked device (device-mapper, md, ...) holds it.
+    Held(String),
+    /// A process has it open.
+    Open { comm: String, pid: u32 },
+}
+
+impl Use {
+    /// Whether the use lasts until someone acts (a mount, a holder), as opposed
+    /// to an opener, which may be udev probing the disk for a moment.
+    pub fn lasting(&self) -> bool {
+        !matches!(self, Use::Open { .. })
+    }
+}
+
+impl fmt::Display for Use {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Use::Mounted(m) => write!(f, "mounted on {m}"),
+            Use::Held(h) => write!(f, "held by {h}"),
+            Use::Open { comm, pid } => write!(f, "open by {comm} (pid {pid})"),
+        }
+    }
+}
 
 /// `major:minor` of a device number, as sysfs and mountinfo write it.
 fn majmin(rdev: u64) -> String {
@@ -68,11 +99,36 @@ fn disk_and_parts(name: &str) -> Vec<(String, String)> {
     out
 }
 
-/// Who uses the block device at `path`, as one line for an error message, or
-/// `None` if nobody does (as far as this process can see).
-pub fn users(path: &Path) -> Option<String> {
-    let rdev = fs::metadata(path).ok()?.rdev();
-    let name = path.file_name()?.to_string_lossy().into_owned();
+/// Who uses the block device at `path` once short-lived openers are done, as
+/// one line for an error message, or `None` if nobody does (as far as this
+/// process can see). udev probes a disk after every change (a close after
+/// writing, say), so an opener gone within `settle` is not counted; a mount or
+/// a holder is reported at once.
+pub fn settled_users(path: &Path, settle: Duration) -> Option<String> {
+    let deadline = Instant::now() + settle;
+    loop {
+        let now = users(path);
+        if now.is_empty() {
+            return None;
+        }
+        if now.iter().any(Use::lasting) || Instant::now() >= deadline {
+            let what: Vec<String> = now.iter().map(Use::to_string).collect();
+            return Some(what.join(", "));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Who uses the block device at `path` now (empty: nobody, as far as this
+/// process can see).
+pub fn users(path: &Path) -> Vec<Use> {
+    let Ok(meta) = fs::metadata(path) else {
+        return Vec::new();
+    };
+    let rdev = meta.rdev();
+    let Some(name) = path.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+        return Vec::new();
+    };
     let disks = disk_and_parts(&name);
     let mut devs: Vec<String> = disks.iter().map(|(_, d)| d.clone()).collect();
     if devs.is_empty() {
@@ -81,14 +137,14 @@ pub fn users(path: &Path) -> Option<String> {
     let mut what = Vec::new();
     if let Ok(mi) = fs::read_to_string("/proc/self/mountinfo") {
         for m in mounts_of(&mi, &devs) {
-            what.push(format!("mounted on {m}"));
+            what.push(Use::Mounted(m));
         }
     }
     for (n, _) in &disks {
         let holders = Path::new("/sys/class/block").join(n).join("holders");
         if let Ok(rd) = fs::read_dir(holders) {
             for h in rd.flatten() {
-                what.push(format!("held by {}", h.file_name().to_string_lossy()));
+                what.push(Use::Held(h.file_name().to_string_lossy().into_owned()));
             }
         }
     }
@@ -102,11 +158,11 @@ pub fn users(path: &Path) -> Option<String> {
         .chain(std::iter::once(rdev))
         .collect();
     what.extend(openers(&rdevs));
-    (!what.is_empty()).then(|| what.join(", "))
+    what
 }
 
 /// Processes (other than this one) with one of the device numbers `rdevs` open.
-fn openers(rdevs: &[u64]) -> Vec<String> {
+fn openers(rdevs: &[u64]) -> Vec<Use> {
     let me = std::process::id();
     let mut out = Vec::new();
     let Ok(procs) = fs::read_dir("/proc") else {
@@ -128,7 +184,10 @@ fn openers(rdevs: &[u64]) -> Vec<String> {
         });
         if open {
             let comm = fs::read_to_string(p.path().join("comm")).unwrap_or_default();
-            out.push(format!("open by {} (pid {pid})", comm.trim()));
+            out.push(Use::Open {
+                comm: comm.trim().to_owned(),
+                pid,
+            });
         }
     }
     out

@@ -45,22 +45,8 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use thiserror::Error;
 
-/// Who uses the block device at `path` once short-lived openers are done: udev
-/// probes a disk after every change (a close after writing, say), so a user
-/// that is gone within [`USERS_SETTLE`] is not counted.
-fn settled_users(path: &Path) -> Option<String> {
-    let deadline = Instant::now() + USERS_SETTLE;
-    loop {
-        let who = crate::blockdev::users::users(path)?;
-        let lasting = who.contains("mounted on") || who.contains("held by");
-        if lasting || Instant::now() >= deadline {
-            return Some(who);
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// See [`settled_users`].
+/// How long detach lets a block device's openers go away before it counts
+/// them as users (see [`crate::blockdev::users::settled_users`]).
 const USERS_SETTLE: Duration = Duration::from_secs(2);
 
 /// How long a forced detach waits for its connections to close (a connection
@@ -726,7 +712,8 @@ impl Daemon {
                     "device {name:?} has {n} connected client(s); disconnect them or use --force"
                 )));
             }
-            if !force && let Some(who) = settled_users(&path) {
+            if !force && let Some(who) = crate::blockdev::users::settled_users(&path, USERS_SETTLE)
+            {
                 return Err(CtlError::Busy(format!(
                     "device {name:?}: {} is in use ({who}); unmount or close it, or use --force",
                     path.display()
