@@ -49,6 +49,13 @@ use thiserror::Error;
 /// them as users (see [`crate::blockdev::users::settled_users`]).
 const USERS_SETTLE: Duration = Duration::from_secs(2);
 
+/// A detach without `force` refused because `n` clients are connected.
+fn clients_busy(name: &str, n: u32) -> CtlError {
+    CtlError::Busy(format!(
+        "device {name:?} has {n} connected client(s); disconnect them or use --force"
+    ))
+}
+
 /// How long a forced detach waits for its connections to close (a connection
 /// closes at once unless file I/O it started does not return).
 pub const FORCE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -708,9 +715,7 @@ impl Daemon {
             let path = b.path();
             let n = e.clients().saturating_sub(b.own_clients());
             if !force && n > 0 {
-                return Err(CtlError::Busy(format!(
-                    "device {name:?} has {n} connected client(s); disconnect them or use --force"
-                )));
+                return Err(clients_busy(name, n));
             }
             if !force && let Some(who) = crate::blockdev::users::settled_users(&path, USERS_SETTLE)
             {
@@ -728,11 +733,7 @@ impl Daemon {
     fn detach_export(&self, e: &Arc<Export>, force: bool) -> Result<(), CtlError> {
         let name = e.name.as_str();
         let _g = e.control();
-        let n = e.close(force).map_err(|n| {
-            CtlError::Busy(format!(
-                "device {name:?} has {n} connected client(s); disconnect them or use --force"
-            ))
-        })?;
+        let n = e.close(force).map_err(|n| clients_busy(name, n))?;
         // The removal is durable before anything else happens; if it cannot be
         // recorded the device stays as it was.
         if let Err(err) = self.record_del(e) {
