@@ -89,6 +89,8 @@ pub enum BlockdevError {
 /// A live ublk device of one export.
 pub struct UblkDevice {
     pub dev_id: u32,
+    /// Made with UPDATE_SIZE allowed (the kernel had it, 6.14+).
+    resizable: bool,
     ctrl: Mutex<UblkCtrl>,
     /// Disconnected once every queue of the device is gone.
     done: Mutex<Receiver<()>>,
@@ -100,10 +102,10 @@ impl UblkDevice {
         PathBuf::from(format!("/dev/ublkb{}", self.dev_id))
     }
 
-    /// Whether the kernel can change this device's size (UPDATE_SIZE, 6.14+).
+    /// Whether the kernel can change this device's size: it was made with
+    /// UPDATE_SIZE, which needs 6.14+ (asked once, at ADD_DEV).
     pub fn can_resize(&self) -> Result<(), BlockdevError> {
-        let mut ctrl = self.ctrl.lock().unwrap_or_else(|p| p.into_inner());
-        if ctrl.features()? & UBLK_F_UPDATE_SIZE == 0 {
+        if !self.resizable {
             return Err(BlockdevError::Unfollowable(
                 "this kernel cannot change a ublk device's size (UPDATE_SIZE needs Linux 6.14 or \
                  later); detach and attach the device to give it the new size"
@@ -249,6 +251,7 @@ pub fn start_ublk(
     }
     Ok(UblkDevice {
         dev_id: info.dev_id,
+        resizable: info.flags & UBLK_F_UPDATE_SIZE != 0,
         ctrl: Mutex::new(ctrl),
         done: Mutex::new(done_rx),
     })
@@ -336,6 +339,7 @@ fn recover(
     );
     Ok(UblkDevice {
         dev_id: info.dev_id,
+        resizable: info.flags & UBLK_F_UPDATE_SIZE != 0,
         ctrl: Mutex::new(ctrl),
         done: Mutex::new(done_rx),
     })
