@@ -9,7 +9,7 @@
 //!
 //! A missing kernel module or tool panics with what to do; nothing is skipped.
 
-use super::{Out, require_tool, run_cmd_timeout, tool};
+use super::{Out, require_tool};
 use std::ffi::OsStr;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -31,15 +31,7 @@ where
 }
 
 /// Runs `name args` (killed after `timeout`), whatever its exit status.
-pub fn sh_status<I, S>(timeout: Duration, name: &str, args: I) -> Out
-where
-    I: IntoIterator<Item = S>,
-    S: AsRef<OsStr>,
-{
-    let mut c = tool(name);
-    c.args(args);
-    run_cmd_timeout(c, timeout)
-}
+pub use super::run_status_timeout as sh_status;
 
 /// Panics unless the kernel module `module` is loaded (the runner loads
 /// `nbd` and `ublk_drv`; a test never loads modules behind the user's back).

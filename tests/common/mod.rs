@@ -278,9 +278,19 @@ where
     I: IntoIterator<Item = S>,
     S: AsRef<OsStr>,
 {
+    run_status_timeout(TOOL_TIMEOUT, name, args)
+}
+
+/// Runs a tool (killed after `timeout`) and returns its output whatever the
+/// exit status.
+pub fn run_status_timeout<I, S>(timeout: Duration, name: &str, args: I) -> Out
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
     let mut c = tool(name);
     c.args(args);
-    run_cmd_timeout(c, TOOL_TIMEOUT)
+    run_cmd_timeout(c, timeout)
 }
 
 /// Runs a tool and panics (showing its stderr) on a non-zero exit.
