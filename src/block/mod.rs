@@ -129,7 +129,7 @@ impl Errno {
 }
 
 /// A run of the device with one allocation state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Extent {
     pub len: u32,
     /// Not allocated in the backing file.

@@ -23,12 +23,7 @@ impl Conn {
         len: u32,
         one: bool,
     ) {
-        let hole = Extent {
-            len: 0,
-            hole: false,
-            zero: false,
-        };
-        let out = vec![hole; status::MAX_DESCRIPTORS];
+        let out = vec![Extent::default(); status::MAX_DESCRIPTORS];
         self.slots[si as usize].state = SlotState::Io;
         self.file_ops += 1;
         offload::submit(offload::StatusJob {
