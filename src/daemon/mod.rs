@@ -431,14 +431,12 @@ impl Daemon {
             return Err(CtlError::NotFound(name.to_owned()));
         };
         let spec = e.spec();
-        if spec.blockdev.is_none() {
-            return Ok(());
-        }
-        if self.reactors().is_empty() || self.blockdev(name).is_some() {
+        let reactors = self.reactors();
+        if reactors.is_empty() || self.blockdev(name).is_some() {
             // Made once the reactors run (start_pending_blockdevs), or made.
             return Ok(());
         }
-        match blockdev::start(&e, &spec, &self.reactors()) {
+        match blockdev::start(&e, &spec, &reactors) {
             Ok(None) => Ok(()),
             Ok(Some(k)) => {
                 tracing::info!("device {name:?}: {}", k.path().display());
