@@ -249,15 +249,8 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
         }
     }
     if let Some(msg) = failed {
-        daemon.set_stopping();
-        daemon.remove_blockdevs();
-        daemon.close_state();
-        for r in reactors.iter() {
-            r.shutdown();
-        }
-        for p in [&socket, &control].into_iter().flatten() {
-            let _ = std::fs::remove_file(p);
-        }
+        stop(&daemon, &reactors);
+        remove_sockets(&[&socket, &control]);
         return Err(ServerError::Blockdev(msg));
     }
     daemon.run_janitor();
@@ -292,14 +285,7 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
         .map_err(|e| ServerError::Poll(e.into()));
 
     tracing::info!("stopping: finishing in-flight requests");
-    daemon.set_stopping();
-    // Block devices first: their queues keep commands in the reactors' rings
-    // until the kernel is told to stop them.
-    daemon.remove_blockdevs();
-    daemon.close_state();
-    for r in reactors.iter() {
-        r.shutdown();
-    }
+    stop(&daemon, &reactors);
     for e in daemon.all() {
         let (dev, _) = e.current();
         if !dev.read_only {
@@ -309,13 +295,27 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
         }
         tracing::info!("device {:?}: {}", e.name, e.stats.summary());
     }
-    if let Some(p) = &socket {
-        let _ = std::fs::remove_file(p);
-    }
-    if let Some(p) = &control {
-        let _ = std::fs::remove_file(p);
-    }
+    remove_sockets(&[&socket, &control]);
     result
+}
+
+/// Stop serving: no new requests, block devices removed (their queues keep
+/// commands in the reactors' rings until the kernel is told to stop them), the
+/// state file closed, then every reactor drained and stopped.
+fn stop(daemon: &Daemon, reactors: &[Arc<ReactorHandle>]) {
+    daemon.set_stopping();
+    daemon.remove_blockdevs();
+    daemon.close_state();
+    for r in reactors {
+        r.shutdown();
+    }
+}
+
+/// Remove the socket files this server bound.
+fn remove_sockets(paths: &[&Option<PathBuf>]) {
+    for p in paths.iter().copied().flatten() {
+        let _ = std::fs::remove_file(p);
+    }
 }
 
 /// Every connection, backing file and spliced read holds descriptors; the common
