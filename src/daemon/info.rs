@@ -1,10 +1,10 @@
 //! What `list`, `status`, `attach` and `set` report: serialisable snapshots.
 
 use super::Endpoints;
+use crate::block::Errno;
 use crate::control::proto::DeviceSpec;
 use crate::device::CacheMode;
 use crate::device::export::Export;
-use crate::device::stats::ERRNO_NAMES;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -147,10 +147,9 @@ impl DeviceStatus {
             ("inline_written", g(&s.inline_written)),
             ("spliced", g(&s.spliced)),
         ];
-        let errors = ERRNO_NAMES
+        let errors = Errno::ALL
             .iter()
-            .enumerate()
-            .map(|(i, n)| (n.to_string(), g(&s.errors[i])))
+            .map(|e| (e.name().to_string(), g(&s.errors[e.index()])))
             .collect();
         let (p50, p99, max) = s.latency.summary();
         DeviceStatus {

@@ -43,30 +43,13 @@ pub struct Stats {
     pub spliced: AtomicU64,
     /// Connections moved to the reactor on their client's CPU.
     pub moves: AtomicU64,
-    /// Errors sent to clients, indexed like [`errno_index`].
-    pub errors: [AtomicU64; 8],
+    /// Errors sent to clients, indexed by [`Errno::index`].
+    pub errors: [AtomicU64; Errno::ALL.len()],
     /// Bit per errno index: whether a backing-file error of that kind was logged.
     pub logged_errors: AtomicU64,
     /// Time from a request's header to its reply being queued.
     pub latency: Histogram,
 }
-
-/// Position of an errno in [`Stats::errors`].
-pub fn errno_index(e: Errno) -> usize {
-    e.index()
-}
-
-/// Names for [`Stats::errors`], in index order.
-pub const ERRNO_NAMES: [&str; 8] = [
-    "EPERM",
-    "EIO",
-    "ENOMEM",
-    "EINVAL",
-    "ENOSPC",
-    "EOVERFLOW",
-    "ENOTSUP",
-    "ESHUTDOWN",
-];
 
 impl Stats {
     /// Count an operation of `bytes` (0 for a flush).
@@ -115,17 +98,17 @@ impl Stats {
     }
 
     pub fn error(&self, e: Errno) {
-        self.errors[errno_index(e)].fetch_add(1, Relaxed);
+        self.errors[e.index()].fetch_add(1, Relaxed);
     }
 
     /// One line for the log at exit.
     pub fn summary(&self) -> String {
         let g = |a: &AtomicU64| a.load(Relaxed);
         let mut errs = String::new();
-        for (i, name) in ERRNO_NAMES.iter().enumerate() {
-            let n = g(&self.errors[i]);
+        for e in Errno::ALL {
+            let n = g(&self.errors[e.index()]);
             if n > 0 {
-                errs.push_str(&format!(" {name}={n}"));
+                errs.push_str(&format!(" {}={n}", e.name()));
             }
         }
         format!(
