@@ -27,9 +27,10 @@ fn attach_refused_or_made(kind: &str, present: bool, must_say: &str) {
         &["attach", img.to_str().expect("utf-8"), "--blockdev", kind],
         "unavailable",
     );
-    assert!(
-        out.stderr.contains(must_say),
-        "the error says what to do ({must_say}): {out}"
+    assert_eq!(
+        out.stderr.matches(must_say).count(),
+        1,
+        "the error says what to do ({must_say}), once: {out}"
     );
     let list = srv.ctl_json(&["list"]);
     assert!(

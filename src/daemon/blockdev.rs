@@ -59,7 +59,7 @@ const NBD_DEAD_CONN_TIMEOUT: Duration = Duration::from_secs(300);
 
 #[derive(Debug, Error)]
 pub enum BlockdevError {
-    #[error("{0}")]
+    #[error(transparent)]
     Nbd(#[from] KernelNbdError),
     #[error("cannot make a socket pair for the kernel NBD connection")]
     SocketPair(#[source] std::io::Error),
@@ -67,9 +67,9 @@ pub enum BlockdevError {
     Connections(u16),
     #[error("the partition devices did not appear")]
     Partitions(#[source] PartitionError),
-    #[error("{0}")]
+    #[error(transparent)]
     Ctrl(#[from] CtrlError),
-    #[error("{0}")]
+    #[error(transparent)]
     Char(#[from] CharError),
     #[error(
         "--queues {asked} is more than this daemon's {reactors} reactor(s): each ublk queue is \
