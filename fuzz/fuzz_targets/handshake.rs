@@ -14,13 +14,13 @@ struct Fixed(Arc<Device>);
 
 impl Exports for Fixed {
     type Client = ();
-    fn find(&self, name: &str) -> Option<Arc<Device>> {
+    fn find(&self, name: &str, _ids: &[String]) -> Option<Arc<Device>> {
         (name.is_empty() || name == "disk").then(|| Arc::clone(&self.0))
     }
-    fn join(&self, name: &str) -> Option<(Arc<Device>, ())> {
-        self.find(name).map(|d| (d, ()))
+    fn join(&self, name: &str, ids: &[String]) -> Option<(Arc<Device>, ())> {
+        self.find(name, ids).map(|d| (d, ()))
     }
-    fn names(&self) -> Vec<String> {
+    fn names(&self, _ids: &[String]) -> Vec<String> {
         vec![String::new(), "disk".into()]
     }
 }

@@ -1156,17 +1156,17 @@ impl Daemon {
 impl Exports for Daemon {
     type Client = ClientRef;
 
-    fn find(&self, name: &str) -> Option<Arc<Device>> {
+    fn find(&self, name: &str, _ids: &[String]) -> Option<Arc<Device>> {
         self.export(name).map(|e| e.current().0)
     }
 
-    fn join(&self, name: &str) -> Option<(Arc<Device>, ClientRef)> {
+    fn join(&self, name: &str, _ids: &[String]) -> Option<(Arc<Device>, ClientRef)> {
         let e = self.export(name)?;
         let client = e.join()?;
         Some((e.current().0, client))
     }
 
-    fn names(&self) -> Vec<String> {
+    fn names(&self, _ids: &[String]) -> Vec<String> {
         self.exports
             .read()
             .map(|t| t.keys().cloned().collect())

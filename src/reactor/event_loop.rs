@@ -251,6 +251,7 @@ impl Reactor {
                     nc.client,
                     nc.permit,
                     nc.structured,
+                    nc.extended,
                     nc.meta_context,
                     nc.peer,
                 ));

@@ -351,6 +351,7 @@ impl<'a> AcceptLoop<'a> {
             client: neg.client,
             permit: p.permit,
             structured: neg.structured,
+            extended: neg.extended,
             meta_context: neg.meta_context,
             peer,
         });
@@ -396,6 +397,11 @@ fn step(p: &mut Pending, scratch: &mut [u8], daemon: &Daemon) -> Fate {
         };
         match p.hs.feed(&scratch[..n], daemon) {
             Ok(Step::More) => {}
+            Ok(Step::StartTls) => {
+                // Only with a TLS policy, which this loop does not drive yet.
+                tracing::info!("handshake: STARTTLS acknowledged but TLS is not available");
+                return Fate::Dropped;
+            }
             Ok(Step::Done(Some(neg))) => p.done = Some(neg),
             Ok(Step::Done(None)) => {
                 // ABORT: its acknowledgement is sent if the socket takes it now.

@@ -277,6 +277,7 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
         handshake_timeout: opts.handshake_timeout,
         policy: Policy {
             list: !opts.no_list,
+            ..Policy::default()
         },
         admission,
     };

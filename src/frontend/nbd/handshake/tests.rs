@@ -17,13 +17,13 @@ struct TestExports {
 
 impl Exports for TestExports {
     type Client = ();
-    fn find(&self, name: &str) -> Option<Arc<Device>> {
+    fn find(&self, name: &str, _ids: &[String]) -> Option<Arc<Device>> {
         self.devs.iter().find(|d| d.name == name).cloned()
     }
-    fn join(&self, name: &str) -> Option<(Arc<Device>, ())> {
-        self.find(name).map(|d| (d, ()))
+    fn join(&self, name: &str, ids: &[String]) -> Option<(Arc<Device>, ())> {
+        self.find(name, ids).map(|d| (d, ()))
     }
-    fn names(&self) -> Vec<String> {
+    fn names(&self, _ids: &[String]) -> Vec<String> {
         self.devs.iter().map(|d| d.name.clone()).collect()
     }
 }
@@ -300,8 +300,9 @@ fn unknown_option_gets_err_unsup_and_handshake_continues() {
     let mut c = Client::fixed(&ex);
     c.option(99, b"whatever");
     c.expect(99, REP_ERR_UNSUP);
+    // TLS is off by default: refused by policy, and the handshake goes on.
     c.option(OPT_STARTTLS, &[]);
-    c.expect(OPT_STARTTLS, REP_ERR_UNSUP);
+    c.expect(OPT_STARTTLS, REP_ERR_POLICY);
     c.option(OPT_GO, &info_request("", &[]));
     expect_info_export(&mut c, OPT_GO);
     c.expect(OPT_GO, REP_ACK);
@@ -663,6 +664,7 @@ fn bytewise_matches_whole(ex: &TestExports, input: Vec<u8>) -> Result<(), TestCa
         out.append(&mut h.out);
         match step {
             Ok(Step::More) => {}
+            Ok(Step::StartTls) => break Err(HandshakeError::NoTls),
             Ok(Step::Done(d)) => break Ok(d),
             Err(e) => break Err(e),
         }
@@ -700,7 +702,10 @@ fn handshake_fed_byte_by_byte_matches_the_whole_buffer() {
 #[test]
 fn list_is_refused_by_policy() {
     let ex = exports();
-    let mut h = Handshake::new(Policy { list: false });
+    let mut h = Handshake::new(Policy {
+        list: false,
+        ..Policy::default()
+    });
     let mut input = (CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES)
         .to_be_bytes()
         .to_vec();
@@ -718,3 +723,5 @@ fn list_is_refused_by_policy() {
     assert_eq!(be32(&h.out, 12), REP_ERR_POLICY);
     assert_eq!(h.out.len(), 20 + be32(&h.out, 16) as usize);
 }
+
+mod tls_ext;
