@@ -100,5 +100,6 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(Some(n)) = r {
         assert!(Arc::ptr_eq(&n.dev, &ex.0));
         assert!(n.structured || !n.meta_context);
+        assert!(n.structured || !n.extended);
     }
 });

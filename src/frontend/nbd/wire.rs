@@ -288,7 +288,8 @@ pub fn encode_request(r: &Request) -> [u8; REQUEST_LEN] {
     b[6..8].copy_from_slice(&r.kind.to_be_bytes());
     b[8..16].copy_from_slice(&r.cookie.to_be_bytes());
     b[16..24].copy_from_slice(&r.offset.to_be_bytes());
-    b[24..28].copy_from_slice(&(r.len as u32).to_be_bytes());
+    let low = (r.len & u64::from(u32::MAX)).to_be_bytes();
+    b[24..28].copy_from_slice(&low[4..]);
     b
 }
 

@@ -191,9 +191,7 @@ fn allowed_flags(cmd: Command, structured: bool) -> u16 {
 }
 
 fn in_range(req: &Request, size: u64) -> bool {
-    req.offset
-        .checked_add(u64::from(req.len))
-        .is_some_and(|e| e <= size)
+    req.offset.checked_add(req.len).is_some_and(|e| e <= size)
 }
 
 fn well_flagged(req: &Request, exp: &ExportView) -> Option<Command> {
