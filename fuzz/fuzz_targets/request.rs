@@ -37,7 +37,8 @@ fuzz_target!(|data: &[u8]| {
     let Ok(req) = wire::parse_header(&hdr, extended) else {
         let payload_too_long = extended
             && hdr.len() >= hlen
-            && u16::from_be_bytes([hdr[4], hdr[5]]) & CMD_FLAG_PAYLOAD_LEN != 0
+            && (u16::from_be_bytes([hdr[6], hdr[7]]) == CMD_WRITE
+                || u16::from_be_bytes([hdr[4], hdr[5]]) & CMD_FLAG_PAYLOAD_LEN != 0)
             && u64::from_be_bytes(hdr[24..32].try_into().unwrap()) > u64::from(u32::MAX);
         assert!(hdr.len() < hlen || hdr[0..4] != magic.to_be_bytes() || payload_too_long);
         return;

@@ -245,10 +245,10 @@ pub fn parse_request(b: &[u8]) -> Result<Request, WireError> {
 }
 
 /// Decode the 32-byte extended request header. Besides the magic, one thing is
-/// a framing error here: a payload (`NBD_CMD_FLAG_PAYLOAD_LEN`) longer than a
-/// compact header could announce (the spec lets the server hang up on any
-/// payload past its maximum; shorter ones are refused and skipped, as in
-/// compact mode).
+/// a framing error here: a payload (a `WRITE`'s, or a request flagged
+/// `NBD_CMD_FLAG_PAYLOAD_LEN`) longer than a compact header could announce (the
+/// spec lets the server hang up on any payload past its maximum; shorter ones
+/// are refused and skipped, as in compact mode).
 pub fn parse_request_ext(b: &[u8]) -> Result<Request, WireError> {
     need(b, EXTENDED_REQUEST_LEN)?;
     let magic = be32(b, 0);
@@ -263,7 +263,8 @@ pub fn parse_request_ext(b: &[u8]) -> Result<Request, WireError> {
         len: be64(b, 24),
     };
     let limit = u64::from(u32::MAX);
-    if r.flags & CMD_FLAG_PAYLOAD_LEN != 0 && r.len > limit {
+    let payload = r.kind == CMD_WRITE || r.flags & CMD_FLAG_PAYLOAD_LEN != 0;
+    if payload && r.len > limit {
         return Err(WireError::TooLong { len: r.len, limit });
     }
     Ok(r)
@@ -373,15 +374,17 @@ pub struct Rejected {
     pub payload: u64,
 }
 
-/// Payload bytes that follow `req` on the wire: a compact `WRITE`'s length; with
-/// extended headers, the length of any request flagged `NBD_CMD_FLAG_PAYLOAD_LEN`.
+/// Payload bytes that follow `req` on the wire: a `WRITE`'s length (its length
+/// is always its payload's: with extended headers, qemu and libnbd send writes
+/// without `NBD_CMD_FLAG_PAYLOAD_LEN`, which is optional there); with extended
+/// headers, also the length of any request flagged `NBD_CMD_FLAG_PAYLOAD_LEN`.
 pub fn payload_len(req: &Request, exp: &ExportView) -> u64 {
-    let has = if exp.extended {
-        req.flags & CMD_FLAG_PAYLOAD_LEN != 0
+    let flagged = exp.extended && req.flags & CMD_FLAG_PAYLOAD_LEN != 0;
+    if req.kind == CMD_WRITE || flagged {
+        req.len
     } else {
-        req.kind == CMD_WRITE
-    };
-    if has { req.len } else { 0 }
+        0
+    }
 }
 
 /// Check a request against the export: command, flags, bounds, size.
@@ -411,10 +414,6 @@ pub fn validate(req: &Request, exp: &ExportView) -> Result<Command, Rejected> {
         Command::Disc | Command::Flush | Command::Cache => CMD_FLAG_FUA,
     };
     if req.flags & !allowed != 0 {
-        return reject(NbdErrno::Inval);
-    }
-    // With extended headers a write says that its length is a payload's.
-    if cmd == Command::Write && exp.extended && req.flags & CMD_FLAG_PAYLOAD_LEN == 0 {
         return reject(NbdErrno::Inval);
     }
     let writes = matches!(cmd, Command::Write | Command::Trim | Command::WriteZeroes);

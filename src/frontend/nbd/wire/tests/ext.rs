@@ -56,8 +56,13 @@ fn req(kind: u16, flags: u16, offset: u64, len: u64) -> Request {
     }
 }
 
+/// A write's length is a payload's, flagged or not.
+fn has_payload(r: &Request) -> bool {
+    r.kind == CMD_WRITE || r.flags & CMD_FLAG_PAYLOAD_LEN != 0
+}
+
 fn payload_bounded(r: &Request) -> bool {
-    r.flags & CMD_FLAG_PAYLOAD_LEN == 0 || r.len <= u64::from(u32::MAX)
+    !has_payload(r) || r.len <= u64::from(u32::MAX)
 }
 
 proptest! {
@@ -124,20 +129,20 @@ proptest! {
     }
 
     /// With extended headers: the payload a rejection reports is the length of
-    /// a request flagged PAYLOAD_LEN (and nothing else); an accepted request is
-    /// in range, a write carries its payload flag, and reads and writes stay
-    /// within the payload cap while other commands may go past 32 bits.
+    /// a write or of a request flagged PAYLOAD_LEN (and nothing else); an
+    /// accepted request is in range, only a write has a payload, and reads and
+    /// writes stay within the payload cap while other commands may go past 32
+    /// bits.
     #[test]
     fn extended_validate_accepts_only_safe_requests(
         r in arb_ext_request(),
         exp in ext_view(),
     ) {
-        let flagged = r.flags & CMD_FLAG_PAYLOAD_LEN != 0;
-        prop_assert_eq!(payload_len(&r, &exp), if flagged { r.len } else { 0 });
+        prop_assert_eq!(payload_len(&r, &exp), if has_payload(&r) { r.len } else { 0 });
         match validate(&r, &exp) {
             Err(rej) => prop_assert_eq!(rej.payload, payload_len(&r, &exp)),
             Ok(cmd) => {
-                prop_assert_eq!(flagged, cmd == Command::Write);
+                prop_assert_eq!(has_payload(&r), cmd == Command::Write);
                 prop_assert!(!(is_write_like(cmd) && exp.read_only));
                 if !matches!(cmd, Command::Disc | Command::Flush) {
                     prop_assert!(r.len > 0);
@@ -259,16 +264,13 @@ fn extended_reads_and_writes_stay_within_the_payload_cap() {
 }
 
 #[test]
-fn payload_flag_is_required_on_writes_and_refused_elsewhere() {
+fn payload_flag_is_optional_on_writes_and_refused_elsewhere() {
     let exp = view(1 << 30);
-    let r = validate(&req(CMD_WRITE, 0, 0, 4096), &exp);
-    assert_eq!(
-        r,
-        Err(Rejected {
-            errno: NbdErrno::Inval,
-            payload: 0
-        })
-    );
+    for flags in [0, CMD_FLAG_PAYLOAD_LEN, CMD_FLAG_PAYLOAD_LEN | CMD_FLAG_FUA] {
+        let r = req(CMD_WRITE, flags, 0, 4096);
+        assert_eq!(validate(&r, &exp), Ok(Command::Write));
+        assert_eq!(payload_len(&r, &exp), 4096);
+    }
     for kind in [
         CMD_READ,
         CMD_TRIM,
@@ -303,10 +305,16 @@ fn payload_flag_is_required_on_writes_and_refused_elsewhere() {
 
 #[test]
 fn a_payload_past_32_bits_is_a_framing_error() {
-    let r = req(CMD_WRITE, CMD_FLAG_PAYLOAD_LEN, 0, 1 << 32);
-    let e = parse_request_ext(&encode_request_ext(&r));
-    assert!(matches!(e, Err(WireError::TooLong { .. })));
-    // Without the flag the same length is an effect length, for `validate`.
+    for (kind, flags) in [
+        (CMD_WRITE, 0),
+        (CMD_WRITE, CMD_FLAG_PAYLOAD_LEN),
+        (CMD_READ, CMD_FLAG_PAYLOAD_LEN),
+    ] {
+        let r = req(kind, flags, 0, 1 << 32);
+        let e = parse_request_ext(&encode_request_ext(&r));
+        assert!(matches!(e, Err(WireError::TooLong { .. })), "{r:?}");
+    }
+    // Without a payload the same length is an effect length, for `validate`.
     let r = req(CMD_TRIM, 0, 0, 1 << 32);
     assert_eq!(parse_request_ext(&encode_request_ext(&r)), Ok(r));
 }
