@@ -567,7 +567,8 @@ pub fn negotiate<S: Read + Write, E: Exports + ?Sized>(
     negotiate_with(s, exports, Policy::default())
 }
 
-/// [`negotiate`] with a policy.
+/// [`negotiate`] with a policy. A plain stream cannot start TLS: a `STARTTLS`
+/// the policy acknowledges ends the handshake with [`HandshakeError::NoTls`].
 pub fn negotiate_with<S: Read + Write, E: Exports + ?Sized>(
     s: &mut S,
     exports: &E,
