@@ -164,7 +164,7 @@ fn fresh_serial() -> String {
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
+        .map(|d| d.as_secs() ^ (u64::from(d.subsec_nanos()) << 32))
         .unwrap_or(0);
     let mixed = t ^ (u64::from(std::process::id()) << 40) ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15);
     format!(
