@@ -118,7 +118,8 @@ pub struct AcceptLoop<'a> {
     refused: Quiet,
     timed_out: Quiet,
     no_fds: Quiet,
-    no_ktls: Quiet,
+    /// Said once that TLS runs in userspace (no kTLS).
+    ktls_noted: bool,
 }
 
 impl<'a> AcceptLoop<'a> {
@@ -142,9 +143,7 @@ impl<'a> AcceptLoop<'a> {
             reserve: open_reserve(),
             refused: Quiet::new("refusing new NBD clients: the connection limit is reached"),
             timed_out: Quiet::new("dropping clients that did not finish the handshake in time"),
-            no_ktls: Quiet::new(
-                "TLS records are handled in userspace: the kernel does not take TLS keys (kTLS)",
-            ),
+            ktls_noted: false,
             no_fds: Quiet::new(
                 "refusing new NBD clients: out of file descriptors (raise the open-file limit, \
                  e.g. LimitNOFILE=, or lower --max-connections)",
@@ -377,8 +376,13 @@ impl<'a> AcceptLoop<'a> {
         };
         match failed.session {
             Some(session) => {
-                let e = failed.error;
-                self.no_ktls.hit(|| e.to_string());
+                if !self.ktls_noted {
+                    self.ktls_noted = true;
+                    tracing::info!(
+                        "TLS records are handled in userspace ({}); replies are not spliced",
+                        failed.error
+                    );
+                }
                 Ok(Some(Box::new(TlsIo::new(*session))))
             }
             None => {
