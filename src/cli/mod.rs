@@ -326,6 +326,15 @@ pub fn print_status(v: &Value, json: bool) -> Result<()> {
     if let Some(b) = v["blockdev"].as_str() {
         println!("blockdev: {b}");
     }
+    let allow: Vec<&str> = v["tls_allow"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    if !allow.is_empty() {
+        println!("tls_allow: {}", allow.join(" "));
+    }
     println!("in_flight: {}", s(v, "in_flight"));
     for group in ["requests", "bytes", "paths", "errors"] {
         let parts: Vec<String> = v[group]
