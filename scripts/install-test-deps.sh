@@ -5,9 +5,9 @@
 # Idempotent: does nothing when every tool is already present.
 set -euo pipefail
 
-PACKAGES=(qemu-utils fio nbdkit libnbd-bin python3-libnbd nbd-client e2fsprogs util-linux fdisk)
+PACKAGES=(qemu-utils fio nbdkit libnbd-bin python3-libnbd nbd-client e2fsprogs util-linux fdisk openssl)
 TOOLS=(qemu-io qemu-img qemu-nbd fio nbdkit nbdinfo nbdcopy nbdsh nbd-client nbdfuse
-    mkfs.ext4 e2fsck fstrim sfdisk)
+    mkfs.ext4 e2fsck fstrim sfdisk openssl)
 
 # /usr/bin first: nbdsh runs `python3`, which must be the system Python that
 # has the `nbd` module (not, say, a pyenv shim).

@@ -422,6 +422,7 @@ pub fn start_nbd(
             extended: false,
             meta_context: false,
             peer: Peer::Unknown,
+            tls: None,
         });
         kernel_ends.push(k);
     }

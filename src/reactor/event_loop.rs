@@ -254,6 +254,7 @@ impl Reactor {
                     nc.extended,
                     nc.meta_context,
                     nc.peer,
+                    nc.tls,
                 ));
                 self.adopt(Session::Nbd(c));
             }
