@@ -211,12 +211,13 @@ pub struct Conn {
 unsafe impl Send for Conn {}
 
 impl Conn {
+    /// A negotiated connection; `replies` is the framing the handshake agreed
+    /// on ([`Replies::of`]).
     pub fn new(
         sock: OwnedFd,
         client: ClientRef,
         permit: Permit,
-        structured: bool,
-        extended: bool,
+        replies: Replies,
         meta_context: bool,
         peer: Peer,
         tls: Option<Box<TlsIo>>,
@@ -226,11 +227,10 @@ impl Conn {
         let view = ExportView {
             size: dev.size,
             read_only: dev.read_only,
-            structured: structured || extended,
-            extended,
+            structured: replies != Replies::Simple,
+            extended: replies == Replies::Extended,
             meta_context,
         };
-        let replies = Replies::of(structured, extended);
         tracing::debug!("new connection to {:?}: {replies:?} replies", dev.name);
         // SAFETY: msghdr and iovec are plain C structs for which all-zero is valid.
         let msg: libc::msghdr = unsafe { std::mem::zeroed() };
