@@ -19,7 +19,6 @@
 
 mod common;
 
-use common::kernel::{Mount, sh, sh_status};
 use common::*;
 use std::ffi::OsStr;
 use std::fs;
@@ -123,7 +122,7 @@ impl NbdFuse {
         let mut err = None;
         let mut unmounted = false;
         for _ in 0..40 {
-            let out = sh_status(CMD_TIMEOUT, "fusermount3", [os("-u"), self.dir.as_os_str()]);
+            let out = sh_status("fusermount3", [os("-u"), self.dir.as_os_str()]);
             if out.success() {
                 unmounted = true;
                 break;
@@ -148,11 +147,7 @@ impl NbdFuse {
         }
         if !unmounted {
             // The server is gone: drop the dead mount lazily.
-            let _ = sh_status(
-                CMD_TIMEOUT,
-                "fusermount3",
-                [os("-u"), os("-z"), self.dir.as_os_str()],
-            );
+            let _ = sh_status("fusermount3", [os("-u"), os("-z"), self.dir.as_os_str()]);
             return Err(format!(
                 "cannot unmount {}: {}",
                 self.dir.display(),
@@ -180,6 +175,71 @@ impl Drop for NbdFuse {
     }
 }
 
+/// Runs `name args` and panics with its output unless it exits 0.
+#[track_caller]
+fn sh<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(name: &str, args: I) -> Out {
+    run_status_timeout(CMD_TIMEOUT, name, args).assert_success()
+}
+
+/// Runs `name args`, whatever its exit status.
+fn sh_status<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(name: &str, args: I) -> Out {
+    run_status_timeout(CMD_TIMEOUT, name, args)
+}
+
+/// A mounted filesystem; dropping it unmounts (retrying while busy).
+struct Mount {
+    dir: PathBuf,
+}
+
+impl Mount {
+    fn new(dev: &Path, dir: &Path, opts: &str) -> Mount {
+        fs::create_dir_all(dir).expect("mkdir mountpoint");
+        sh(
+            "mount",
+            [os("-o"), os(opts), dev.as_os_str(), dir.as_os_str()],
+        );
+        Mount {
+            dir: dir.to_path_buf(),
+        }
+    }
+
+    /// Unmount now, panicking if it fails.
+    fn unmount(mut self) {
+        let r = self.try_unmount();
+        self.dir = PathBuf::new();
+        if let Err(e) = r {
+            panic!("{e}");
+        }
+    }
+
+    fn try_unmount(&mut self) -> Result<(), String> {
+        let mut last = String::new();
+        for _ in 0..20 {
+            let out = sh_status("umount", [self.dir.as_os_str()]);
+            if out.success() {
+                return Ok(());
+            }
+            last = out.to_string();
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        Err(format!("cannot unmount {}: {last}", self.dir.display()))
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if self.dir.as_os_str().is_empty() {
+            return;
+        }
+        if let Err(e) = self.try_unmount() {
+            eprintln!("cleanup: {e}");
+            if !std::thread::panicking() {
+                panic!("{e}");
+            }
+        }
+    }
+}
+
 /// `&str` as the `&OsStr` the command helpers take.
 fn os(s: &str) -> &OsStr {
     OsStr::new(s)
@@ -193,7 +253,6 @@ struct LoopDev {
 impl LoopDev {
     fn attach(file: &Path) -> LoopDev {
         let out = sh(
-            CMD_TIMEOUT,
             "losetup",
             [
                 os("--sector-size"),
@@ -203,12 +262,15 @@ impl LoopDev {
                 file.as_os_str(),
             ],
         );
-        let dev = PathBuf::from(out.stdout.trim());
+        // The guard first, so a device is detached whatever follows.
+        let lo = LoopDev {
+            dev: PathBuf::from(out.stdout.trim()),
+        };
         assert!(
-            dev.starts_with("/dev/loop"),
+            path_str(&lo.dev).starts_with("/dev/loop"),
             "losetup printed no device:\n{out}"
         );
-        LoopDev { dev }
+        lo
     }
 }
 
@@ -216,7 +278,7 @@ impl Drop for LoopDev {
     fn drop(&mut self) {
         let mut last = None;
         for _ in 0..20 {
-            let out = sh_status(CMD_TIMEOUT, "losetup", [os("-d"), self.dev.as_os_str()]);
+            let out = sh_status("losetup", [os("-d"), self.dev.as_os_str()]);
             if out.success() {
                 return;
             }
@@ -389,7 +451,6 @@ fn ext4_on_loop(cache: &str) {
         let fuse = NbdFuse::mount(&srv.uri(), &dir.path().join("mnt"));
         let lo = LoopDev::attach(&fuse.file());
         sh(
-            CMD_TIMEOUT,
             "mkfs.ext4",
             [
                 os("-q"),
@@ -403,26 +464,18 @@ fn ext4_on_loop(cache: &str) {
         );
         let fsdir = dir.path().join("fs");
         {
-            let m = Mount::new(&lo.dev, &fsdir, None);
-            sh(
-                CMD_TIMEOUT,
-                "cp",
-                [src.as_os_str(), m.dir().join("f.bin").as_os_str()],
-            );
-            sh(CMD_TIMEOUT, "sync", [m.dir().as_os_str()]);
+            let m = Mount::new(&lo.dev, &fsdir, "rw");
+            sh("cp", [src.as_os_str(), m.dir.join("f.bin").as_os_str()]);
+            sh("sync", [m.dir.as_os_str()]);
             m.unmount();
         }
         {
             // Read back from a fresh mount (nothing of the file cached).
-            let m = Mount::new(&lo.dev, &fsdir, Some("ro"));
-            assert_eq!(sha256(&m.dir().join("f.bin")), want, "[{cache}] read back");
+            let m = Mount::new(&lo.dev, &fsdir, "ro");
+            assert_eq!(sha256(&m.dir.join("f.bin")), want, "[{cache}] read back");
             m.unmount();
         }
-        let fsck = sh_status(
-            CMD_TIMEOUT,
-            "e2fsck",
-            [os("-f"), os("-n"), lo.dev.as_os_str()],
-        );
+        let fsck = sh_status("e2fsck", [os("-f"), os("-n"), lo.dev.as_os_str()]);
         assert!(fsck.success(), "[{cache}] e2fsck not clean:\n{fsck}");
         drop(lo);
         drop(fuse);
@@ -432,25 +485,22 @@ fn ext4_on_loop(cache: &str) {
     // The image itself holds the filesystem (the export is the whole file).
     let dumped = dir.path().join("dumped.bin");
     let cmd = format!("dump /f.bin {}", path_str(&dumped));
-    sh(
-        CMD_TIMEOUT,
-        "debugfs",
-        [os("-R"), os(&cmd), img.as_os_str()],
-    );
+    sh("debugfs", [os("-R"), os(&cmd), img.as_os_str()]);
     assert_eq!(sha256(&dumped), want, "[{cache}] the image holds the file");
-    let fsck = sh_status(CMD_TIMEOUT, "e2fsck", [os("-f"), os("-n"), img.as_os_str()]);
+    let fsck = sh_status("e2fsck", [os("-f"), os("-n"), img.as_os_str()]);
     assert!(fsck.success(), "[{cache}] e2fsck of the image:\n{fsck}");
+    // The loop device's writes reach loopd as they are (FUSE without a
+    // writeback cache): 1 KiB blocks at 1 KiB offsets. Direct mode bounces only
+    // what the file's direct-I/O alignment refuses (512 on most filesystems,
+    // so often nothing here; fsx and the model test prove the bounces).
     let unaligned = st.at("unaligned").u64();
     let bounced = st.at("paths").at("bounced").u64();
     eprintln!("[{cache}] unaligned={unaligned} bounced={bounced}");
     assert!(unaligned > 0, "[{cache}] no unaligned request: {st:?}");
-    if cache == "direct" {
-        assert!(bounced > 0, "[{cache}] no bounced request: {st:?}");
-    }
 }
 
 fn sha256(path: &Path) -> String {
-    let out = sh(CMD_TIMEOUT, "sha256sum", [path.as_os_str()]);
+    let out = sh("sha256sum", [path.as_os_str()]);
     out.stdout
         .split_whitespace()
         .next()
