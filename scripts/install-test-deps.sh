@@ -28,6 +28,11 @@ install_fsx() {
     fi
     echo "install-test-deps: installing fsx ${FSX_VERSION}"
     cargo install fsx --version "${FSX_VERSION}" --locked --root /usr/local
+    if ! fsx --version 2>/dev/null | grep -qx "fsx ${FSX_VERSION}"; then
+        echo "install-test-deps: ERROR: fsx ${FSX_VERSION} is not on PATH after install" \
+            "(/usr/local/bin)" >&2
+        exit 1
+    fi
 }
 
 # /usr/bin first: nbdsh runs `python3`, which must be the system Python that
