@@ -51,14 +51,16 @@ pub struct DeviceArgs {
     pub size_limit: Option<u64>,
     /// Logical block size: 512, 1024, 2048 or 4096 [default: the file's direct-I/O
     /// alignment (statx), else the filesystem device's block size, else 512].
+    /// NBD clients are told it is the preferred size; the minimum is 1 byte
+    /// unless --strict-block-size.
     #[arg(long, value_name = "BYTES")]
     pub block_size: Option<u32>,
     /// Tell NBD clients the block size is also the smallest request they may
     /// send (the NBD minimum block size), so strict clients such as libnbd refuse
     /// unaligned requests themselves. Default: the minimum is 1 byte and the
-    /// block size only the preferred size: every request is served, unaligned
-    /// ones bounced (read-modify-write in direct mode), so byte-granular clients
-    /// (nbdfuse, mmap) work at any block size.
+    /// block size only the preferred size, and every request is served (in
+    /// direct mode through an aligned bounce buffer, read-modify-write for
+    /// writes), so byte-granular clients (nbdfuse, mmap) work at any block size.
     #[arg(long)]
     pub strict_block_size: bool,
     /// How to reach the file: auto, direct (O_DIRECT) or buffered (page cache).
