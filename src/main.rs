@@ -8,6 +8,7 @@ use cli::{Cache, DeviceArgs};
 use loopd::control::client;
 use loopd::control::proto::{Request, SetSpec};
 use loopd::daemon::{self, Daemon};
+use loopd::frontend::nbd::handshake::TlsMode;
 use loopd::server::{self, ServeOptions};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -26,7 +27,7 @@ struct Cli {
 enum Cmd {
     /// Run the server in the foreground until Ctrl-C/SIGTERM: serve IMAGE (if
     /// given), the devices of --config and of the state file, and any attached later.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Attach an image as a new device of a running server; prints its name and URIs.
     Attach(AttachArgs),
     /// Remove a device. Refuses while clients are connected unless --force.
@@ -39,6 +40,9 @@ enum Cmd {
     Set(SetArgs),
     /// Re-read the backing file's size (like `losetup --set-capacity`).
     Resize(ResizeArgs),
+    /// Re-read the server's TLS certificates (as SIGHUP does): new connections
+    /// use the new ones; on error the old ones stay in use.
+    ReloadTls(ReloadTlsArgs),
     /// Kernel loop devices (/dev/loopN), set up in one LOOP_CONFIGURE call.
     #[command(subcommand)]
     Kernel(cli::kernel::KernelCmd),
@@ -64,10 +68,32 @@ struct ServeArgs {
     #[arg(long, value_name = "GROUP")]
     socket_group: Option<String>,
     /// Also (or only) listen on TCP, e.g. 127.0.0.1:10809 (NBD's port). Repeatable.
-    /// There is no TLS or client authentication yet: any host that reaches the
-    /// address can use every device, so loopd warns unless it is a loopback address.
+    /// Without --tls require any host that reaches the address can use the
+    /// devices, so loopd warns unless it is a loopback address.
     #[arg(long, value_name = "HOST:PORT")]
     listen: Vec<String>,
+    /// TLS for NBD clients (STARTTLS), as nbdkit's --tls: `off`; `on` offers it
+    /// and lets clients choose; `require` refuses every option but STARTTLS
+    /// until TLS is up [default: off, or on with --tls-certs]. Applies to the
+    /// Unix socket and TCP alike; printed URIs become nbds://.
+    #[arg(long, value_enum, value_name = "MODE")]
+    tls: Option<TlsArg>,
+    /// Directory of the server's certificates, in the layout of nbdkit and QEMU:
+    /// ca-cert.pem (the CA clients' certificates must chain to, with
+    /// --tls-verify-peer), server-cert.pem, server-key.pem. Re-read on SIGHUP
+    /// and `loopd reload-tls`.
+    #[arg(long, value_name = "DIR")]
+    tls_certs: Option<PathBuf>,
+    /// Require a client certificate that chains to ca-cert.pem; its identities
+    /// are what a device's --tls-allow matches.
+    #[arg(long)]
+    tls_verify_peer: bool,
+    /// Keep TLS records in userspace even where the kernel could take the keys
+    /// (kTLS). By default a session's keys go to the kernel after the handshake
+    /// where it has kTLS (module `tls`), so replies are sent and spliced as
+    /// without TLS.
+    #[arg(long)]
+    no_ktls: bool,
     /// NBD connections at most, handshakes included; past it new clients are
     /// closed at once. Lowered to what the open-file limit allows.
     #[arg(long, value_name = "N", default_value_t = server::DEFAULT_MAX_CONNECTIONS)]
@@ -242,6 +268,32 @@ struct ResizeArgs {
     ctl: ControlArg,
 }
 
+#[derive(clap::Args)]
+struct ReloadTlsArgs {
+    #[command(flatten)]
+    ctl: ControlArg,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum TlsArg {
+    /// No TLS; STARTTLS is refused.
+    Off,
+    /// Offer TLS; clients may use it or not.
+    On,
+    /// Clients must upgrade to TLS before anything else.
+    Require,
+}
+
+impl From<TlsArg> for TlsMode {
+    fn from(t: TlsArg) -> TlsMode {
+        match t {
+            TlsArg::Off => TlsMode::Off,
+            TlsArg::On => TlsMode::On,
+            TlsArg::Require => TlsMode::Require,
+        }
+    }
+}
+
 fn main() -> std::process::ExitCode {
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -265,7 +317,7 @@ fn run() -> Result<()> {
         .init();
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Serve(a) => serve(a),
+        Cmd::Serve(a) => serve(*a),
         Cmd::Attach(a) => {
             let mut spec = a.dev.spec(a.image);
             spec.autoclear = a.autoclear;
@@ -300,6 +352,11 @@ fn run() -> Result<()> {
             cli::print_set(&call(&a.ctl, &Request::Set(s))?, a.json)
         }
         Cmd::Resize(a) => cli::print_set(&call(&a.ctl, &Request::Resize { name: a.name })?, a.json),
+        Cmd::ReloadTls(a) => {
+            call(&a.ctl, &Request::ReloadTls)?;
+            println!("TLS certificates reloaded");
+            Ok(())
+        }
         Cmd::Kernel(k) => cli::kernel::run(k),
     }
 }
@@ -360,6 +417,14 @@ fn serve(a: ServeArgs) -> Result<()> {
         max_connections: a.max_connections,
         handshake_timeout: std::time::Duration::from_secs_f64(a.handshake_timeout),
         no_list: a.no_list,
+        tls: match a.tls {
+            Some(t) => t.into(),
+            None if a.tls_certs.is_some() => TlsMode::On,
+            None => TlsMode::Off,
+        },
+        tls_certs: a.tls_certs.clone(),
+        tls_verify_peer: a.tls_verify_peer,
+        ktls: !a.no_ktls,
         control_idle: std::time::Duration::from_secs_f64(
             a.control_idle_timeout.clamp(0.1, 86_400.0),
         ),

@@ -97,6 +97,13 @@ pub struct DeviceArgs {
     /// where mkfs races udev).
     #[arg(long, requires = "blockdev")]
     pub partscan: bool,
+    /// Only NBD clients whose TLS certificate proves IDENTITY may open this
+    /// device; others are told it does not exist (repeatable). IDENTITY is the
+    /// certificate's subject CN, its subject DN (`dn:CN=alice,O=Example`) or a
+    /// subjectAltName (`dns:host.example`, `email:a@example.com`, `ip:192.0.2.7`,
+    /// `uri:spiffe://...`). Needs the server's --tls and --tls-verify-peer.
+    #[arg(long, value_name = "IDENTITY")]
+    pub tls_allow: Vec<String>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -153,6 +160,7 @@ impl DeviceArgs {
             connections: self.connections,
             partscan: self.partscan,
             ublk_id: None,
+            tls_allow: self.tls_allow.clone(),
         }
     }
 }
@@ -329,6 +337,15 @@ pub fn print_status(v: &Value, json: bool) -> Result<()> {
     println!("clients: {}", s(v, "clients"));
     if let Some(b) = v["blockdev"].as_str() {
         println!("blockdev: {b}");
+    }
+    let allow: Vec<&str> = v["tls_allow"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    if !allow.is_empty() {
+        println!("tls_allow: {}", allow.join(" "));
     }
     println!("in_flight: {}", s(v, "in_flight"));
     for group in ["requests", "bytes", "paths", "errors"] {

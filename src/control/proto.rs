@@ -53,6 +53,8 @@ pub enum Request {
         name: String,
     },
     Version,
+    /// Re-read the TLS certificates (as SIGHUP does); new connections use them.
+    ReloadTls,
 }
 
 /// Machine-readable error codes.

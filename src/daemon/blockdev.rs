@@ -421,6 +421,7 @@ pub fn start_nbd(
             structured: false,
             meta_context: false,
             peer: Peer::Unknown,
+            tls: None,
         });
         kernel_ends.push(k);
     }

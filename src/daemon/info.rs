@@ -53,6 +53,9 @@ pub struct DeviceInfo {
     /// Its partition devices, as the kernel has them now.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub partitions: Vec<PathBuf>,
+    /// TLS client identities allowed to open it (empty: every client).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tls_allow: Vec<String>,
 }
 
 impl DeviceInfo {
@@ -77,6 +80,7 @@ impl DeviceInfo {
             reason: None,
             blockdev: None,
             partitions: Vec::new(),
+            tls_allow: spec.tls_allow,
         }
     }
 
@@ -100,6 +104,7 @@ impl DeviceInfo {
             reason: Some(reason.to_owned()),
             blockdev: None,
             partitions: Vec::new(),
+            tls_allow: spec.tls_allow.clone(),
         }
     }
 }

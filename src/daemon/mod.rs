@@ -35,6 +35,7 @@ use crate::frontend::nbd::handshake::Exports;
 use crate::frontend::ublk::ctrl::CtrlError;
 use crate::kernel_nbd::KernelNbdError;
 use crate::reactor::{CONTROL_GEN, ReactorHandle};
+use crate::tls::TlsContext;
 use blockdev::{BlockdevError, KernelDev};
 use info::{DeviceInfo, DeviceStatus, SetResult};
 use std::collections::BTreeMap;
@@ -100,6 +101,10 @@ pub enum CtlError {
         #[source]
         source: BlockdevError,
     },
+    #[error("TLS is off: start the server with --tls on|require --tls-certs DIR")]
+    TlsOff,
+    #[error("TLS certificates not reloaded (the old ones stay in use): {0}")]
+    Tls(#[source] crate::tls::TlsError),
 }
 
 impl CtlError {
@@ -111,6 +116,8 @@ impl CtlError {
             CtlError::Busy(_) => ErrorCode::Busy,
             CtlError::Invalid(_) => ErrorCode::Invalid,
             CtlError::ShuttingDown => ErrorCode::ShuttingDown,
+            CtlError::TlsOff => ErrorCode::Invalid,
+            CtlError::Tls(_) => ErrorCode::Io,
             CtlError::State { .. } => ErrorCode::Io,
             CtlError::Blockdev { source, .. } => match source {
                 BlockdevError::TooManyQueues { .. }
@@ -183,16 +190,19 @@ impl CtlError {
 pub struct Endpoints {
     pub unix: Option<PathBuf>,
     pub tcp: Vec<String>,
+    /// TLS is offered (`nbds` URIs).
+    pub tls: bool,
 }
 
 impl Endpoints {
     pub fn uris(&self, name: &str) -> Vec<String> {
         let mut v = Vec::new();
+        let s = if self.tls { "s" } else { "" };
         if let Some(p) = &self.unix {
-            v.push(format!("nbd+unix:///{name}?socket={}", p.display()));
+            v.push(format!("nbd{s}+unix:///{name}?socket={}", p.display()));
         }
         for t in &self.tcp {
-            v.push(format!("nbd://{t}/{name}"));
+            v.push(format!("nbd{s}://{t}/{name}"));
         }
         v
     }
@@ -221,6 +231,8 @@ pub struct Daemon {
     handshake_kick: Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
     /// Block devices handed to the kernel, by device name.
     blockdevs: Mutex<BTreeMap<String, Arc<KernelDev>>>,
+    /// The NBD server's TLS certificates, when TLS is on.
+    tls: RwLock<Option<Arc<TlsContext>>>,
 }
 
 /// A recorded device that is not attached: its spec and why.
@@ -332,6 +344,7 @@ impl Daemon {
             stopping: AtomicBool::new(false),
             handshake_kick: Mutex::new(None),
             blockdevs: Mutex::default(),
+            tls: RwLock::new(None),
         })
     }
 
@@ -343,6 +356,25 @@ impl Daemon {
 
     pub fn reactors(&self) -> Vec<Arc<ReactorHandle>> {
         self.reactors.read().map(|r| r.clone()).unwrap_or_default()
+    }
+
+    /// The server's TLS certificates (reloaded by [`Daemon::reload_tls`]).
+    pub fn set_tls(&self, t: Arc<TlsContext>) {
+        if let Ok(mut g) = self.tls.write() {
+            *g = Some(t);
+        }
+    }
+
+    /// Re-read the TLS certificates; on error the old ones stay in use.
+    pub fn reload_tls(&self) -> Result<(), CtlError> {
+        let t = self.tls.read().ok().and_then(|g| g.clone());
+        let Some(t) = t else {
+            return Err(CtlError::TlsOff);
+        };
+        t.reload().map_err(|e| {
+            tracing::error!("TLS certificates not reloaded (the old ones stay in use): {e}");
+            CtlError::Tls(e)
+        })
     }
 
     pub fn set_endpoints(&self, e: Endpoints) {
@@ -395,6 +427,9 @@ impl Daemon {
             Request::Status { name } => self.status(&name).map(|s| ok_reply(&s)),
             Request::Set(s) => self.set(s).map(|r| ok_reply(&r)),
             Request::Resize { name } => self.resize(&name).map(|r| ok_reply(&r)),
+            Request::ReloadTls => self
+                .reload_tls()
+                .map(|()| ok_reply(&serde_json::json!({ "reloaded": "tls" }))),
             Request::Version => Ok(ok_reply(&serde_json::json!({
                 "version": env!("CARGO_PKG_VERSION"),
                 "protocol": crate::control::proto::VERSION,

@@ -59,6 +59,11 @@ pub struct DeviceSpec {
     /// restarted daemon recovers the same `/dev/ublkbN`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ublk_id: Option<u32>,
+    /// TLS client identities allowed to open the device over NBD (see
+    /// `crate::tls::allowed`); empty: every client. A client that does not
+    /// prove one of them is told the device does not exist.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tls_allow: Vec<String>,
 }
 
 /// Which kernel block device driver a device is handed to.

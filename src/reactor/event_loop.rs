@@ -253,6 +253,7 @@ impl Reactor {
                     nc.structured,
                     nc.meta_context,
                     nc.peer,
+                    nc.tls,
                 ));
                 self.adopt(Session::Nbd(c));
             }

@@ -8,6 +8,7 @@ use crate::engine::admit::Permit;
 use crate::engine::budget;
 use crate::frontend::nbd::affinity::Peer;
 use crate::frontend::nbd::conn::Conn;
+use crate::frontend::nbd::tls::TlsIo;
 use crate::frontend::ublk::chardev::UblkChar;
 use crate::ring::new_ring;
 use std::os::fd::OwnedFd;
@@ -45,6 +46,9 @@ pub struct NewConn {
     pub meta_context: bool,
     /// How to find where the client runs.
     pub peer: Peer,
+    /// The userspace TLS record layer of an encrypted session the kernel does
+    /// not carry (see [`crate::frontend::nbd::tls`]).
+    pub tls: Option<Box<TlsIo>>,
 }
 
 pub(super) enum Msg {

@@ -22,15 +22,19 @@
 //!   table lock for a lookup only.
 
 use super::Listener;
+use super::pending::{Fate, Pending, step};
 use crate::daemon::Daemon;
-use crate::device::export::ClientRef;
-use crate::engine::admit::{Admission, Permit};
+use crate::engine::admit::Admission;
 use crate::frontend::nbd::affinity::Peer;
-use crate::frontend::nbd::handshake::{Handshake, HandshakeError, Negotiated, Policy, Step};
+use crate::frontend::nbd::handshake::{Handshake, Policy};
+use crate::frontend::nbd::tls::TlsIo;
 use crate::reactor::{NewConn, ReactorHandle};
+use crate::tls::TlsContext;
 use rustix::event::{PollFd, PollFlags, poll};
 use rustix::net::AddressFamily;
+use rustls::ServerConnection;
 use std::io::Read;
+use std::os::fd::AsFd;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
@@ -46,25 +50,10 @@ pub struct AcceptConfig {
     pub handshake_timeout: Duration,
     pub policy: Policy,
     pub admission: Arc<Admission>,
-}
-
-/// One client in its handshake.
-struct Pending {
-    sock: OwnedFd,
-    hs: Handshake,
-    /// Bytes of `hs.out` already sent.
-    sent: usize,
-    /// The outcome, once reached; handed over when the last reply is sent.
-    done: Option<Negotiated<ClientRef>>,
-    deadline: Instant,
-    permit: Permit,
-}
-
-/// What became of a pending handshake after it was serviced.
-enum Fate {
-    Waiting,
-    Negotiated,
-    Dropped,
+    /// Certificates for `STARTTLS` (present when TLS is on or required).
+    pub tls: Option<Arc<TlsContext>>,
+    /// Hand TLS sessions to the kernel (kTLS) where it can take them.
+    pub ktls: bool,
 }
 
 /// Logs the first event of a burst and counts the rest, so a flood of refused
@@ -129,6 +118,8 @@ pub struct AcceptLoop<'a> {
     refused: Quiet,
     timed_out: Quiet,
     no_fds: Quiet,
+    /// Said once that TLS runs in userspace (no kTLS).
+    ktls_noted: bool,
 }
 
 impl<'a> AcceptLoop<'a> {
@@ -152,6 +143,7 @@ impl<'a> AcceptLoop<'a> {
             reserve: open_reserve(),
             refused: Quiet::new("refusing new NBD clients: the connection limit is reached"),
             timed_out: Quiet::new("dropping clients that did not finish the handshake in time"),
+            ktls_noted: false,
             no_fds: Quiet::new(
                 "refusing new NBD clients: out of file descriptors (raise the open-file limit, \
                  e.g. LimitNOFILE=, or lower --max-connections)",
@@ -182,7 +174,7 @@ impl<'a> AcceptLoop<'a> {
                 fds.push(PollFd::new(self.sig_rx, PollFlags::IN));
                 fds.push(PollFd::new(self.kick_rx, PollFlags::IN));
                 for p in &self.pending {
-                    let ev = if p.sent < p.hs.out.len() {
+                    let ev = if p.wants_out() {
                         PollFlags::OUT
                     } else {
                         PollFlags::IN
@@ -302,14 +294,12 @@ impl<'a> AcceptLoop<'a> {
         if rustix::io::ioctl_fionbio(&sock, true).is_err() {
             return;
         }
-        self.pending.push(Pending {
+        self.pending.push(Pending::new(
             sock,
-            hs: Handshake::new(self.cfg.policy),
-            sent: 0,
-            done: None,
-            deadline: Instant::now() + self.cfg.handshake_timeout,
+            Handshake::new(self.cfg.policy),
+            Instant::now() + self.cfg.handshake_timeout,
             permit,
-        });
+        ));
         // Send the greeting now.
         let i = self.pending.len() - 1;
         self.service(i);
@@ -318,7 +308,12 @@ impl<'a> AcceptLoop<'a> {
     /// Move handshake `i` on as far as its socket allows; hand it to a reactor
     /// once negotiated, drop it on error or EOF.
     fn service(&mut self, i: usize) {
-        let fate = step(&mut self.pending[i], &mut self.scratch, self.daemon);
+        let fate = step(
+            &mut self.pending[i],
+            &mut self.scratch,
+            self.daemon,
+            self.cfg.tls.as_deref(),
+        );
         match fate {
             Fate::Waiting => {}
             Fate::Dropped => {
@@ -346,6 +341,13 @@ impl<'a> AcceptLoop<'a> {
         let domain = rustix::net::sockopt::socket_domain(&p.sock).ok();
         widen_send_buffer(&p.sock, domain);
         let peer = Peer::of(&p.sock, domain);
+        let tls = match p.tls {
+            None => None,
+            Some(session) => match self.record_layer(&p.sock, session) {
+                Ok(t) => t,
+                Err(()) => return,
+            },
+        };
         r.add(NewConn {
             sock: p.sock,
             client: neg.client,
@@ -353,58 +355,42 @@ impl<'a> AcceptLoop<'a> {
             structured: neg.structured,
             meta_context: neg.meta_context,
             peer,
+            tls,
         });
     }
-}
 
-/// Service one pending handshake: send what waits, read what the handshake
-/// wants, repeat until the socket would block.
-fn step(p: &mut Pending, scratch: &mut [u8], daemon: &Daemon) -> Fate {
-    loop {
-        if p.sent < p.hs.out.len() {
-            match rustix::net::send(
-                &p.sock,
-                &p.hs.out[p.sent..],
-                rustix::net::SendFlags::NOSIGNAL,
-            ) {
-                Ok(n) => p.sent += n,
-                Err(rustix::io::Errno::AGAIN) => return Fate::Waiting,
-                Err(rustix::io::Errno::INTR) => continue,
-                Err(_) => return Fate::Dropped,
-            }
-            if p.sent < p.hs.out.len() {
-                continue;
-            }
-            p.hs.out.clear();
-            p.sent = 0;
+    /// Where a negotiated TLS session's records are handled from now on: by
+    /// the kernel (`None`: the socket then carries plaintext for the reactor)
+    /// where it takes the keys, else by the userspace record layer.
+    /// `Err` if the session was lost on the way (the client is dropped).
+    fn record_layer(
+        &mut self,
+        sock: &OwnedFd,
+        session: Box<ServerConnection>,
+    ) -> Result<Option<Box<TlsIo>>, ()> {
+        if !self.cfg.ktls {
+            return Ok(Some(Box::new(TlsIo::new(*session))));
         }
-        if p.done.is_some() {
-            return Fate::Negotiated;
-        }
-        let want = p.hs.want().min(scratch.len());
-        let n = match rustix::io::read(&p.sock, &mut scratch[..want]) {
-            Ok(0) => {
-                if !p.hs.at_boundary() {
-                    tracing::debug!("handshake: {}", HandshakeError::Truncated);
-                }
-                return Fate::Dropped;
-            }
-            Ok(n) => n,
-            Err(rustix::io::Errno::AGAIN) => return Fate::Waiting,
-            Err(rustix::io::Errno::INTR) => continue,
-            Err(_) => return Fate::Dropped,
+        let Err(failed) = crate::tls::ktls::enable(sock.as_fd(), session) else {
+            return Ok(None);
         };
-        match p.hs.feed(&scratch[..n], daemon) {
-            Ok(Step::More) => {}
-            Ok(Step::Done(Some(neg))) => p.done = Some(neg),
-            Ok(Step::Done(None)) => {
-                // ABORT: its acknowledgement is sent if the socket takes it now.
-                let _ = rustix::net::send(&p.sock, &p.hs.out, rustix::net::SendFlags::NOSIGNAL);
-                return Fate::Dropped;
+        match failed.session {
+            Some(session) => {
+                if !self.ktls_noted {
+                    self.ktls_noted = true;
+                    tracing::info!(
+                        "TLS records are handled in userspace ({}); replies are not spliced",
+                        failed.error
+                    );
+                }
+                Ok(Some(Box::new(TlsIo::new(*session))))
             }
-            Err(e) => {
-                tracing::info!("handshake failed: {e}");
-                return Fate::Dropped;
+            None => {
+                let e = failed.error;
+                // The keys were handed over and the kernel refused them: the
+                // session cannot go on.
+                tracing::warn!("dropping a TLS client: the kernel refused its TLS keys: {e}");
+                Err(())
             }
         }
     }

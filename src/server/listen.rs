@@ -166,23 +166,29 @@ pub fn group_id(g: &str) -> Result<Gid, ListenError> {
     Ok(Gid::from_raw(group.gr_gid))
 }
 
-/// Bind a TCP listener; warn when it is reachable from other hosts.
-pub fn bind_tcp(addr: &str) -> Result<TcpListener, ListenError> {
+/// Bind a TCP listener; warn when other hosts can reach it without TLS
+/// (`tls_required`: `--tls require`).
+pub fn bind_tcp(addr: &str, tls_required: bool) -> Result<TcpListener, ListenError> {
     let l = TcpListener::bind(addr).map_err(|e| ListenError::BindTcp(addr.to_owned(), e))?;
-    if let Some(w) = l.local_addr().ok().and_then(exposure_warning) {
+    if let Some(w) = l
+        .local_addr()
+        .ok()
+        .and_then(|a| exposure_warning(a, tls_required))
+    {
         tracing::warn!("{w}");
     }
     Ok(l)
 }
 
 /// The warning for a TCP listener other hosts may reach (any address but
-/// loopback), or `None`.
-pub fn exposure_warning(a: std::net::SocketAddr) -> Option<String> {
-    (!a.ip().is_loopback()).then(|| {
+/// loopback) when TLS is not required, or `None`.
+pub fn exposure_warning(a: std::net::SocketAddr, tls_required: bool) -> Option<String> {
+    (!a.ip().is_loopback() && !tls_required).then(|| {
         format!(
-            "listening on {a} with no TLS and no client authentication: any host that can \
-             reach it can read and write every device (and list them unless --no-list); \
-             listen on 127.0.0.1 or a Unix socket, or firewall it"
+            "listening on {a} without --tls require: any host that can reach it can read \
+             and write every device not limited to client certificates (and list them \
+             unless --no-list); use --tls require --tls-certs DIR [--tls-verify-peer], \
+             or listen on 127.0.0.1 or a Unix socket, or firewall it"
         )
     })
 }
@@ -225,13 +231,18 @@ mod tests {
 
     #[test]
     fn only_non_loopback_listeners_are_warned_about() {
-        let warn = |s: &str| exposure_warning(s.parse().unwrap());
+        let warn = |s: &str| exposure_warning(s.parse().unwrap(), false);
         assert!(warn("127.0.0.1:10809").is_none());
         assert!(warn("[::1]:10809").is_none());
         let w = warn("0.0.0.0:10809").expect("all addresses");
-        assert!(w.contains("no TLS") && w.contains("0.0.0.0:10809"), "{w}");
+        assert!(
+            w.contains("without --tls require") && w.contains("0.0.0.0:10809"),
+            "{w}"
+        );
         assert!(warn("[::]:10809").is_some());
         assert!(warn("192.0.2.7:10809").is_some());
+        let required = |s: &str| exposure_warning(s.parse().unwrap(), true);
+        assert!(required("0.0.0.0:10809").is_none());
     }
 
     #[test]

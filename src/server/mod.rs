@@ -9,12 +9,14 @@
 
 mod accept;
 pub mod listen;
+mod pending;
 
 use crate::daemon::control_socket::{self as control, ControlError};
-use crate::daemon::{Daemon, Endpoints};
+use crate::daemon::{CtlError, Daemon, Endpoints};
 use crate::engine::admit::Admission;
-use crate::frontend::nbd::handshake::Policy;
+use crate::frontend::nbd::handshake::{Policy, TlsMode};
 use crate::reactor::{self, ReactorError, ReactorHandle};
+use crate::tls::{TlsContext, TlsError, TlsFiles};
 pub use accept::MAX_PENDING;
 pub use listen::{ListenError, default_socket_dir};
 use std::io::Write;
@@ -50,6 +52,10 @@ pub enum ServerError {
     Poll(#[source] std::io::Error),
     #[error("{0}")]
     Blockdev(String),
+    #[error("TLS: {0}")]
+    Tls(#[from] TlsError),
+    #[error("--tls {0} needs --tls-certs DIR (with ca-cert.pem, server-cert.pem, server-key.pem)")]
+    TlsNoCerts(&'static str),
 }
 
 /// Where and how to serve.
@@ -80,6 +86,14 @@ pub struct ServeOptions {
     pub handshake_timeout: Duration,
     /// Refuse `NBD_OPT_LIST`.
     pub no_list: bool,
+    /// Whether clients may (`On`) or must (`Require`) use TLS.
+    pub tls: TlsMode,
+    /// Certificates for TLS (`ca-cert.pem`, `server-cert.pem`, `server-key.pem`).
+    pub tls_certs: Option<PathBuf>,
+    /// Require client certificates that chain to `ca-cert.pem`.
+    pub tls_verify_peer: bool,
+    /// Hand TLS sessions to the kernel (kTLS) where it can take them.
+    pub ktls: bool,
     /// How long a control client may stay idle.
     pub control_idle: Duration,
     /// Bytes of request and reply buffers across the daemon (0 = the default,
@@ -102,6 +116,10 @@ impl Default for ServeOptions {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             no_list: false,
+            tls: TlsMode::Off,
+            tls_certs: None,
+            tls_verify_peer: false,
+            ktls: true,
             control_idle: control::IDLE_TIMEOUT,
             memory_budget: 0,
         }
@@ -162,6 +180,8 @@ fn connection_limit(asked: usize, reactors: usize) -> usize {
 /// Prints one line per endpoint with its URI on stdout once ready.
 pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError> {
     raise_open_file_limit();
+    // Certificates are read before anything is bound: a bad one stops here.
+    let tls = tls_context(opts)?;
     let group = opts
         .socket_group
         .as_deref()
@@ -185,7 +205,7 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
     }
     let mut tcp = Vec::new();
     for addr in &opts.listen {
-        let l = listen::bind_tcp(addr)?;
+        let l = listen::bind_tcp(addr, opts.tls == TlsMode::Require)?;
         if let Ok(a) = l.local_addr() {
             tcp.push(listen::uri_host(&a));
         }
@@ -194,7 +214,11 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
     daemon.set_endpoints(Endpoints {
         unix: socket.clone(),
         tcp,
+        tls: opts.tls != TlsMode::Off,
     });
+    if let Some(t) = &tls {
+        daemon.set_tls(Arc::clone(t));
+    }
     let control = match &opts.control {
         Some(p) => {
             let l = listen::bind_unix(p, CONTROL_SOCKET_MODE, None)?;
@@ -210,6 +234,7 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
         signal_hook::low_level::pipe::register(sig, tx).map_err(ServerError::Signals)?;
     }
     sig_rx.set_nonblocking(true).map_err(ServerError::Signals)?;
+    reload_on_sighup(&daemon)?;
     let (kick_rx, kick_tx) = UnixStream::pair().map_err(ServerError::Signals)?;
     kick_rx
         .set_nonblocking(true)
@@ -277,8 +302,11 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
         handshake_timeout: opts.handshake_timeout,
         policy: Policy {
             list: !opts.no_list,
+            tls: opts.tls,
         },
         admission,
+        tls,
+        ktls: opts.ktls,
     };
     let result = accept::AcceptLoop::new(&listeners, &sig_rx, &kick_rx, &daemon, &reactors, cfg)
         .run()
@@ -302,6 +330,46 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
 /// Stop serving: no new requests, block devices removed (their queues keep
 /// commands in the reactors' rings until the kernel is told to stop them), the
 /// state file closed, then every reactor drained and stopped.
+/// SIGHUP re-reads the TLS certificates (and never stops the daemon).
+fn reload_on_sighup(daemon: &Arc<Daemon>) -> Result<(), ServerError> {
+    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGHUP])
+        .map_err(ServerError::Signals)?;
+    let daemon = Arc::clone(daemon);
+    std::thread::Builder::new()
+        .name("loopd-sighup".into())
+        .spawn(move || {
+            for _ in signals.forever() {
+                match daemon.reload_tls() {
+                    Ok(()) => tracing::info!("SIGHUP: TLS certificates reloaded"),
+                    Err(CtlError::TlsOff) => {
+                        tracing::info!("SIGHUP: nothing to reload (TLS is off)")
+                    }
+                    // Logged by reload_tls.
+                    Err(_) => {}
+                }
+            }
+        })
+        .map_err(ServerError::Signals)?;
+    Ok(())
+}
+
+/// The TLS certificates, when TLS is on or required.
+fn tls_context(opts: &ServeOptions) -> Result<Option<Arc<TlsContext>>, ServerError> {
+    let mode = match opts.tls {
+        TlsMode::Off => return Ok(None),
+        TlsMode::On => "on",
+        TlsMode::Require => "require",
+    };
+    let Some(dir) = &opts.tls_certs else {
+        return Err(ServerError::TlsNoCerts(mode));
+    };
+    let ctx = TlsContext::new(TlsFiles {
+        dir: dir.clone(),
+        verify_peer: opts.tls_verify_peer,
+    })?;
+    Ok(Some(Arc::new(ctx)))
+}
+
 fn stop(daemon: &Daemon, reactors: &[Arc<ReactorHandle>]) {
     daemon.set_stopping();
     daemon.remove_blockdevs();

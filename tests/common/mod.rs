@@ -12,6 +12,7 @@
 pub mod gpt;
 #[cfg(feature = "vm-tests")]
 pub mod kernel;
+pub mod pki;
 
 use std::ffi::{OsStr, OsString};
 use std::fmt;

@@ -18,6 +18,7 @@
 //! slots, which is not freed or reused until the CQE arrives.
 
 use super::affinity::{Follow, Peer};
+use super::tls::TlsIo;
 use crate::device::Device;
 use crate::device::export::{ClientRef, Export};
 use crate::engine::admit::Permit;
@@ -186,6 +187,9 @@ pub struct Conn {
     /// Moving to this reactor (an index into the reactor's peers): no more
     /// requests are read; the move happens once nothing is in flight.
     pub moving: Option<usize>,
+    /// The TLS record layer, when the session is encrypted in userspace (with
+    /// kTLS, or without TLS, the socket carries plaintext and this is `None`).
+    pub tls: Option<Box<TlsIo>>,
 }
 
 // SAFETY: the raw pointers in `iov`/`msg` point into this connection's own slots
@@ -202,6 +206,7 @@ impl Conn {
         structured: bool,
         meta_context: bool,
         peer: Peer,
+        tls: Option<Box<TlsIo>>,
     ) -> Conn {
         let export = Arc::clone(client.export());
         let (dev, epoch) = export.current();
@@ -248,6 +253,7 @@ impl Conn {
             follow: Follow::default(),
             active: false,
             moving: None,
+            tls,
         }
     }
 

@@ -66,11 +66,24 @@ pub struct Negotiated<C> {
 pub struct Policy {
     /// Answer `NBD_OPT_LIST` (else `NBD_REP_ERR_POLICY`).
     pub list: bool,
+    pub tls: TlsMode,
+}
+
+/// Whether clients may or must upgrade to TLS (`STARTTLS`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TlsMode {
+    #[default]
+    Off,
+    On,
+    Require,
 }
 
 impl Default for Policy {
     fn default() -> Policy {
-        Policy { list: true }
+        Policy {
+            list: true,
+            tls: TlsMode::Off,
+        }
     }
 }
 
@@ -131,6 +144,8 @@ enum Phase {
 pub enum Step<C> {
     /// Wants more bytes ([`Handshake::want`]).
     More,
+    /// Send `out`, then run the TLS handshake and call [`Handshake::tls_started`].
+    StartTls,
     /// The handshake is over: `Some` enters the transmission phase, `None` means
     /// the client aborted. Send what [`Handshake::out`] holds first.
     Done(Option<Negotiated<C>>),
@@ -267,6 +282,13 @@ impl Handshake {
         }
     }
 
+    /// TLS is up; the client proved `identities`. What was negotiated before
+    /// is forgotten.
+    pub fn tls_started(&mut self, _identities: Vec<String>) {
+        self.structured = false;
+        self.meta_context = false;
+    }
+
     fn reply(&mut self, option: u32, kind: u32, payload: &[u8]) {
         wire::option_reply(&mut self.out, option, kind, payload);
     }
@@ -310,6 +332,10 @@ impl Handshake {
                     self.reply(option, REP_ACK, &[]);
                 }
                 Ok(Step::More)
+            }
+            OPT_STARTTLS if self.policy.tls != TlsMode::Off => {
+                self.reply(option, REP_ACK, &[]);
+                Ok(Step::StartTls)
             }
             OPT_INFO | OPT_GO => self.info_or_go(option, data, exports),
             OPT_STRUCTURED_REPLY => {
@@ -467,7 +493,7 @@ pub fn negotiate_with<S: Read + Write, E: Exports + ?Sized>(
             Err(e) => return Err(e.into()),
         };
         match h.feed(&buf[..n], exports)? {
-            Step::More => {}
+            Step::More | Step::StartTls => {}
             Step::Done(done) => {
                 let sent = s.write_all(&h.out);
                 // After ABORT the client may already be gone: that changes nothing.

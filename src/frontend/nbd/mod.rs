@@ -11,4 +11,5 @@ mod reply;
 mod run;
 mod splice;
 mod status;
+pub mod tls;
 pub mod wire;

@@ -4,6 +4,7 @@
 //! memory budget allow, and while its export is not frozen.
 
 use super::conn::{Conn, RBUF, RecvState, SlotState};
+use super::tls::Received;
 use crate::block::Op;
 use crate::engine::task::{self, Task};
 use crate::frontend::nbd::proto::*;
@@ -20,12 +21,83 @@ impl Conn {
     /// buffer of one of its slots, which stays put until the receive completes.
     unsafe fn post_recv(&mut self, io: &mut Io, ci: u32, ptr: *mut u8, len: usize) {
         self.recv_inflight = true;
+        let (ptr, len) = match self.tls.as_mut() {
+            None => (ptr, len),
+            Some(tls) => {
+                // Already decrypted (or over): the receive completes through
+                // the ring as a NOP whose count is `ready`, so `on_recv` runs
+                // as for any receive.
+                // SAFETY: by this function's contract, the target stays valid
+                // until this receive completes.
+                let now = match unsafe { tls.set_target(ptr, len) } {
+                    Ok(Received::NeedMore) => None,
+                    Ok(Received::Plain(n)) => Some(n),
+                    Ok(Received::Closed) => Some(0),
+                    Err(e) => {
+                        tracing::info!("closing a TLS connection to {:?}: {e}", self.dev.name);
+                        self.dead = true;
+                        Some(0)
+                    }
+                };
+                match now {
+                    None => tls.rx_space(),
+                    Some(n) => {
+                        tls.ready = Some(n);
+                        let e = opcode::Nop::new().build().user_data(ud(TAG_RECV, ci, 0));
+                        // SAFETY: a NOP refers to no memory.
+                        unsafe { io.push(e) };
+                        return;
+                    }
+                }
+            }
+        };
         let len = u32::try_from(len).unwrap_or(u32::MAX);
         let e = opcode::Recv::new(types::Fd(self.sock.as_raw_fd()), ptr, len)
             .build()
             .user_data(ud(TAG_RECV, ci, 0));
-        // SAFETY: by this function's contract.
+        // SAFETY: by this function's contract (or, with TLS, the free tail of
+        // the record layer's ciphertext buffer, which lives in the connection).
         unsafe { io.push(e) };
+    }
+
+    /// A TLS receive completed: what it means for the connection's target.
+    /// `Some(res)` goes on as a plaintext receive's result; `None` means the
+    /// receive goes on (more ciphertext was asked for).
+    fn tls_received(&mut self, io: &mut Io, ci: u32, res: i32) -> Option<i32> {
+        let tls = self.tls.as_mut()?;
+        if let Some(n) = tls.ready.take() {
+            return Some(i32::try_from(n).unwrap_or(-libc::EPROTO));
+        }
+        if res <= 0 {
+            return Some(res);
+        }
+        match tls.received(res as usize) {
+            Ok(Received::Plain(n)) => Some(i32::try_from(n).unwrap_or(-libc::EPROTO)),
+            Ok(Received::Closed) => Some(0),
+            Ok(Received::NeedMore) => {
+                if self.read_closed || self.moving.is_some() {
+                    return Some(-libc::ECANCELED);
+                }
+                let (ptr, len) = tls.rx_space();
+                if len == 0 {
+                    return Some(-libc::EPROTO);
+                }
+                self.recv_inflight = true;
+                let len = u32::try_from(len).unwrap_or(u32::MAX);
+                let e = opcode::Recv::new(types::Fd(self.sock.as_raw_fd()), ptr, len)
+                    .build()
+                    .user_data(ud(TAG_RECV, ci, 0));
+                // SAFETY: the free tail of the record layer's ciphertext buffer,
+                // which lives in the connection until the receive completes.
+                unsafe { io.push(e) };
+                None
+            }
+            Err(e) => {
+                tracing::info!("closing a TLS connection to {:?}: {e}", self.dev.name);
+                self.dead = true;
+                Some(-libc::EPROTO)
+            }
+        }
     }
 
     /// Parse what is buffered and keep a receive posted, as far as budget allows.
@@ -191,6 +263,14 @@ impl Conn {
 
     pub fn on_recv(&mut self, io: &mut Io, ci: u32, res: i32) {
         self.recv_inflight = false;
+        let res = if self.tls.is_some() {
+            match self.tls_received(io, ci, res) {
+                Some(r) => r,
+                None => return,
+            }
+        } else {
+            res
+        };
         if self.moving.is_some() && !self.read_closed {
             // Our cancel, or a receive that beat it: either way none is pending.
             self.cancel_sent = false;

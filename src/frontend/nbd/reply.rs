@@ -10,6 +10,10 @@ use std::os::fd::AsRawFd;
 impl Conn {
     /// Start sending queued replies, if no send is in flight.
     pub fn send(&mut self, io: &mut Io, ci: u32) {
+        if self.tls.is_some() {
+            self.send_tls(io, ci);
+            return;
+        }
         if self.send_inflight || self.sendq.is_empty() || self.dead {
             return;
         }
@@ -70,8 +74,78 @@ impl Conn {
         unsafe { io.push(e) };
     }
 
+    /// [`Conn::send`] through the userspace record layer: the queued replies'
+    /// plaintext (as much as one batch takes) is encrypted and sent from the
+    /// record layer's buffer.
+    fn send_tls(&mut self, io: &mut Io, ci: u32) {
+        if self.send_inflight || self.dead {
+            return;
+        }
+        let Some(tls) = self.tls.as_mut() else {
+            return;
+        };
+        if self.sendq.is_empty() && !tls.wants_write() {
+            return;
+        }
+        let mut skip = self.front_sent;
+        let mut parts: Vec<&[u8]> = Vec::with_capacity(MAX_IOV);
+        for &si in self.sendq.iter() {
+            if parts.len() + 2 > MAX_IOV {
+                break;
+            }
+            let s = &self.slots[si as usize];
+            for (ptr, len) in [(s.hdr.as_ptr(), s.hdr_len), (s.data_ptr(), s.data_len)] {
+                if skip >= len {
+                    skip -= len;
+                    continue;
+                }
+                // SAFETY: a queued slot's header and data (its task's buffer or
+                // status descriptors) are `len` bytes at `ptr`, alive while it
+                // is queued; skip < len keeps the slice inside.
+                parts.push(unsafe { std::slice::from_raw_parts(ptr.add(skip), len - skip) });
+                skip = 0;
+            }
+        }
+        if let Err(e) = tls.encrypt(parts) {
+            tracing::info!("closing a TLS connection to {:?}: {e}", self.dev.name);
+            self.kill(io, ci);
+            return;
+        }
+        self.post_tls_send(io, ci);
+    }
+
+    fn post_tls_send(&mut self, io: &mut Io, ci: u32) {
+        let Some(tls) = self.tls.as_ref() else {
+            return;
+        };
+        let (ptr, len) = tls.tx_pending();
+        if len == 0 {
+            return;
+        }
+        let len = u32::try_from(len).unwrap_or(u32::MAX);
+        self.send_inflight = true;
+        let e = opcode::Send::new(types::Fd(self.sock.as_raw_fd()), ptr, len)
+            .flags(libc::MSG_NOSIGNAL)
+            .build()
+            .user_data(ud(TAG_SEND, ci, 0));
+        // SAFETY: the record layer's ciphertext buffer lives in the connection
+        // and is neither touched nor freed while `send_inflight`.
+        unsafe { io.push(e) };
+    }
+
     pub fn on_send(&mut self, io: &mut Io, ci: u32, res: i32) {
         self.send_inflight = false;
+        let res = match self.tls.as_mut() {
+            Some(tls) if res > 0 => match tls.sent(res as usize) {
+                None => {
+                    self.post_tls_send(io, ci);
+                    return;
+                }
+                Some(0) => return, // rustls's own message (an alert) went out
+                Some(plain) => i32::try_from(plain).unwrap_or(i32::MAX),
+            },
+            _ => res,
+        };
         if res == 0 {
             // Nothing sent although something was asked: a splice whose page went
             // bad (a page-cache page that could not be confirmed) says so with 0,

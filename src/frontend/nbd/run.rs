@@ -26,9 +26,11 @@ impl Conn {
         let Some(task) = slot.req.task.as_mut() else {
             return;
         };
+        // A userspace TLS session sends from memory only.
         let splice = task.op == Op::Read
             && task.path == Path::Buffered
             && dev.splice_reads
+            && self.tls.is_none()
             && task.len as usize >= SPLICE_MIN;
         if splice && self.start_splice(io, ci, si) {
             return;

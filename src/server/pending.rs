@@ -1,0 +1,260 @@
+//! One client in its handshake, and the byte transport under it: the socket
+//! itself, or, after `STARTTLS`, a TLS session over it.
+//!
+//! Contract: a [`Pending`] belongs to the accept loop; its socket is
+//! non-blocking and [`step`] moves it on as far as the socket allows without
+//! waiting. TLS records are read only while the handshake wants bytes, and the
+//! plaintext rustls decrypts past what the handshake takes stays in the session
+//! (handed to the reactor with it). Nothing here blocks.
+
+use crate::daemon::Daemon;
+use crate::device::export::ClientRef;
+use crate::engine::admit::Permit;
+use crate::frontend::nbd::handshake::{Handshake, HandshakeError, Negotiated, Step};
+use crate::tls::TlsContext;
+use rustls::ServerConnection;
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::time::Instant;
+
+/// One client in its handshake.
+pub(super) struct Pending {
+    pub sock: OwnedFd,
+    pub hs: Handshake,
+    /// Bytes of `hs.out` already sent (plaintext only; with TLS, `hs.out`
+    /// goes into the session whole).
+    pub sent: usize,
+    /// The outcome, once reached; handed over when the last reply is sent.
+    pub done: Option<Negotiated<ClientRef>>,
+    pub deadline: Instant,
+    pub permit: Permit,
+    /// The client asked for TLS: it starts once `hs.out` (the ACK) is sent.
+    pub start_tls: bool,
+    /// The TLS session, from `STARTTLS` on.
+    pub tls: Option<Box<ServerConnection>>,
+    /// The TLS handshake is over and the handshake knows who the client is.
+    pub tls_up: bool,
+}
+
+/// What became of a pending handshake after it was serviced.
+pub(super) enum Fate {
+    Waiting,
+    Negotiated,
+    Dropped,
+}
+
+impl Pending {
+    pub fn new(sock: OwnedFd, hs: Handshake, deadline: Instant, permit: Permit) -> Pending {
+        Pending {
+            sock,
+            hs,
+            sent: 0,
+            done: None,
+            deadline,
+            permit,
+            start_tls: false,
+            tls: None,
+            tls_up: false,
+        }
+    }
+
+    /// Whether the socket must become writable before this moves on.
+    pub fn wants_out(&self) -> bool {
+        match &self.tls {
+            Some(t) => t.wants_write(),
+            None => self.sent < self.hs.out.len(),
+        }
+    }
+}
+
+/// How a read or write on the transport went.
+enum Io {
+    Done(usize),
+    WouldBlock,
+    Eof,
+    Failed(String),
+}
+
+/// A `Read + Write` view of the non-blocking socket, for rustls.
+struct SockRw<'a>(&'a OwnedFd);
+
+impl Read for SockRw<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        rustix::io::read(self.0.as_fd(), buf).map_err(std::io::Error::from)
+    }
+}
+
+impl Write for SockRw<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        rustix::net::send(self.0.as_fd(), buf, rustix::net::SendFlags::NOSIGNAL)
+            .map_err(std::io::Error::from)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Send what waits: `hs.out` (into the TLS session, if any) and the session's
+/// records. `Done(_)` once all of it is out.
+fn flush(p: &mut Pending) -> Io {
+    match p.tls.as_mut() {
+        None => {
+            while p.sent < p.hs.out.len() {
+                match rustix::net::send(
+                    &p.sock,
+                    &p.hs.out[p.sent..],
+                    rustix::net::SendFlags::NOSIGNAL,
+                ) {
+                    Ok(n) => p.sent += n,
+                    Err(rustix::io::Errno::AGAIN) => return Io::WouldBlock,
+                    Err(rustix::io::Errno::INTR) => continue,
+                    Err(e) => return Io::Failed(e.to_string()),
+                }
+            }
+            p.hs.out.clear();
+            p.sent = 0;
+            Io::Done(0)
+        }
+        Some(t) => {
+            if !p.hs.out.is_empty() {
+                if let Err(e) = t.writer().write_all(&p.hs.out) {
+                    return Io::Failed(e.to_string());
+                }
+                p.hs.out.clear();
+            }
+            while t.wants_write() {
+                match t.write_tls(&mut SockRw(&p.sock)) {
+                    Ok(_) => {}
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => return Io::WouldBlock,
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) => return Io::Failed(e.to_string()),
+                }
+            }
+            Io::Done(0)
+        }
+    }
+}
+
+/// Read up to `buf.len()` bytes of the handshake's stream (plaintext, or
+/// decrypted by the session; with TLS, this also moves its own handshake on).
+fn read(p: &mut Pending, buf: &mut [u8]) -> Io {
+    let Some(t) = p.tls.as_mut() else {
+        return match rustix::io::read(&p.sock, buf) {
+            Ok(0) => Io::Eof,
+            Ok(n) => Io::Done(n),
+            Err(rustix::io::Errno::AGAIN) => Io::WouldBlock,
+            Err(rustix::io::Errno::INTR) => Io::Done(0),
+            Err(e) => Io::Failed(e.to_string()),
+        };
+    };
+    loop {
+        if !t.is_handshaking() {
+            match t.reader().read(buf) {
+                Ok(0) => return Io::Eof,
+                Ok(n) => return Io::Done(n),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                Err(e) => return Io::Failed(e.to_string()),
+            }
+        }
+        match t.read_tls(&mut SockRw(&p.sock)) {
+            Ok(0) => return Io::Eof,
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Io::WouldBlock,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return Io::Failed(e.to_string()),
+        }
+        let was_handshaking = t.is_handshaking();
+        if let Err(e) = t.process_new_packets() {
+            // Tell the client why (an alert), if the socket takes it now.
+            let _ = t.write_tls(&mut SockRw(&p.sock));
+            return Io::Failed(format!("TLS: {e}"));
+        }
+        if t.wants_write() || (was_handshaking && !t.is_handshaking()) {
+            // The session is up (the handshake learns who the client is before
+            // it reads on), or
+            // Handshake messages to send before anything more can come.
+            return Io::Done(0);
+        }
+    }
+}
+
+/// Service one pending handshake: send what waits, read what the handshake
+/// wants, repeat until the socket would block.
+pub(super) fn step(
+    p: &mut Pending,
+    scratch: &mut [u8],
+    daemon: &Daemon,
+    tls: Option<&TlsContext>,
+) -> Fate {
+    loop {
+        match flush(p) {
+            Io::Done(_) => {}
+            Io::WouldBlock => return Fate::Waiting,
+            Io::Eof => return Fate::Dropped,
+            Io::Failed(e) => {
+                tracing::debug!("handshake: send failed: {e}");
+                return Fate::Dropped;
+            }
+        }
+        if p.done.is_some() {
+            return Fate::Negotiated;
+        }
+        if p.start_tls {
+            // The ACK is out: the TLS handshake starts.
+            p.start_tls = false;
+            let Some(ctx) = tls else {
+                return Fate::Dropped;
+            };
+            match ServerConnection::new(ctx.current()) {
+                Ok(c) => p.tls = Some(Box::new(c)),
+                Err(e) => {
+                    tracing::warn!("cannot start TLS: {e}");
+                    return Fate::Dropped;
+                }
+            }
+            continue;
+        }
+        if let Some(t) = p.tls.as_ref()
+            && !p.tls_up
+            && !t.is_handshaking()
+        {
+            p.tls_up = true;
+            let ids = crate::tls::identities(t);
+            tracing::debug!(
+                "TLS session up ({:?}), client identities {ids:?}",
+                t.protocol_version()
+            );
+            p.hs.tls_started(ids);
+        }
+        let want = p.hs.want().min(scratch.len());
+        let n = match read(p, &mut scratch[..want]) {
+            Io::Done(0) => continue,
+            Io::Done(n) => n,
+            Io::WouldBlock => return Fate::Waiting,
+            Io::Eof => {
+                if !p.hs.at_boundary() {
+                    tracing::debug!("handshake: {}", HandshakeError::Truncated);
+                }
+                return Fate::Dropped;
+            }
+            Io::Failed(e) => {
+                tracing::info!("handshake failed: {e}");
+                return Fate::Dropped;
+            }
+        };
+        match p.hs.feed(&scratch[..n], daemon) {
+            Ok(Step::More) => {}
+            Ok(Step::StartTls) => p.start_tls = true,
+            Ok(Step::Done(Some(neg))) => p.done = Some(neg),
+            Ok(Step::Done(None)) => {
+                // ABORT: its acknowledgement is sent if the socket takes it now.
+                let _ = flush(p);
+                return Fate::Dropped;
+            }
+            Err(e) => {
+                tracing::info!("handshake failed: {e}");
+                return Fate::Dropped;
+            }
+        }
+    }
+}
