@@ -31,6 +31,9 @@ pub struct DeviceInfo {
     pub offset: u64,
     pub size_limit: Option<u64>,
     pub block_size: u32,
+    /// The block size is advertised as the NBD minimum (else 1).
+    #[serde(default)]
+    pub strict_block_size: bool,
     /// The cache mode asked for.
     pub cache: CacheMode,
     /// Whether direct I/O is really in use.
@@ -66,6 +69,7 @@ impl DeviceInfo {
             offset: d.offset,
             size_limit: spec.size_limit,
             block_size: d.block_size,
+            strict_block_size: d.strict_block_size,
             cache: spec.cache,
             direct: d.direct,
             read_only: d.read_only,
@@ -89,6 +93,7 @@ impl DeviceInfo {
             offset: spec.offset,
             size_limit: spec.size_limit,
             block_size: spec.block_size.unwrap_or(0),
+            strict_block_size: spec.strict_block_size,
             cache: spec.cache,
             direct: false,
             read_only: spec.read_only,
@@ -123,6 +128,10 @@ pub struct DeviceStatus {
     pub bytes: BTreeMap<String, u64>,
     pub bytes_read: u64,
     pub bytes_written: u64,
+    /// Reads, writes, trims and write-zeroes not aligned to the block size
+    /// (offset or length), served all the same.
+    #[serde(default)]
+    pub unaligned: u64,
     /// How reads and writes reached the file.
     pub paths: BTreeMap<String, u64>,
     /// Connections moved to the reactor on the CPU their client runs on.
@@ -173,6 +182,7 @@ impl DeviceStatus {
             .collect(),
             bytes_read: g(&s.bytes_read),
             bytes_written: g(&s.bytes_written),
+            unaligned: g(&s.unaligned),
             paths: paths.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
             moves: g(&s.moves),
             errors,
@@ -195,6 +205,7 @@ impl DeviceStatus {
             bytes: BTreeMap::new(),
             bytes_read: 0,
             bytes_written: 0,
+            unaligned: 0,
             paths: BTreeMap::new(),
             moves: 0,
             errors: BTreeMap::new(),

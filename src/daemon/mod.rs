@@ -277,6 +277,7 @@ fn params_with(spec: &DeviceSpec, name: &str, tuning: Tuning) -> DeviceParams {
         offset: spec.offset,
         size_limit: spec.size_limit,
         block_size: spec.block_size,
+        strict_block_size: spec.strict_block_size,
         cache: spec.cache,
         read_only: spec.read_only,
         create: spec.create,

@@ -144,8 +144,21 @@ pub fn transmission_flags(dev: &Device, structured: bool) -> u16 {
 }
 
 /// Block sizes advertised for a device: (minimum, preferred, maximum).
+///
+/// The minimum is 1: loopd serves requests at any offset and length (direct
+/// mode bounces them through aligned buffers, read-modify-write for writes), so
+/// byte-granular clients (nbdfuse, a 512-byte-sector loop device on it) work at
+/// any block size. The block size (at least a page) is the preferred size,
+/// which keeps well-behaved clients aligned and fast. A device configured
+/// `strict_block_size` advertises its block size as the minimum instead, and
+/// strict clients (libnbd) then refuse unaligned requests themselves.
 pub fn block_sizes(dev: &Device) -> (u32, u32, u32) {
-    (dev.block_size, dev.block_size.max(4096), MAX_PAYLOAD)
+    let min = if dev.strict_block_size {
+        dev.block_size
+    } else {
+        1
+    };
+    (min, dev.block_size.max(4096), MAX_PAYLOAD)
 }
 
 /// What the handshake is waiting for.

@@ -210,7 +210,8 @@ fn go_with_block_size_request_replies_export_info_block_size_and_ack() {
     assert_eq!(be16(&p, 0), INFO_BLOCK_SIZE);
     assert_eq!(
         (be32(&p, 2), be32(&p, 6), be32(&p, 10)),
-        (512, 4096, MAX_PAYLOAD)
+        (1, 4096, MAX_PAYLOAD),
+        "minimum 1: unaligned requests are served; the block size is preferred"
     );
     assert!(c.expect(OPT_GO, REP_ACK).is_empty());
     let (r, _) = c.finish();
