@@ -1189,23 +1189,37 @@ impl Daemon {
     }
 }
 
+/// Whether a client that proved `ids` may see export `e` (its `tls_allow`).
+fn visible(e: &Export, ids: &[String]) -> bool {
+    crate::tls::allowed(&e.spec().tls_allow, ids)
+}
+
+/// Exports as NBD clients see them: a device limited to some TLS identities
+/// does not exist for anyone else (not found, not listed).
 impl Exports for Daemon {
     type Client = ClientRef;
 
-    fn find(&self, name: &str, _ids: &[String]) -> Option<Arc<Device>> {
-        self.export(name).map(|e| e.current().0)
+    fn find(&self, name: &str, ids: &[String]) -> Option<Arc<Device>> {
+        self.export(name)
+            .filter(|e| visible(e, ids))
+            .map(|e| e.current().0)
     }
 
-    fn join(&self, name: &str, _ids: &[String]) -> Option<(Arc<Device>, ClientRef)> {
-        let e = self.export(name)?;
+    fn join(&self, name: &str, ids: &[String]) -> Option<(Arc<Device>, ClientRef)> {
+        let e = self.export(name).filter(|e| visible(e, ids))?;
         let client = e.join()?;
         Some((e.current().0, client))
     }
 
-    fn names(&self, _ids: &[String]) -> Vec<String> {
+    fn names(&self, ids: &[String]) -> Vec<String> {
         self.exports
             .read()
-            .map(|t| t.keys().cloned().collect())
+            .map(|t| {
+                t.iter()
+                    .filter(|(_, e)| visible(e, ids))
+                    .map(|(n, _)| n.clone())
+                    .collect()
+            })
             .unwrap_or_default()
     }
 }
