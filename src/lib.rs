@@ -19,3 +19,4 @@ pub mod reactor;
 pub mod ring;
 pub mod server;
 pub mod size;
+pub mod tls;
