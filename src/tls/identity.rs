@@ -20,8 +20,9 @@
 //! | `uri:spiffe://example/alice` | each subjectAltName URI, as is |
 //! | `ip:192.0.2.7`, `ip:2001:db8::1` | each subjectAltName iPAddress, in Rust's (RFC 5952) form |
 //!
-//! The `dn:` form: the most specific RDN first, `,` between RDNs, `+` inside
-//! a multi-valued one, short names `CN`, `C`, `L`, `ST`, `street`, `O`,
+//! The `dn:` form: the attributes in the reverse of their encoded order (so
+//! the most specific RDN first, and inside a multi-valued RDN the last
+//! first, as openssl does), `,` between RDNs, `+` inside a multi-valued one, short names `CN`, `C`, `L`, `ST`, `street`, `O`,
 //! `OU`, `DC`, `UID`, `emailAddress`, `serialNumber`, `title`, `SN`, `GN`
 //! (others as a dotted OID). In values, `, + " \ < > ;`, a leading `#` or
 //! space and a trailing space are escaped by `\`; control bytes and bytes of
@@ -311,7 +312,8 @@ fn dn_string(name: &X509Name<'_>) -> String {
         if i != 0 {
             out.push(',');
         }
-        for (j, attr) in rdn.iter().enumerate() {
+        let attrs: Vec<_> = rdn.iter().collect();
+        for (j, attr) in attrs.iter().rev().enumerate() {
             if j != 0 {
                 out.push('+');
             }
