@@ -247,13 +247,10 @@ fn verify_peer_requires_a_client_certificate_of_the_ca() {
         assert!(!tls::allowed(&["bob".to_string()], &identities(&conn)));
 
         let h = handshake(strict.clone(), client_config(&anon, &[v], None));
-        let e = h
-            .server
-            .err()
-            .expect("a client without a certificate got in");
+        let e = h.server.expect_err("a client without a certificate got in");
         assert!(e.contains("certificate"), "{v:?}: {e}");
         let h = handshake(strict.clone(), client_config(&mallory, &[v], None));
-        let e = h.server.err().expect("a client of another CA got in");
+        let e = h.server.expect_err("a client of another CA got in");
         assert!(e.to_lowercase().contains("unknown"), "{v:?}: {e}");
     }
 
