@@ -15,7 +15,7 @@
 //! |---|---|
 //! | `cn:alice` | each commonName of the subject, its value as is |
 //! | `dn:CN=alice,O=Example` | the whole subject, RFC 4514, as `openssl x509 -noout -subject -nameopt RFC2253` prints it |
-//! | `dns:host.example` | each subjectAltName dNSName, lower-cased, no trailing dot |
+//! | `dns:host.example` | each subjectAltName dNSName, lower-cased, without trailing dots |
 //! | `email:alice@example.com` | each subjectAltName rfc822Name, the domain lower-cased |
 //! | `uri:spiffe://example/alice` | each subjectAltName URI, as is |
 //! | `ip:192.0.2.7`, `ip:2001:db8::1` | each subjectAltName iPAddress, in Rust's (RFC 5952) form |
@@ -35,8 +35,9 @@
 //! equal some identity. An entry may be written without its kind: an entry
 //! that does not start with `cn:`, `dn:`, `dns:`, `email:`, `uri:` or `ip:`
 //! (the kind in any case) is a commonName, so `alice` means `cn:alice`.
-//! Entries are normalised as identities are: `dns:` lower-cased without a
-//! trailing dot, `email:` with its domain lower-cased, `ip:` parsed and
+//! Entries are normalised as identities are (so every identity, as an entry,
+//! admits itself): `dns:` lower-cased without trailing dots, `email:` with
+//! its domain lower-cased, `ip:` parsed and
 //! printed again (an unparsable address matches nothing). `cn:`, `dn:` and
 //! `uri:` compare exactly.
 
@@ -173,7 +174,7 @@ fn normalise(entry: &str) -> Option<String> {
 }
 
 fn norm_dns(d: &str) -> String {
-    d.strip_suffix('.').unwrap_or(d).to_ascii_lowercase()
+    d.trim_end_matches('.').to_ascii_lowercase()
 }
 
 fn norm_email(m: &str) -> String {
