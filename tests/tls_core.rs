@@ -199,6 +199,9 @@ fn identities_name_the_subject_and_alt_names() {
             "ip:2001:db8::1".to_string(),
         ]
     );
+    for id in &ids {
+        assert!(tls::allowed(std::slice::from_ref(id), &ids), "{id}");
+    }
     let allow =
         |a: &[&str]| tls::allowed(&a.iter().map(|s| s.to_string()).collect::<Vec<_>>(), &ids);
     assert!(allow(&["ip:2001:db8::1"]));
