@@ -41,7 +41,7 @@
 //!   (a partial record in its buffer is lost, and the kernel then fails the
 //!   next record with `EBADMSG`). Complete records are processed by step 1;
 //!   a caller that reads the socket no further than the record in progress
-//!   is safe.
+//!   ([`super::RecordBoundary`]) is safe.
 //!
 //! [`available`] probes once per process (on a loopback TCP pair) whether
 //! this kernel has kTLS, for logs and status.

@@ -29,6 +29,8 @@
 //!   verified client certificate proves; [`allowed`] matches them against an
 //!   allow list (the scheme is documented there and in README.md).
 //! - [`ktls`]: moves an established session's record layer into the kernel.
+//! - [`record`]: [`RecordBoundary`], for reading a socket no further than
+//!   the TLS record in progress (what [`ktls::enable`] needs of its caller).
 //!
 //! TLS-PSK (nbdkit's and qemu's `tls-creds-psk`) is not offered: rustls has
 //! no external pre-shared keys (rustls/rustls#174 is open), and loopd does
@@ -42,10 +44,12 @@ pub mod context;
 pub mod files;
 pub mod identity;
 pub mod ktls;
+pub mod record;
 
 pub use context::TlsContext;
 pub use files::{TlsFiles, load};
 pub use identity::{allowed, identities, identities_of_der};
+pub use record::RecordBoundary;
 
 use std::path::PathBuf;
 
