@@ -85,3 +85,9 @@ impl TlsContext {
         &self.files
     }
 }
+
+// Shared by the accept loop, the reactors and the reload signal handler.
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<TlsContext>();
+};

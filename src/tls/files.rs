@@ -116,7 +116,10 @@ pub(crate) fn load_info(files: &TlsFiles) -> Result<Loaded, TlsError> {
     let key_path = files.path(SERVER_KEY);
     let chain = certificates(&cert_path, &read(&cert_path, "")?)?;
     let key = private_key(&key_path, &read(&key_path, "")?)?;
-    let server_cert = cert_info(&chain[0]).map_err(|e| content(&cert_path, e.to_string()))?;
+    let leaf = chain
+        .first()
+        .ok_or_else(|| content(&cert_path, "no certificate found"))?;
+    let server_cert = cert_info(leaf).map_err(|e| content(&cert_path, e.to_string()))?;
     check_pair(&provider, &chain, &key, &cert_path, &key_path)?;
 
     let builder = ServerConfig::builder_with_provider(Arc::clone(&provider))
