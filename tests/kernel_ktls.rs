@@ -14,7 +14,7 @@ mod common;
 
 use common::kernel::require_module;
 use common::pki::Pki;
-use common::tls::{client_config, handshake};
+use common::tls::{client_config, handshake, handshake_pipelined};
 use common::{pattern_bytes, tls::Handshake};
 use loopd::tls::{self, TlsFiles, identities, ktls};
 use rustls::CipherSuite;
@@ -146,4 +146,38 @@ fn ktls_after_client_authentication_and_the_clients_close() {
     let e = sock.read(&mut buf).expect_err("a read after close_notify");
     assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
     assert_ne!(e.kind(), ErrorKind::WouldBlock);
+}
+
+/// The client sends data right behind its Finished; the server read the
+/// handshake record by record (RecordBoundary), so the data is still in the
+/// socket and the kernel decrypts it.
+#[test]
+fn ktls_takes_data_pipelined_behind_the_handshake() {
+    require_module("tls");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let pki = Pki::new(tmp.path().join("pki"));
+    let server = pki.server_dir("server");
+    let anon = pki.trust_dir("anon");
+    let cfg = tls::load(&TlsFiles {
+        dir: server,
+        verify_peer: false,
+    })
+    .expect("load");
+    for v in [&TLS13, &TLS12] {
+        let (h, records) = handshake_pipelined(
+            cfg.clone(),
+            client_config(&anon, &[v], None),
+            b"pipelined request".to_vec(),
+        );
+        assert!(records.at_boundary());
+        let conn = h.server.expect("server handshake");
+        let _client = h.client.expect("client handshake");
+        let mut sock = h.server_sock;
+        ktls::enable(sock.as_fd(), conn)
+            .map_err(|(e, _)| e)
+            .unwrap_or_else(|e| panic!("{v:?}: kTLS: {e}"));
+        let mut buf = [0u8; 17];
+        sock.read_exact(&mut buf).expect("kTLS read");
+        assert_eq!(&buf, b"pipelined request", "{v:?}");
+    }
 }

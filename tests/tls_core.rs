@@ -7,7 +7,7 @@
 mod common;
 
 use common::pki::{KeyFormat, Leaf, Pki, Role, cert_der, serial_of, subject_of};
-use common::tls::{client_config, handshake};
+use common::tls::{client_config, handshake, handshake_pipelined};
 use loopd::tls::{self, TlsContext, TlsFiles, identities, identities_of_der, ktls};
 use rustls::version::{TLS12, TLS13};
 use std::fs;
@@ -395,4 +395,36 @@ fn ktls_refuses_buffered_plaintext_and_hands_the_connection_back() {
     let mut buf = [0u8; 5];
     conn.reader().read_exact(&mut buf).unwrap();
     assert_eq!(&buf, b"early");
+}
+
+#[test]
+fn record_bounded_handshake_leaves_pipelined_data_in_the_socket() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pki = Pki::new(tmp.path().join("pki"));
+    let server = pki.server_dir("server");
+    let anon = pki.trust_dir("anon");
+    let cfg = tls::load(&files(&server, false)).unwrap();
+    for v in [&TLS13, &TLS12] {
+        let (h, records) = handshake_pipelined(
+            cfg.clone(),
+            client_config(&anon, &[v], None),
+            b"pipelined".to_vec(),
+        );
+        assert!(records.at_boundary(), "{v:?}");
+        let conn = h.server.expect("server handshake");
+        let mut client = h.client.expect("client handshake");
+        // Not BufferedPlaintext: the client's data is still in the socket,
+        // so kTLS could take over here (it is refused only because this
+        // host has none).
+        let (e, back) = ktls::enable(h.server_sock.as_fd(), conn).expect_err("no kTLS here");
+        assert!(matches!(e, ktls::KtlsError::Unavailable(_)), "{v:?}: {e}");
+        let mut server = rustls::StreamOwned::new(back.expect("handed back"), h.server_sock);
+        let mut buf = [0u8; 9];
+        server.read_exact(&mut buf).unwrap();
+        assert_eq!(&buf, b"pipelined");
+        server.write_all(b"ok").unwrap();
+        let mut two = [0u8; 2];
+        client.read_exact(&mut two).unwrap();
+        assert_eq!(&two, b"ok");
+    }
 }

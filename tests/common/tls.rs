@@ -108,3 +108,92 @@ pub fn handshake(server: Arc<ServerConfig>, client: Arc<ClientConfig>) -> Handsh
         client,
     }
 }
+
+/// A reader of the socket that never reads past the TLS record in progress.
+pub struct Bounded<'a> {
+    pub sock: &'a mut TcpStream,
+    pub records: &'a mut loopd::tls::RecordBoundary,
+}
+
+impl std::io::Read for Bounded<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = buf.len().min(self.records.max_read());
+        let got = self.sock.read(&mut buf[..n])?;
+        self.records.consumed(&buf[..got]);
+        Ok(got)
+    }
+}
+
+/// Like [`handshake`], but the client sends `early` as soon as its side of
+/// the handshake is done, and the server reads the socket record by record
+/// ([`Bounded`]), pausing 200 ms after each flight it sends, so that the
+/// client's data is in the socket, right behind its Finished, when the
+/// server reads that. Returns where the server's reads stopped.
+pub fn handshake_pipelined(
+    server: Arc<ServerConfig>,
+    client: Arc<ClientConfig>,
+    early: Vec<u8>,
+) -> (Handshake, loopd::tls::RecordBoundary) {
+    use std::io::Write;
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind loopback");
+    let addr = l.local_addr().expect("local addr");
+    let t = std::thread::spawn(move || -> Result<_, String> {
+        let mut sock = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+        sock.set_read_timeout(Some(Duration::from_secs(10)))
+            .map_err(|e| e.to_string())?;
+        let name = ServerName::try_from("localhost").expect("server name");
+        let mut c = ClientConnection::new(client, name).map_err(|e| e.to_string())?;
+        while c.is_handshaking() {
+            c.complete_io(&mut sock).map_err(|e| e.to_string())?;
+        }
+        let mut s = StreamOwned::new(c, sock);
+        s.write_all(&early).map_err(|e| e.to_string())?;
+        s.flush().map_err(|e| e.to_string())?;
+        Ok(s)
+    });
+    let (mut sock, _) = l.accept().expect("accept");
+    sock.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let mut s = ServerConnection::new(server).expect("server connection");
+    let mut records = loopd::tls::RecordBoundary::new();
+    let mut run = || -> Result<(), String> {
+        while s.is_handshaking() {
+            let mut sent = false;
+            while s.wants_write() {
+                s.write_tls(&mut sock).map_err(|e| e.to_string())?;
+                sent = true;
+            }
+            if sent {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            if !s.is_handshaking() {
+                break;
+            }
+            let mut r = Bounded {
+                sock: &mut sock,
+                records: &mut records,
+            };
+            if s.read_tls(&mut r).map_err(|e| e.to_string())? == 0 {
+                return Err("EOF during the handshake".into());
+            }
+            s.process_new_packets().map_err(|e| e.to_string())?;
+        }
+        while s.wants_write() {
+            s.write_tls(&mut sock).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    };
+    let result = run();
+    if result.is_err() {
+        let _ = sock.shutdown(Shutdown::Both);
+    }
+    let client = t.join().expect("client thread");
+    (
+        Handshake {
+            server_sock: sock,
+            server: result.map(|()| s),
+            client,
+        },
+        records,
+    )
+}
