@@ -110,7 +110,7 @@ GUEST=$RUN/guest.sh
 exec >"$RUN/guest.log" 2>&1
 echo "guest: kernel $(uname -r), $(nproc) cpus"
 date +%s >"$RUN/booted"
-for m in loop nbd ublk_drv; do
+for m in loop nbd ublk_drv tls; do
     if ! modprobe "$m"; then
         echo "kernel module $m cannot be loaded in the VM (kernel $(uname -r))" >"$RUN/setup-failed"
         exit 1

@@ -13,6 +13,7 @@ pub mod gpt;
 #[cfg(feature = "vm-tests")]
 pub mod kernel;
 pub mod pki;
+pub mod tls;
 
 use std::ffi::{OsStr, OsString};
 use std::fmt;
