@@ -222,7 +222,8 @@ fn require_refuses_plaintext_and_on_serves_both() {
 }
 
 /// Issue 13: qemu-img and qemu-io with `--object tls-creds-x509` read and
-/// write through loopd's TLS, in both cache modes.
+/// write through loopd's TLS, in both cache modes, and qemu 10 negotiates
+/// extended headers after STARTTLS (everything before it is forgotten).
 #[test]
 fn qemu_with_tls_creds_x509() {
     let dir = tempdir();
@@ -232,7 +233,19 @@ fn qemu_with_tls_creds_x509() {
     for cache in ["direct", "buffered"] {
         let img = dir.path().join(format!("q-{cache}.img"));
         create_sparse_image(&img, SIZE);
-        let srv = tls_server(&img, "require", &certs, &["--cache", cache]);
+        let srv = Server::builder(&img)
+            .tcp()
+            .with_control()
+            .env("LOOPD_LOG", "debug")
+            .args([
+                "--tls",
+                "require",
+                "--tls-certs",
+                path_str(&certs),
+                "--cache",
+                cache,
+            ])
+            .start();
         let out = qemu_io_tls(
             &srv,
             srv.name(),
@@ -248,6 +261,11 @@ fn qemu_with_tls_creds_x509() {
         assert_qemu_ok(&out);
         assert_file_filled(&img, MIB, 3 * MIB, 0x5c, "qemu-io write over TLS");
         assert_file_filled(&img, 7, 4099, 0x11, "unaligned qemu-io write over TLS");
+        let log = srv.stderr_text();
+        assert!(
+            log.contains("Extended replies"),
+            "qemu did not get extended headers over TLS:\n{log}"
+        );
 
         let info = run_status_timeout(
             Duration::from_secs(60),
@@ -507,4 +525,45 @@ fn tls_allow_matches_subject_alt_names() {
         !r.success(),
         "an identity the certificate lacks matched:\n{r}"
     );
+}
+
+/// A device limited to identities on a server that asks for no client
+/// certificate can never be opened: attach says so in the log, and a TLS
+/// client without a certificate does not see it.
+#[test]
+fn tls_allow_without_verify_peer_is_warned_about() {
+    let dir = tempdir();
+    let pki = Pki::new(dir.path().join("pki"));
+    let certs = pki.server_dir("server");
+    let trust = pki.trust_dir("trust");
+    let img = dir.path().join("n.img");
+    create_sparse_image(&img, MIB);
+    let srv = tls_server(&img, "on", &certs, &[]);
+    let f = dir.path().join("locked.img");
+    create_sparse_image(&f, MIB);
+    srv.ctl_ok(&[
+        "attach",
+        path_str(&f),
+        "--name",
+        "locked",
+        "--tls-allow",
+        "alice",
+    ]);
+    let st = srv.ctl_json(&["status", "locked"]);
+    assert_eq!(
+        st.at("tls_allow").arr()[0].str(),
+        "alice",
+        "status shows the allow list"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !srv.stderr_text().contains("no NBD client can open it") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no warning:\n{}",
+            srv.stderr_text()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let r = nbdinfo(&tls_uri(&srv, "locked", &trust));
+    assert!(!r.success(), "a client without identities opened it:\n{r}");
 }

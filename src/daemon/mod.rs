@@ -365,6 +365,28 @@ impl Daemon {
         }
     }
 
+    /// Warn when device `name` is limited to TLS identities no client can
+    /// prove: without TLS, or without client certificates (`--tls-verify-peer`).
+    pub fn warn_if_unreachable(&self, name: &str) {
+        let Some(e) = self.export(name) else {
+            return;
+        };
+        let allow = e.spec().tls_allow;
+        if allow.is_empty() {
+            return;
+        }
+        let why = match self.tls.read().ok().and_then(|g| g.clone()) {
+            None => "the server runs without TLS",
+            Some(t) if !t.files().verify_peer => {
+                "the server asks no client certificate (start it with --tls-verify-peer)"
+            }
+            Some(_) => return,
+        };
+        tracing::warn!(
+            "device {name:?} is limited to TLS identities {allow:?}, but {why}: no NBD client can open it"
+        );
+    }
+
     /// Re-read the TLS certificates; on error the old ones stay in use.
     pub fn reload_tls(&self) -> Result<(), CtlError> {
         let t = self.tls.read().ok().and_then(|g| g.clone());
@@ -622,6 +644,9 @@ impl Daemon {
             Source::Static
         };
         let info = self.attach_inner(spec, source, Tuning::default(), false)?;
+        if source == Source::Control {
+            self.warn_if_unreachable(&info.name);
+        }
         self.start_blockdev(&info.name, true)?;
         Ok(self.export(&info.name).map_or(info, |e| self.info(&e)))
     }
