@@ -35,10 +35,11 @@ fn nbdinfo(uri: &str) -> Out {
     run_status_timeout(Duration::from_secs(60), "nbdinfo", [uri])
 }
 
-/// `qemu-io` over TLS with client credentials in `creds` (a directory with
-/// `ca-cert.pem`, and `client-cert.pem`/`client-key.pem` if it has them).
-fn qemu_io_tls(srv: &Server, name: &str, creds: &Path, cmds: &[&str]) -> Out {
-    let mut args: Vec<String> = vec![
+/// qemu's options for the NBD export `name` of `srv` over TLS with client
+/// credentials in `creds` (a directory with `ca-cert.pem`, and
+/// `client-cert.pem`/`client-key.pem` if it has them).
+fn qemu_tls_args(srv: &Server, name: &str, creds: &Path) -> Vec<String> {
+    vec![
         "--object".into(),
         format!(
             "tls-creds-x509,id=tls0,dir={},endpoint=client",
@@ -49,7 +50,12 @@ fn qemu_io_tls(srv: &Server, name: &str, creds: &Path, cmds: &[&str]) -> Out {
             "driver=nbd,server.type=inet,server.host=127.0.0.1,server.port={},export={name},tls-creds=tls0",
             srv.port()
         ),
-    ];
+    ]
+}
+
+/// `qemu-io` over TLS (see [`qemu_tls_args`]).
+fn qemu_io_tls(srv: &Server, name: &str, creds: &Path, cmds: &[&str]) -> Out {
+    let mut args = qemu_tls_args(srv, name, creds);
     for c in cmds {
         args.push("-c".into());
         args.push((*c).into());
@@ -267,25 +273,9 @@ fn qemu_with_tls_creds_x509() {
             "qemu did not get extended headers over TLS:\n{log}"
         );
 
-        let info = run_status_timeout(
-            Duration::from_secs(60),
-            "qemu-img",
-            [
-                "info",
-                "--output=json",
-                "--object",
-                &format!(
-                    "tls-creds-x509,id=tls0,dir={},endpoint=client",
-                    client.display()
-                ),
-                "--image-opts",
-                &format!(
-                    "driver=nbd,server.type=inet,server.host=127.0.0.1,server.port={},export={},tls-creds=tls0",
-                    srv.port(),
-                    srv.name()
-                ),
-            ],
-        );
+        let mut args = vec!["info".to_string(), "--output=json".into()];
+        args.extend(qemu_tls_args(&srv, srv.name(), &client));
+        let info = run_status_timeout(Duration::from_secs(60), "qemu-img", &args);
         assert!(info.success(), "qemu-img info over TLS:\n{info}");
         assert_eq!(
             Json::parse(&info.stdout).at("virtual-size").u64(),
