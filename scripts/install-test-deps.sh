@@ -5,9 +5,35 @@
 # Idempotent: does nothing when every tool is already present.
 set -euo pipefail
 
-PACKAGES=(qemu-utils fio nbdkit libnbd-bin python3-libnbd nbd-client e2fsprogs util-linux fdisk openssl)
+PACKAGES=(qemu-utils fio nbdkit libnbd-bin python3-libnbd nbd-client e2fsprogs util-linux fdisk openssl
+    fuse3)
 TOOLS=(qemu-io qemu-img qemu-nbd fio nbdkit nbdinfo nbdcopy nbdsh nbd-client nbdfuse
-    mkfs.ext4 e2fsck fstrim sfdisk openssl)
+    mkfs.ext4 e2fsck fstrim sfdisk openssl fusermount3)
+# fsx (asomers' fsx-rs, crates.io), pinned; installed into /usr/local/bin.
+FSX_VERSION=0.3.2
+
+# fsx from crates.io: the version pinned above, unless it is already there.
+install_fsx() {
+    if fsx --version 2>/dev/null | grep -qx "fsx ${FSX_VERSION}"; then
+        return 0
+    fi
+    if ! command -v cargo >/dev/null 2>&1; then
+        echo "install-test-deps: ERROR: cargo is needed to install fsx ${FSX_VERSION}" >&2
+        exit 1
+    fi
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "install-test-deps: ERROR: not root; install fsx first:" >&2
+        echo "    cargo install fsx --version ${FSX_VERSION} --locked --root /usr/local" >&2
+        exit 1
+    fi
+    echo "install-test-deps: installing fsx ${FSX_VERSION}"
+    cargo install fsx --version "${FSX_VERSION}" --locked --root /usr/local
+    if ! fsx --version 2>/dev/null | grep -qx "fsx ${FSX_VERSION}"; then
+        echo "install-test-deps: ERROR: fsx ${FSX_VERSION} is not on PATH after install" \
+            "(/usr/local/bin)" >&2
+        exit 1
+    fi
+}
 
 # /usr/bin first: nbdsh runs `python3`, which must be the system Python that
 # has the `nbd` module (not, say, a pyenv shim).
@@ -25,6 +51,7 @@ if ! fio --enghelp=nbd >/dev/null 2>&1; then
 fi
 
 if [ "${#missing[@]}" -eq 0 ]; then
+    install_fsx
     echo "install-test-deps: all test tools present"
     exec "$(dirname "${BASH_SOURCE[0]}")/install-vm-deps.sh"
 fi
@@ -56,4 +83,5 @@ if [ "${#still[@]}" -ne 0 ]; then
     exit 1
 fi
 echo "install-test-deps: installed ${PACKAGES[*]}"
+install_fsx
 exec "$(dirname "${BASH_SOURCE[0]}")/install-vm-deps.sh"

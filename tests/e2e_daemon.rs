@@ -377,6 +377,7 @@ fn attach_list_status_detach() {
         "2M",
         "--block-size",
         "4096",
+        "--strict-block-size",
         "--cache",
         "buffered",
         "--read-only",
@@ -388,6 +389,7 @@ fn attach_list_status_detach() {
     assert_eq!(ro.at("size").u64(), 2 * MIB);
     assert_eq!(ro.at("size_limit").u64(), 2 * MIB);
     assert_eq!(ro.at("block_size").u64(), 4096);
+    assert!(ro.at("strict_block_size").bool(), "{ro:?}");
     assert_eq!(ro.at("cache").str(), "buffered");
     assert!(!ro.at("direct").bool(), "buffered means no direct I/O");
     assert!(ro.at("read_only").bool());
@@ -395,6 +397,7 @@ fn attach_list_status_detach() {
     let info = nbd_info(&uri(&srv, "win"));
     assert_eq!(info.at("export-size").u64(), 2 * MIB);
     assert!(info.at("is_read_only").bool(), "{info:?}");
+    // --strict-block-size: the block size is the minimum (else 1).
     assert_eq!(info.at("block_size_minimum").u64(), 4096, "{info:?}");
     let (mut c, _, tflags) = RawClient::handshake(srv.socket(), "win");
     assert_ne!(tflags & NBD_FLAG_READ_ONLY, 0, "read-only flag");

@@ -73,3 +73,29 @@ fn kernel_block_device_helpers_import_nothing_above_backing() {
     }
     assert!(bad.is_empty(), "imports running up:\n{}", bad.join("\n"));
 }
+
+#[test]
+fn tls_imports_nothing_of_loopd() {
+    let all = [
+        "backing",
+        "block",
+        "blockdev",
+        "control",
+        "daemon",
+        "device",
+        "engine",
+        "frontend",
+        "kernel_loop",
+        "kernel_nbd",
+        "reactor",
+        "ring",
+        "server",
+        "size",
+    ];
+    let bad = violations("tls", &all);
+    assert!(
+        bad.is_empty(),
+        "tls imports loopd modules:\n{}",
+        bad.join("\n")
+    );
+}

@@ -51,8 +51,18 @@ pub struct DeviceArgs {
     pub size_limit: Option<u64>,
     /// Logical block size: 512, 1024, 2048 or 4096 [default: the file's direct-I/O
     /// alignment (statx), else the filesystem device's block size, else 512].
+    /// NBD clients are told it is the preferred size; the minimum is 1 byte
+    /// unless --strict-block-size.
     #[arg(long, value_name = "BYTES")]
     pub block_size: Option<u32>,
+    /// Tell NBD clients the block size is also the smallest request they may
+    /// send (the NBD minimum block size), so strict clients such as libnbd refuse
+    /// unaligned requests themselves. Default: the minimum is 1 byte and the
+    /// block size only the preferred size, and every request is served (in
+    /// direct mode through an aligned bounce buffer, read-modify-write for
+    /// writes), so byte-granular clients (nbdfuse, mmap) work at any block size.
+    #[arg(long)]
+    pub strict_block_size: bool,
     /// How to reach the file: auto, direct (O_DIRECT) or buffered (page cache).
     #[arg(long, value_enum, default_value = "auto")]
     pub cache: Cache,
@@ -137,6 +147,7 @@ impl DeviceArgs {
             offset: self.offset,
             size_limit: self.size_limit,
             block_size: self.block_size,
+            strict_block_size: self.strict_block_size,
             cache: self.cache.into(),
             read_only: self.read_only,
             autoclear: false,
@@ -319,12 +330,22 @@ pub fn print_status(v: &Value, json: bool) -> Result<()> {
     ] {
         println!("{k}: {}", s(v, k));
     }
+    println!("strict_block_size: {}", yn(v, "strict_block_size"));
     println!("direct: {}", yn(v, "direct"));
     println!("read_only: {}", yn(v, "read_only"));
     println!("autoclear: {}", yn(v, "autoclear"));
     println!("clients: {}", s(v, "clients"));
     if let Some(b) = v["blockdev"].as_str() {
         println!("blockdev: {b}");
+    }
+    let allow: Vec<&str> = v["tls_allow"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    if !allow.is_empty() {
+        println!("tls_allow: {}", allow.join(" "));
     }
     println!("in_flight: {}", s(v, "in_flight"));
     for group in ["requests", "bytes", "paths", "errors"] {
@@ -336,6 +357,7 @@ pub fn print_status(v: &Value, json: bool) -> Result<()> {
             .collect();
         println!("{group}: {}", parts.join(" "));
     }
+    println!("unaligned: {}", s(v, "unaligned"));
     println!("bytes_read: {}", s(v, "bytes_read"));
     println!("bytes_written: {}", s(v, "bytes_written"));
     println!("moves: {}", s(v, "moves"));

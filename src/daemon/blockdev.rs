@@ -419,6 +419,7 @@ pub fn start_nbd(
             client,
             permit,
             structured: false,
+            extended: false,
             meta_context: false,
             peer: Peer::Unknown,
             tls: None,

@@ -31,6 +31,9 @@ pub struct DeviceInfo {
     pub offset: u64,
     pub size_limit: Option<u64>,
     pub block_size: u32,
+    /// The block size is advertised as the NBD minimum (else 1).
+    #[serde(default)]
+    pub strict_block_size: bool,
     /// The cache mode asked for.
     pub cache: CacheMode,
     /// Whether direct I/O is really in use.
@@ -50,6 +53,9 @@ pub struct DeviceInfo {
     /// Its partition devices, as the kernel has them now.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub partitions: Vec<PathBuf>,
+    /// TLS client identities allowed to open it (empty: every client).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tls_allow: Vec<String>,
 }
 
 impl DeviceInfo {
@@ -63,6 +69,7 @@ impl DeviceInfo {
             offset: d.offset,
             size_limit: spec.size_limit,
             block_size: d.block_size,
+            strict_block_size: d.strict_block_size,
             cache: spec.cache,
             direct: d.direct,
             read_only: d.read_only,
@@ -73,6 +80,7 @@ impl DeviceInfo {
             reason: None,
             blockdev: None,
             partitions: Vec::new(),
+            tls_allow: spec.tls_allow,
         }
     }
 
@@ -85,6 +93,7 @@ impl DeviceInfo {
             offset: spec.offset,
             size_limit: spec.size_limit,
             block_size: spec.block_size.unwrap_or(0),
+            strict_block_size: spec.strict_block_size,
             cache: spec.cache,
             direct: false,
             read_only: spec.read_only,
@@ -95,6 +104,7 @@ impl DeviceInfo {
             reason: Some(reason.to_owned()),
             blockdev: None,
             partitions: Vec::new(),
+            tls_allow: spec.tls_allow.clone(),
         }
     }
 }
@@ -118,6 +128,10 @@ pub struct DeviceStatus {
     pub bytes: BTreeMap<String, u64>,
     pub bytes_read: u64,
     pub bytes_written: u64,
+    /// Reads, writes, trims and write-zeroes not aligned to the block size
+    /// (offset or length), served all the same.
+    #[serde(default)]
+    pub unaligned: u64,
     /// How reads and writes reached the file.
     pub paths: BTreeMap<String, u64>,
     /// Connections moved to the reactor on the CPU their client runs on.
@@ -168,6 +182,7 @@ impl DeviceStatus {
             .collect(),
             bytes_read: g(&s.bytes_read),
             bytes_written: g(&s.bytes_written),
+            unaligned: g(&s.unaligned),
             paths: paths.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
             moves: g(&s.moves),
             errors,
@@ -190,6 +205,7 @@ impl DeviceStatus {
             bytes: BTreeMap::new(),
             bytes_read: 0,
             bytes_written: 0,
+            unaligned: 0,
             paths: BTreeMap::new(),
             moves: 0,
             errors: BTreeMap::new(),

@@ -277,6 +277,7 @@ fn params_with(spec: &DeviceSpec, name: &str, tuning: Tuning) -> DeviceParams {
         offset: spec.offset,
         size_limit: spec.size_limit,
         block_size: spec.block_size,
+        strict_block_size: spec.strict_block_size,
         cache: spec.cache,
         read_only: spec.read_only,
         create: spec.create,
@@ -362,6 +363,28 @@ impl Daemon {
         if let Ok(mut g) = self.tls.write() {
             *g = Some(t);
         }
+    }
+
+    /// Warn when device `name` is limited to TLS identities no client can
+    /// prove: without TLS, or without client certificates (`--tls-verify-peer`).
+    pub fn warn_if_unreachable(&self, name: &str) {
+        let Some(e) = self.export(name) else {
+            return;
+        };
+        let allow = e.spec().tls_allow;
+        if allow.is_empty() {
+            return;
+        }
+        let why = match self.tls.read().ok().and_then(|g| g.clone()) {
+            None => "the server runs without TLS",
+            Some(t) if !t.files().verify_peer => {
+                "the server asks no client certificate (start it with --tls-verify-peer)"
+            }
+            Some(_) => return,
+        };
+        tracing::warn!(
+            "device {name:?} is limited to TLS identities {allow:?}, but {why}: no NBD client can open it"
+        );
     }
 
     /// Re-read the TLS certificates; on error the old ones stay in use.
@@ -621,6 +644,9 @@ impl Daemon {
             Source::Static
         };
         let info = self.attach_inner(spec, source, Tuning::default(), false)?;
+        if source == Source::Control {
+            self.warn_if_unreachable(&info.name);
+        }
         self.start_blockdev(&info.name, true)?;
         Ok(self.export(&info.name).map_or(info, |e| self.info(&e)))
     }
@@ -1188,23 +1214,37 @@ impl Daemon {
     }
 }
 
+/// Whether a client that proved `ids` may see export `e` (its `tls_allow`).
+fn visible(e: &Export, ids: &[String]) -> bool {
+    crate::tls::allowed(&e.spec().tls_allow, ids)
+}
+
+/// Exports as NBD clients see them: a device limited to some TLS identities
+/// does not exist for anyone else (not found, not listed).
 impl Exports for Daemon {
     type Client = ClientRef;
 
-    fn find(&self, name: &str) -> Option<Arc<Device>> {
-        self.export(name).map(|e| e.current().0)
+    fn find(&self, name: &str, ids: &[String]) -> Option<Arc<Device>> {
+        self.export(name)
+            .filter(|e| visible(e, ids))
+            .map(|e| e.current().0)
     }
 
-    fn join(&self, name: &str) -> Option<(Arc<Device>, ClientRef)> {
-        let e = self.export(name)?;
+    fn join(&self, name: &str, ids: &[String]) -> Option<(Arc<Device>, ClientRef)> {
+        let e = self.export(name).filter(|e| visible(e, ids))?;
         let client = e.join()?;
         Some((e.current().0, client))
     }
 
-    fn names(&self) -> Vec<String> {
+    fn names(&self, ids: &[String]) -> Vec<String> {
         self.exports
             .read()
-            .map(|t| t.keys().cloned().collect())
+            .map(|t| {
+                t.iter()
+                    .filter(|(_, e)| visible(e, ids))
+                    .map(|(n, _)| n.clone())
+                    .collect()
+            })
             .unwrap_or_default()
     }
 }

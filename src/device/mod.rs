@@ -55,6 +55,9 @@ pub struct DeviceParams {
     pub offset: u64,
     pub size_limit: Option<u64>,
     pub block_size: Option<u32>,
+    /// Advertise the block size as the NBD minimum block size (see
+    /// [`Device::strict_block_size`]).
+    pub strict_block_size: bool,
     pub cache: CacheMode,
     pub read_only: bool,
     /// Create a sparse file of this size if `path` does not exist.
@@ -148,6 +151,12 @@ pub struct Device {
     /// Size of the export (the window).
     pub size: u64,
     pub block_size: u32,
+    /// NBD clients are told the block size is the minimum they may use, so
+    /// strict clients (libnbd) refuse smaller or unaligned requests themselves.
+    /// Off (the default), the minimum advertised is 1 byte and the block size is
+    /// only preferred: unaligned requests are served (bounced, read-modify-write
+    /// in direct mode) either way.
+    pub strict_block_size: bool,
     /// Whether the data fd is `O_DIRECT`.
     pub direct: bool,
     /// Alignment a request needs to go straight to the `O_DIRECT` fd (1 if buffered).
@@ -442,6 +451,7 @@ impl Device {
             offset: p.offset,
             size,
             block_size,
+            strict_block_size: p.strict_block_size,
             direct,
             dio_align,
             align,

@@ -20,6 +20,11 @@ pub struct DeviceSpec {
     pub size_limit: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block_size: Option<u32>,
+    /// Advertise the block size as the NBD minimum block size, so clients
+    /// refuse unaligned requests themselves; default: minimum 1, the block
+    /// size only preferred, every request served.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub strict_block_size: bool,
     #[serde(default)]
     pub cache: CacheMode,
     #[serde(default)]

@@ -41,6 +41,9 @@ pub struct Stats {
     pub inline_cached: AtomicU64,
     pub inline_written: AtomicU64,
     pub spliced: AtomicU64,
+    /// Reads, writes, trims and write-zeroes whose offset or length is not a
+    /// multiple of the device's block size.
+    pub unaligned: AtomicU64,
     /// Connections moved to the reactor on their client's CPU.
     pub moves: AtomicU64,
     /// Errors sent to clients, indexed by [`Errno::index`].
@@ -97,6 +100,11 @@ impl Stats {
         c.fetch_add(1, Relaxed);
     }
 
+    /// Count a request not aligned to the block size.
+    pub fn unaligned(&self) {
+        self.unaligned.fetch_add(1, Relaxed);
+    }
+
     pub fn error(&self, e: Errno) {
         self.errors[e.index()].fetch_add(1, Relaxed);
     }
@@ -113,7 +121,7 @@ impl Stats {
         }
         format!(
             "reads={} writes={} flushes={} trims={} write_zeroes={} bytes_read={} bytes_written={} \
-             direct={} bounced={} buffered={} inline_cached={} inline_written={} spliced={} moves={} errors:{}",
+             direct={} bounced={} buffered={} inline_cached={} inline_written={} spliced={} unaligned={} moves={} errors:{}",
             g(&self.reads),
             g(&self.writes),
             g(&self.flushes),
@@ -127,6 +135,7 @@ impl Stats {
             g(&self.inline_cached),
             g(&self.inline_written),
             g(&self.spliced),
+            g(&self.unaligned),
             g(&self.moves),
             if errs.is_empty() {
                 " none".to_string()

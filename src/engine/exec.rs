@@ -71,6 +71,9 @@ impl Request {
             }
         }
         dev.stats.op(task.op, u64::from(task.len));
+        if task.needs_lock() && !is_aligned(dev, task) {
+            dev.stats.unaligned();
+        }
         true
     }
 
@@ -98,6 +101,13 @@ impl Request {
         t.recycle(pool);
         Some(t)
     }
+}
+
+/// Whether a request's offset and length are multiples of the block size (a
+/// power of two, so one test of both).
+fn is_aligned(dev: &Device, task: &Task) -> bool {
+    let bs = u64::from(dev.block_size.max(1));
+    (task.offset | u64::from(task.len)) % bs == 0
 }
 
 /// Run an admitted task's inline paths, else yield its first file operation.

@@ -11,6 +11,7 @@ use crate::device::range_lock::Wake;
 use crate::engine::budget;
 use crate::frontend::nbd::affinity::{self, CpuLoad};
 use crate::frontend::nbd::conn::{BYTES_BUDGET, Conn};
+use crate::frontend::nbd::wire::Replies;
 use crate::frontend::ublk::queue::Queue;
 use crate::ring::{Io, Ring, TAG_CANCEL, TAG_TIMER, TAG_WAKE, retryable, ud, ud_parts};
 use io_uring::{opcode, types};
@@ -250,7 +251,7 @@ impl Reactor {
                     nc.sock,
                     nc.client,
                     nc.permit,
-                    nc.structured,
+                    Replies::of(nc.structured, nc.extended),
                     nc.meta_context,
                     nc.peer,
                     nc.tls,

@@ -43,6 +43,8 @@ pub struct NewConn {
     /// Its place among the server's connections.
     pub permit: Permit,
     pub structured: bool,
+    /// Extended headers were negotiated (32-byte headers, 64-bit lengths).
+    pub extended: bool,
     pub meta_context: bool,
     /// How to find where the client runs.
     pub peer: Peer,

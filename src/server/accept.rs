@@ -30,6 +30,7 @@ use crate::frontend::nbd::handshake::{Handshake, Policy};
 use crate::frontend::nbd::tls::TlsIo;
 use crate::reactor::{NewConn, ReactorHandle};
 use crate::tls::TlsContext;
+use crate::tls::ktls::KtlsError;
 use rustix::event::{PollFd, PollFlags, poll};
 use rustix::net::AddressFamily;
 use rustls::ServerConnection;
@@ -118,7 +119,8 @@ pub struct AcceptLoop<'a> {
     refused: Quiet,
     timed_out: Quiet,
     no_fds: Quiet,
-    no_ktls: Quiet,
+    /// Said once that TLS runs in userspace (no kTLS).
+    ktls_noted: bool,
 }
 
 impl<'a> AcceptLoop<'a> {
@@ -142,9 +144,7 @@ impl<'a> AcceptLoop<'a> {
             reserve: open_reserve(),
             refused: Quiet::new("refusing new NBD clients: the connection limit is reached"),
             timed_out: Quiet::new("dropping clients that did not finish the handshake in time"),
-            no_ktls: Quiet::new(
-                "TLS records are handled in userspace: the kernel does not take TLS keys (kTLS)",
-            ),
+            ktls_noted: false,
             no_fds: Quiet::new(
                 "refusing new NBD clients: out of file descriptors (raise the open-file limit, \
                  e.g. LimitNOFILE=, or lower --max-connections)",
@@ -344,7 +344,7 @@ impl<'a> AcceptLoop<'a> {
         let peer = Peer::of(&p.sock, domain);
         let tls = match p.tls {
             None => None,
-            Some(session) => match self.record_layer(&p.sock, session) {
+            Some(session) => match self.record_layer(&p.sock, session, p.boundary.at_boundary()) {
                 Ok(t) => t,
                 Err(()) => return,
             },
@@ -354,6 +354,7 @@ impl<'a> AcceptLoop<'a> {
             client: neg.client,
             permit: p.permit,
             structured: neg.structured,
+            extended: neg.extended,
             meta_context: neg.meta_context,
             peer,
             tls,
@@ -368,21 +369,34 @@ impl<'a> AcceptLoop<'a> {
         &mut self,
         sock: &OwnedFd,
         session: Box<ServerConnection>,
+        at_boundary: bool,
     ) -> Result<Option<Box<TlsIo>>, ()> {
         if !self.cfg.ktls {
             return Ok(Some(Box::new(TlsIo::new(*session))));
         }
-        let Err(failed) = crate::tls::ktls::enable(sock.as_fd(), session) else {
+        if !at_boundary {
+            // Part of a record the client sent behind its last option is in
+            // rustls's buffer, where the kernel would not find it.
+            return Ok(Some(Box::new(TlsIo::new(*session))));
+        }
+        let Err((e, session)) = crate::tls::ktls::enable(sock.as_fd(), *session) else {
             return Ok(None);
         };
-        match failed.session {
+        match session {
             Some(session) => {
-                let e = failed.error;
-                self.no_ktls.hit(|| e.to_string());
-                Ok(Some(Box::new(TlsIo::new(*session))))
+                if matches!(e, KtlsError::Unavailable(_)) {
+                    if !self.ktls_noted {
+                        self.ktls_noted = true;
+                        tracing::info!(
+                            "TLS records are handled in userspace ({e}); replies are not spliced"
+                        );
+                    }
+                } else {
+                    tracing::debug!("TLS session kept in userspace: {e}");
+                }
+                Ok(Some(Box::new(TlsIo::new(session))))
             }
             None => {
-                let e = failed.error;
                 // The keys were handed over and the kernel refused them: the
                 // session cannot go on.
                 tracing::warn!("dropping a TLS client: the kernel refused its TLS keys: {e}");

@@ -219,6 +219,9 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
     if let Some(t) = &tls {
         daemon.set_tls(Arc::clone(t));
     }
+    for e in daemon.all() {
+        daemon.warn_if_unreachable(&e.name);
+    }
     let control = match &opts.control {
         Some(p) => {
             let l = listen::bind_unix(p, CONTROL_SOCKET_MODE, None)?;

@@ -12,6 +12,7 @@ use crate::device::export::ClientRef;
 use crate::engine::admit::Permit;
 use crate::frontend::nbd::handshake::{Handshake, HandshakeError, Negotiated, Step};
 use crate::tls::TlsContext;
+use crate::tls::record::RecordBoundary;
 use rustls::ServerConnection;
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
@@ -34,6 +35,10 @@ pub(super) struct Pending {
     pub tls: Option<Box<ServerConnection>>,
     /// The TLS handshake is over and the handshake knows who the client is.
     pub tls_up: bool,
+    /// Where the TLS records end in what was read: the socket is never read
+    /// past the record in progress, so rustls holds no partial record when
+    /// the session may go to the kernel.
+    pub boundary: RecordBoundary,
 }
 
 /// What became of a pending handshake after it was serviced.
@@ -55,6 +60,7 @@ impl Pending {
             start_tls: false,
             tls: None,
             tls_up: false,
+            boundary: RecordBoundary::new(),
         }
     }
 
@@ -75,22 +81,32 @@ enum Io {
     Failed(String),
 }
 
-/// A `Read + Write` view of the non-blocking socket, for rustls.
-struct SockRw<'a>(&'a OwnedFd);
+/// A `Write` view of the non-blocking socket, for rustls.
+struct SockW<'a>(&'a OwnedFd);
 
-impl Read for SockRw<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        rustix::io::read(self.0.as_fd(), buf).map_err(std::io::Error::from)
-    }
-}
-
-impl Write for SockRw<'_> {
+impl Write for SockW<'_> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         rustix::net::send(self.0.as_fd(), buf, rustix::net::SendFlags::NOSIGNAL)
             .map_err(std::io::Error::from)
     }
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
+    }
+}
+
+/// A `Read` view of the non-blocking socket for rustls that never reads past
+/// the TLS record in progress.
+struct SockR<'a> {
+    sock: &'a OwnedFd,
+    boundary: &'a mut RecordBoundary,
+}
+
+impl Read for SockR<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = buf.len().min(self.boundary.max_read());
+        let n = rustix::io::read(self.sock.as_fd(), &mut buf[..n]).map_err(std::io::Error::from)?;
+        self.boundary.consumed(&buf[..n]);
+        Ok(n)
     }
 }
 
@@ -123,7 +139,7 @@ fn flush(p: &mut Pending) -> Io {
                 p.hs.out.clear();
             }
             while t.wants_write() {
-                match t.write_tls(&mut SockRw(&p.sock)) {
+                match t.write_tls(&mut SockW(&p.sock)) {
                     Ok(_) => {}
                     Err(e) if e.kind() == ErrorKind::WouldBlock => return Io::WouldBlock,
                     Err(e) if e.kind() == ErrorKind::Interrupted => {}
@@ -156,7 +172,11 @@ fn read(p: &mut Pending, buf: &mut [u8]) -> Io {
                 Err(e) => return Io::Failed(e.to_string()),
             }
         }
-        match t.read_tls(&mut SockRw(&p.sock)) {
+        let mut r = SockR {
+            sock: &p.sock,
+            boundary: &mut p.boundary,
+        };
+        match t.read_tls(&mut r) {
             Ok(0) => return Io::Eof,
             Ok(_) => {}
             Err(e) if e.kind() == ErrorKind::WouldBlock => return Io::WouldBlock,
@@ -166,7 +186,7 @@ fn read(p: &mut Pending, buf: &mut [u8]) -> Io {
         let was_handshaking = t.is_handshaking();
         if let Err(e) = t.process_new_packets() {
             // Tell the client why (an alert), if the socket takes it now.
-            let _ = t.write_tls(&mut SockRw(&p.sock));
+            let _ = t.write_tls(&mut SockW(&p.sock));
             return Io::Failed(format!("TLS: {e}"));
         }
         if t.wants_write() || (was_handshaking && !t.is_handshaking()) {

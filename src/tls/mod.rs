@@ -1,103 +1,86 @@
-//! TLS certificates for the NBD server (placeholder until the full module:
-//! loads the directory, no client identities, no kTLS).
+//! TLS for NBD: the server's certificates, their reload, what a client's
+//! certificate proves, and handing an established session to the kernel
+//! (kTLS).
+//!
+//! This module knows nothing of loopd's other layers: it turns a directory of
+//! PEM files into a [`rustls::ServerConfig`] and answers questions about
+//! finished handshakes. Driving the handshake over a socket is the caller's.
+//!
+//! - [`files`]: [`TlsFiles`] and [`load`]. The directory holds
+//!   `server-cert.pem` (the chain, leaf first), `server-key.pem` (PKCS#8,
+//!   PKCS#1 or SEC1, unencrypted) and, with `verify_peer`, `ca-cert.pem` (the
+//!   roots client certificates must chain to) — the layout nbdkit's
+//!   `--tls-certificates` and qemu's `tls-creds-x509,dir=` use.
+//!   The configuration offers TLS 1.3 and 1.2 with rustls's ring cipher suites
+//!   (AES-128-GCM, AES-256-GCM, CHACHA20-POLY1305 with ECDHE), no ALPN, no
+//!   TLS 1.3 session tickets, and secret extraction enabled (for kTLS).
+//!   Client certificates: with `verify_peer` every client must present one
+//!   that chains to `ca-cert.pem` (for TLS client authentication with
+//!   extendedKeyUsage clientAuth), or the handshake fails. Without it, none is
+//!   asked for and `ca-cert.pem` is not read, as in nbdkit and qemu without
+//!   verify-peer: a client's certificate is then neither needed nor checked,
+//!   so a client with one from any CA still connects, and [`identities`] is
+//!   empty.
+//! - [`context`]: [`TlsContext`], the configuration in use, swapped whole by
+//!   [`TlsContext::reload`]. A handshake takes [`TlsContext::current`] once at
+//!   its start, so a reload never changes a handshake under way, and
+//!   established sessions keep the keys they negotiated.
+//! - [`identity`]: [`identities`] / [`identities_of_der`] name what a
+//!   verified client certificate proves; [`allowed`] matches them against an
+//!   allow list (the scheme is documented there and in README.md).
+//! - [`ktls`]: moves an established session's record layer into the kernel.
+//! - [`record`]: [`RecordBoundary`], for reading a socket no further than
+//!   the TLS record in progress (what [`ktls::enable`] needs of its caller).
+//!
+//! TLS-PSK (nbdkit's and qemu's `tls-creds-psk`) is not offered: rustls has
+//! no external pre-shared keys (rustls/rustls#174 is open), and loopd does
+//! not ship a second TLS stack for it.
+//!
+//! Nothing here blocks except [`load`] / [`TlsContext::new`] /
+//! [`TlsContext::reload`], which read small files, and
+//! [`ktls::available`]'s one-time loopback probe.
 
-use rustls::ServerConfig;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+pub mod context;
+pub mod files;
+pub mod identity;
+pub mod ktls;
+pub mod record;
+
+pub use context::TlsContext;
+pub use files::{TlsFiles, load};
+pub use identity::{allowed, identities, identities_of_der};
+pub use record::RecordBoundary;
+
 use std::path::PathBuf;
-use std::sync::{Arc, RwLock};
-use thiserror::Error;
 
-#[derive(Debug, Error)]
+/// Why the TLS files could not be used, or a certificate not be read. Every
+/// message names the file it is about.
+#[derive(Debug, thiserror::Error)]
 pub enum TlsError {
-    #[error("{0}: {1}")]
-    File(String, String),
-    #[error("TLS configuration: {0}")]
-    Rustls(#[from] rustls::Error),
-}
-
-#[derive(Debug, Clone)]
-pub struct TlsFiles {
-    pub dir: PathBuf,
-    pub verify_peer: bool,
-}
-
-pub fn load(files: &TlsFiles) -> Result<Arc<ServerConfig>, TlsError> {
-    let cert_path = files.dir.join("server-cert.pem");
-    let key_path = files.dir.join("server-key.pem");
-    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&cert_path)
-        .map_err(|e| TlsError::File(cert_path.display().to_string(), e.to_string()))?
-        .collect::<Result<_, _>>()
-        .map_err(|e| TlsError::File(cert_path.display().to_string(), e.to_string()))?;
-    let key = PrivateKeyDer::from_pem_file(&key_path)
-        .map_err(|e| TlsError::File(key_path.display().to_string(), e.to_string()))?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut cfg = ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_single_cert(certs, key)?;
-    cfg.send_tls13_tickets = 0;
-    cfg.enable_secret_extraction = true;
-    Ok(Arc::new(cfg))
-}
-
-pub struct TlsContext {
-    files: TlsFiles,
-    cfg: RwLock<Arc<ServerConfig>>,
-}
-
-impl TlsContext {
-    pub fn new(files: TlsFiles) -> Result<TlsContext, TlsError> {
-        let cfg = load(&files)?;
-        Ok(TlsContext {
-            files,
-            cfg: RwLock::new(cfg),
-        })
-    }
-    pub fn current(&self) -> Arc<ServerConfig> {
-        match self.cfg.read() {
-            Ok(g) => Arc::clone(&g),
-            Err(p) => Arc::clone(&p.into_inner()),
-        }
-    }
-    pub fn reload(&self) -> Result<(), TlsError> {
-        let cfg = load(&self.files)?;
-        match self.cfg.write() {
-            Ok(mut g) => *g = cfg,
-            Err(p) => *p.into_inner() = cfg,
-        }
-        Ok(())
-    }
-    pub fn files(&self) -> &TlsFiles {
-        &self.files
-    }
-}
-
-pub fn identities(_conn: &rustls::ServerConnection) -> Vec<String> {
-    Vec::new()
-}
-
-pub fn allowed(allow: &[String], ids: &[String]) -> bool {
-    allow.is_empty() || allow.iter().any(|a| ids.contains(a))
-}
-
-pub mod ktls {
-    use std::os::fd::BorrowedFd;
-    use thiserror::Error;
-    #[derive(Debug, Error)]
-    pub enum KtlsError {
-        #[error("the kernel has no TLS (kTLS)")]
-        Unavailable,
-    }
-    /// kTLS was not turned on: why, and the session if it is still whole.
-    pub struct Refused {
-        pub error: KtlsError,
-        pub session: Option<Box<rustls::ServerConnection>>,
-    }
-    pub fn enable(_fd: BorrowedFd<'_>, conn: Box<rustls::ServerConnection>) -> Result<(), Refused> {
-        Err(Refused {
-            error: KtlsError::Unavailable,
-            session: Some(conn),
-        })
-    }
+    /// A file that must be there is not.
+    #[error("{}: missing{why}", path.display())]
+    Missing { path: PathBuf, why: &'static str },
+    /// A file could not be read (permissions, a directory, ...).
+    #[error("{}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file's content is not what it must be.
+    #[error("{}: {what}", path.display())]
+    Content { path: PathBuf, what: String },
+    /// The server certificate's public key is not the private key's.
+    #[error("{} does not match {}", cert.display(), key.display())]
+    KeyMismatch { cert: PathBuf, key: PathBuf },
+    /// rustls refused the configuration for another reason.
+    #[error("{}: {source}", dir.display())]
+    Config {
+        dir: PathBuf,
+        #[source]
+        source: rustls::Error,
+    },
+    /// Bytes that are not an X.509 certificate loopd can read.
+    #[error("not an X.509 certificate: {0}")]
+    Certificate(String),
 }

@@ -13,6 +13,7 @@ pub mod gpt;
 #[cfg(feature = "vm-tests")]
 pub mod kernel;
 pub mod pki;
+pub mod tls;
 
 use std::ffi::{OsStr, OsString};
 use std::fmt;
@@ -772,6 +773,8 @@ pub struct ServerBuilder {
     limits: ChildLimits,
     /// Leave out the `--state` the harness adds (test the default path).
     default_state: bool,
+    /// Extra environment for the server (e.g. `LOOPD_LOG`).
+    envs: Vec<(OsString, OsString)>,
 }
 
 /// What a server process starts with, set between fork and exec.
@@ -880,6 +883,13 @@ impl ServerBuilder {
         self
     }
 
+    /// Set an environment variable for the server (e.g. `LOOPD_LOG=debug`).
+    pub fn env(mut self, key: impl AsRef<OsStr>, value: impl AsRef<OsStr>) -> Self {
+        self.envs
+            .push((key.as_ref().to_os_string(), value.as_ref().to_os_string()));
+        self
+    }
+
     /// Listen on TCP only (no --socket).
     pub fn tcp_only(mut self) -> Self {
         self.tcp = true;
@@ -958,6 +968,7 @@ impl ServerBuilder {
                 .unwrap_or_else(|| dir.path().join("nbd.ctl"));
             cmd.arg("--state").arg(ctl.with_extension("state"));
         }
+        cmd.envs(self.envs.iter().map(|(k, v)| (k, v)));
         cmd.env("PATH", tool_path_env())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -1113,6 +1124,7 @@ impl Server {
             socket_path: None,
             limits: ChildLimits::default(),
             default_state: false,
+            envs: Vec::new(),
         }
     }
 
@@ -1130,6 +1142,7 @@ impl Server {
             socket_path: None,
             limits: ChildLimits::default(),
             default_state: false,
+            envs: Vec::new(),
         }
     }
 

@@ -317,6 +317,7 @@ impl Pki {
         openssl(&[
             "req",
             "-new",
+            "-utf8",
             "-config",
             s(&cfg),
             "-key",

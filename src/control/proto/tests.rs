@@ -93,14 +93,14 @@ fn device_spec() -> impl Strategy<Value = DeviceSpec> {
             any::<bool>(),
             proptest::option::of(any::<u64>()),
         ),
-        (any::<bool>(), any::<bool>()),
+        (any::<bool>(), any::<bool>(), any::<bool>()),
     )
         .prop_map(
             |(
                 (image, name, offset),
                 (size_limit, block_size, cache),
                 (read_only, autoclear, create),
-                (shared, raw),
+                (shared, raw, strict_block_size),
             )| {
                 DeviceSpec {
                     image: image.into(),
@@ -114,6 +114,7 @@ fn device_spec() -> impl Strategy<Value = DeviceSpec> {
                     create,
                     shared,
                     format: raw.then_some(crate::backing::format::ImageFormat::Raw),
+                    strict_block_size,
                     ..Default::default()
                 }
             },

@@ -25,7 +25,7 @@ use crate::engine::admit::Permit;
 use crate::engine::buffer::AlignedBuf;
 use crate::engine::exec::Request;
 use crate::engine::splice::{MAX_PIPES, Pipe, PipePool, part_len};
-use crate::frontend::nbd::wire::{ExportView, MAX_REPLY_HEADER};
+use crate::frontend::nbd::wire::{ExportView, MAX_REPLY_HEADER, Replies};
 use crate::ring::{Io, TAG_CANCEL, TAG_FILE, TAG_RECV, ud};
 use io_uring::opcode;
 use std::collections::VecDeque;
@@ -58,6 +58,14 @@ pub enum SlotState {
 pub struct Slot {
     pub state: SlotState,
     pub cookie: u64,
+    /// The request's offset (an extended reply header repeats it).
+    pub offset: u64,
+    /// Effect bytes after the piece in flight, for a request longer than a
+    /// task can be (an extended header's 64-bit `TRIM`, `WRITE_ZEROES` or
+    /// `CACHE`, run one piece after the other), and whether the request asked
+    /// for FUA (which the last piece carries).
+    pub rest: u64,
+    pub rest_fua: bool,
     /// The request as the engine tracks it (task, range, in-flight count).
     pub req: Request,
     pub hdr: [u8; MAX_REPLY_HEADER],
@@ -79,6 +87,9 @@ impl Slot {
         Slot {
             state: SlotState::Free,
             cookie: 0,
+            offset: 0,
+            rest: 0,
+            rest_fua: false,
             req: Request::default(),
             hdr: [0; MAX_REPLY_HEADER],
             hdr_len: 0,
@@ -155,7 +166,8 @@ pub struct Conn {
     pub dev: Arc<Device>,
     pub epoch: u64,
     pub view: ExportView,
-    pub structured: bool,
+    /// How replies are framed (simple, structured, extended headers).
+    pub replies: Replies,
     pub rbuf: AlignedBuf,
     pub rstart: usize,
     pub rend: usize,
@@ -199,11 +211,13 @@ pub struct Conn {
 unsafe impl Send for Conn {}
 
 impl Conn {
+    /// A negotiated connection; `replies` is the framing the handshake agreed
+    /// on ([`Replies::of`]).
     pub fn new(
         sock: OwnedFd,
         client: ClientRef,
         permit: Permit,
-        structured: bool,
+        replies: Replies,
         meta_context: bool,
         peer: Peer,
         tls: Option<Box<TlsIo>>,
@@ -213,9 +227,11 @@ impl Conn {
         let view = ExportView {
             size: dev.size,
             read_only: dev.read_only,
-            structured,
+            structured: replies != Replies::Simple,
+            extended: replies == Replies::Extended,
             meta_context,
         };
+        tracing::debug!("new connection to {:?}: {replies:?} replies", dev.name);
         // SAFETY: msghdr and iovec are plain C structs for which all-zero is valid.
         let msg: libc::msghdr = unsafe { std::mem::zeroed() };
         let iov = [libc::iovec {
@@ -230,7 +246,7 @@ impl Conn {
             dev,
             epoch,
             view,
-            structured,
+            replies,
             rbuf: AlignedBuf::new(RBUF),
             rstart: 0,
             rend: 0,
@@ -362,6 +378,7 @@ impl Conn {
         }
         slot.drop_pipes(&mut io.pipes, false);
         slot.state = SlotState::Free;
+        slot.rest = 0;
         slot.data_len = 0;
         slot.hdr_len = 0;
         self.free_slots.push(si);

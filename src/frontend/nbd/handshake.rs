@@ -12,6 +12,17 @@
 //! A client counts as a client of an export from the moment `GO` or
 //! `EXPORT_NAME` selects it: [`Exports::join`] hands back the registration
 //! (`Exports::Client`), which travels with the connection.
+//!
+//! TLS: no cryptography happens here. With [`Policy::tls`] on, `STARTTLS` is
+//! acknowledged and [`Handshake::feed`] returns [`Step::StartTls`]; the driver
+//! sends [`Handshake::out`], runs the TLS handshake on the socket, and calls
+//! [`Handshake::tls_started`] with what the client's certificate proved
+//! (its identities), before it feeds any more bytes (which are then the
+//! decrypted ones). Everything negotiated before `STARTTLS` is forgotten then,
+//! as the spec demands. [`TlsMode::Require`] refuses every option but
+//! `STARTTLS` and `ABORT` until TLS is up. Every export lookup is given the
+//! client's identities, so the [`Exports`] can hide an export from a client
+//! not allowed to see it.
 
 use super::proto::*;
 use super::wire::{self, WireError};
@@ -20,20 +31,23 @@ use std::io::{Read, Write};
 use std::sync::Arc;
 use thiserror::Error;
 
-/// Where the handshake finds exports by name.
+/// Where the handshake finds exports by name. `ids` are the identities the
+/// client's TLS certificate proved (empty without TLS or without a client
+/// certificate); an export the client may not use is answered as if it did
+/// not exist.
 pub trait Exports {
     /// What selecting an export hands back: the connection's registration as a
     /// client, held for as long as the connection lives.
     type Client;
     /// The device exported as `name` (`""` is the default export), for
     /// `INFO` and meta-context queries.
-    fn find(&self, name: &str) -> Option<Arc<Device>>;
+    fn find(&self, name: &str, ids: &[String]) -> Option<Arc<Device>>;
     /// Select `name` for the transmission phase: from now on the connection
     /// counts as its client. `None` if there is no such export or it takes no
     /// new clients (a detach has begun).
-    fn join(&self, name: &str) -> Option<(Arc<Device>, Self::Client)>;
-    /// Every export's name, for `NBD_OPT_LIST`.
-    fn names(&self) -> Vec<String>;
+    fn join(&self, name: &str, ids: &[String]) -> Option<(Arc<Device>, Self::Client)>;
+    /// Every export's name the client may see, for `NBD_OPT_LIST`.
+    fn names(&self, ids: &[String]) -> Vec<String>;
 }
 
 #[derive(Debug, Error)]
@@ -50,6 +64,14 @@ pub enum HandshakeError {
     TooManyOptions(usize),
     #[error("client closed the connection in the middle of a message")]
     Truncated,
+    #[error("client sent NBD_OPT_EXPORT_NAME without TLS, which this server requires")]
+    TlsRequired,
+    #[error("client sent NBD_OPT_EXPORT_NAME after negotiating extended headers")]
+    ExportNameExtended,
+    #[error("client sent more handshake bytes before the TLS handshake was done")]
+    TlsNotStarted,
+    #[error("this handshake driver cannot start TLS")]
+    NoTls,
 }
 
 /// The outcome of a successful handshake.
@@ -57,8 +79,28 @@ pub struct Negotiated<C> {
     pub dev: Arc<Device>,
     /// The connection's registration as a client of the export.
     pub client: C,
+    /// Structured replies (also true with extended headers).
     pub structured: bool,
+    /// Extended headers: 32-byte request and reply headers, 64-bit lengths.
+    pub extended: bool,
     pub meta_context: bool,
+    /// The connection runs over TLS (`STARTTLS` and [`Handshake::tls_started`]).
+    pub tls: bool,
+    /// What the client's certificate proved (empty without one).
+    pub identities: Vec<String>,
+}
+
+/// Whether the server offers TLS (`NBD_OPT_STARTTLS`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TlsMode {
+    /// No TLS: `STARTTLS` is refused with `NBD_REP_ERR_POLICY`.
+    #[default]
+    Off,
+    /// TLS at the client's choice.
+    On,
+    /// TLS before anything else: every other option but `ABORT` is refused
+    /// with `NBD_REP_ERR_TLS_REQD` until TLS is up.
+    Require,
 }
 
 /// What the server allows during the handshake.
@@ -67,15 +109,6 @@ pub struct Policy {
     /// Answer `NBD_OPT_LIST` (else `NBD_REP_ERR_POLICY`).
     pub list: bool,
     pub tls: TlsMode,
-}
-
-/// Whether clients may or must upgrade to TLS (`STARTTLS`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum TlsMode {
-    #[default]
-    Off,
-    On,
-    Require,
 }
 
 impl Default for Policy {
@@ -91,7 +124,8 @@ const MAX_OPTIONS: usize = 4096;
 /// Bytes of an over-long option's data taken per [`Handshake::feed`].
 const DISCARD_CHUNK: usize = 64 << 10;
 
-/// Transmission flags for a device.
+/// Transmission flags for a device (`structured`: structured replies or
+/// extended headers were negotiated).
 pub fn transmission_flags(dev: &Device, structured: bool) -> u16 {
     let mut f = TFLAG_HAS_FLAGS
         | TFLAG_SEND_FLUSH
@@ -110,8 +144,21 @@ pub fn transmission_flags(dev: &Device, structured: bool) -> u16 {
 }
 
 /// Block sizes advertised for a device: (minimum, preferred, maximum).
+///
+/// The minimum is 1: loopd serves requests at any offset and length (direct
+/// mode bounces them through aligned buffers, read-modify-write for writes), so
+/// byte-granular clients (nbdfuse, a 512-byte-sector loop device on it) work at
+/// any block size. The block size (at least a page) is the preferred size,
+/// which keeps well-behaved clients aligned and fast. A device configured
+/// `strict_block_size` advertises its block size as the minimum instead, and
+/// strict clients (libnbd) then refuse unaligned requests themselves.
 pub fn block_sizes(dev: &Device) -> (u32, u32, u32) {
-    (dev.block_size, dev.block_size.max(4096), MAX_PAYLOAD)
+    let min = if dev.strict_block_size {
+        dev.block_size
+    } else {
+        1
+    };
+    (min, dev.block_size.max(4096), MAX_PAYLOAD)
 }
 
 /// What the handshake is waiting for.
@@ -131,11 +178,29 @@ enum Phase {
 pub enum Step<C> {
     /// Wants more bytes ([`Handshake::want`]).
     More,
-    /// Send `out`, then run the TLS handshake and call [`Handshake::tls_started`].
+    /// `STARTTLS` was acknowledged: send what [`Handshake::out`] holds, run the
+    /// TLS handshake, then call [`Handshake::tls_started`] before feeding more.
     StartTls,
     /// The handshake is over: `Some` enters the transmission phase, `None` means
     /// the client aborted. Send what [`Handshake::out`] holds first.
     Done(Option<Negotiated<C>>),
+}
+
+/// Where TLS stands on a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tls {
+    None,
+    /// `STARTTLS` acknowledged; the driver runs the TLS handshake.
+    Starting,
+    Started,
+}
+
+/// What the options negotiated so far selected: forgotten when TLS starts.
+#[derive(Debug, Clone, Copy, Default)]
+struct Haggled {
+    structured: bool,
+    extended: bool,
+    meta_context: bool,
 }
 
 /// One client's handshake. See the module documentation.
@@ -147,8 +212,9 @@ pub struct Handshake {
     pub out: Vec<u8>,
     policy: Policy,
     no_zeroes: bool,
-    structured: bool,
-    meta_context: bool,
+    haggled: Haggled,
+    tls: Tls,
+    identities: Vec<String>,
     options: usize,
 }
 
@@ -165,10 +231,20 @@ impl Handshake {
             out,
             policy,
             no_zeroes: false,
-            structured: false,
-            meta_context: false,
+            haggled: Haggled::default(),
+            tls: Tls::None,
+            identities: Vec::new(),
             options: 0,
         }
+    }
+
+    /// The TLS handshake the driver ran after [`Step::StartTls`] succeeded;
+    /// `identities` is what the client's certificate proved (empty without
+    /// one). Forgets every option negotiated before `STARTTLS`.
+    pub fn tls_started(&mut self, identities: Vec<String>) {
+        self.tls = Tls::Started;
+        self.identities = identities;
+        self.haggled = Haggled::default();
     }
 
     /// How many bytes to read next (at least one): never more than the current
@@ -198,6 +274,9 @@ impl Handshake {
         input: &[u8],
         exports: &E,
     ) -> Result<Step<E::Client>, HandshakeError> {
+        if self.tls == Tls::Starting {
+            return Err(HandshakeError::TlsNotStarted);
+        }
         let input = &input[..input.len().min(self.want())];
         if let Phase::Discard { option, left } = self.phase {
             let left = left - input.len() as u64;
@@ -269,13 +348,6 @@ impl Handshake {
         }
     }
 
-    /// TLS is up; the client proved `identities`. What was negotiated before
-    /// is forgotten.
-    pub fn tls_started(&mut self, _identities: Vec<String>) {
-        self.structured = false;
-        self.meta_context = false;
-    }
-
     fn reply(&mut self, option: u32, kind: u32, payload: &[u8]) {
         wire::option_reply(&mut self.out, option, kind, payload);
     }
@@ -287,17 +359,29 @@ impl Handshake {
         data: &[u8],
         exports: &E,
     ) -> Result<Step<E::Client>, HandshakeError> {
+        let tls_missing = self.policy.tls == TlsMode::Require && self.tls != Tls::Started;
+        if tls_missing && !matches!(option, OPT_STARTTLS | OPT_ABORT) {
+            // This option has no error reply: all that is left is to close.
+            if option == OPT_EXPORT_NAME {
+                return Err(HandshakeError::TlsRequired);
+            }
+            self.reply(option, REP_ERR_TLS_REQD, b"this server requires TLS");
+            return Ok(Step::More);
+        }
         match option {
             OPT_EXPORT_NAME => {
+                if self.haggled.extended {
+                    return Err(HandshakeError::ExportNameExtended);
+                }
                 let name = std::str::from_utf8(data)
                     .map_err(|_| WireError::Malformed("export name is not UTF-8"))?;
                 // This option has no error reply: an unknown export closes.
-                let Some((dev, client)) = exports.join(name) else {
+                let Some((dev, client)) = exports.join(name, &self.identities) else {
                     return Err(HandshakeError::UnknownExport(name.to_owned()));
                 };
+                let flags = transmission_flags(&dev, self.haggled.structured);
                 self.out.extend_from_slice(&dev.size.to_be_bytes());
-                self.out
-                    .extend_from_slice(&transmission_flags(&dev, self.structured).to_be_bytes());
+                self.out.extend_from_slice(&flags.to_be_bytes());
                 if !self.no_zeroes {
                     self.out.extend_from_slice(&[0u8; 124]);
                 }
@@ -313,24 +397,57 @@ impl Handshake {
                 } else if !self.policy.list {
                     self.reply(option, REP_ERR_POLICY, b"listing exports is turned off");
                 } else {
-                    for name in exports.names() {
+                    for name in exports.names(&self.identities) {
                         self.reply(option, REP_SERVER, &wire::rep_server(&name));
                     }
                     self.reply(option, REP_ACK, &[]);
                 }
                 Ok(Step::More)
             }
-            OPT_STARTTLS if self.policy.tls != TlsMode::Off => {
-                self.reply(option, REP_ACK, &[]);
-                Ok(Step::StartTls)
-            }
             OPT_INFO | OPT_GO => self.info_or_go(option, data, exports),
             OPT_STRUCTURED_REPLY => {
                 if !data.is_empty() {
                     self.reply(option, REP_ERR_INVALID, b"STRUCTURED_REPLY takes no data");
+                } else if self.haggled.extended {
+                    self.reply(
+                        option,
+                        REP_ERR_EXT_HEADER_REQD,
+                        b"extended headers are already negotiated",
+                    );
                 } else {
-                    self.structured = true;
+                    self.haggled.structured = true;
                     self.reply(option, REP_ACK, &[]);
+                }
+                Ok(Step::More)
+            }
+            OPT_EXTENDED_HEADERS => {
+                if !data.is_empty() {
+                    self.reply(option, REP_ERR_INVALID, b"EXTENDED_HEADERS takes no data");
+                } else if self.haggled.extended {
+                    self.reply(
+                        option,
+                        REP_ERR_INVALID,
+                        b"extended headers are already negotiated",
+                    );
+                } else {
+                    // Extended headers take the place of structured replies.
+                    self.haggled.extended = true;
+                    self.haggled.structured = true;
+                    self.reply(option, REP_ACK, &[]);
+                }
+                Ok(Step::More)
+            }
+            OPT_STARTTLS => {
+                if self.policy.tls == TlsMode::Off {
+                    self.reply(option, REP_ERR_POLICY, b"TLS is not enabled on this server");
+                } else if self.tls != Tls::None {
+                    self.reply(option, REP_ERR_INVALID, b"TLS is already started");
+                } else if !data.is_empty() {
+                    self.reply(option, REP_ERR_INVALID, b"STARTTLS takes no data");
+                } else {
+                    self.reply(option, REP_ACK, &[]);
+                    self.tls = Tls::Starting;
+                    return Ok(Step::StartTls);
                 }
                 Ok(Step::More)
             }
@@ -349,8 +466,11 @@ impl Handshake {
         Negotiated {
             dev,
             client,
-            structured: self.structured,
-            meta_context: self.meta_context,
+            structured: self.haggled.structured,
+            extended: self.haggled.extended,
+            meta_context: self.haggled.meta_context,
+            tls: self.tls == Tls::Started,
+            identities: std::mem::take(&mut self.identities),
         }
     }
 
@@ -370,17 +490,17 @@ impl Handshake {
         // GO joins before it answers: by the time the client reads the reply
         // it is counted, so a detach cannot miss it.
         let (dev, client) = if option == OPT_GO {
-            match exports.join(&req.name) {
+            match exports.join(&req.name, &self.identities) {
                 Some((d, c)) => (d, Some(c)),
                 None => return self.unknown(option, &req.name),
             }
         } else {
-            match exports.find(&req.name) {
+            match exports.find(&req.name, &self.identities) {
                 Some(d) => (d, None),
                 None => return self.unknown(option, &req.name),
             }
         };
-        let flags = transmission_flags(&dev, self.structured);
+        let flags = transmission_flags(&dev, self.haggled.structured);
         self.reply(option, REP_INFO, &wire::info_export(dev.size, flags));
         for &kind in &req.requests {
             match kind {
@@ -409,7 +529,7 @@ impl Handshake {
 
     fn meta<E: Exports + ?Sized>(&mut self, option: u32, data: &[u8], exports: &E) {
         let listing = option == OPT_LIST_META_CONTEXT;
-        if !self.structured {
+        if !self.haggled.structured {
             self.reply(
                 option,
                 REP_ERR_INVALID,
@@ -424,7 +544,7 @@ impl Handshake {
                 return;
             }
         };
-        if exports.find(&req.name).is_none() {
+        if exports.find(&req.name, &self.identities).is_none() {
             let msg = format!("no export named {:?}", req.name);
             self.reply(option, REP_ERR_UNKNOWN, msg.as_bytes());
             return;
@@ -444,7 +564,7 @@ impl Handshake {
             );
         }
         if !listing {
-            self.meta_context = selected;
+            self.haggled.meta_context = selected;
         }
         self.reply(option, REP_ACK, &[]);
     }
@@ -460,7 +580,8 @@ pub fn negotiate<S: Read + Write, E: Exports + ?Sized>(
     negotiate_with(s, exports, Policy::default())
 }
 
-/// [`negotiate`] with a policy.
+/// [`negotiate`] with a policy. A plain stream cannot start TLS: a `STARTTLS`
+/// the policy acknowledges ends the handshake with [`HandshakeError::NoTls`].
 pub fn negotiate_with<S: Read + Write, E: Exports + ?Sized>(
     s: &mut S,
     exports: &E,
@@ -480,7 +601,9 @@ pub fn negotiate_with<S: Read + Write, E: Exports + ?Sized>(
             Err(e) => return Err(e.into()),
         };
         match h.feed(&buf[..n], exports)? {
-            Step::More | Step::StartTls => {}
+            Step::More => {}
+            // A plain stream has no TLS to start.
+            Step::StartTls => return Err(HandshakeError::NoTls),
             Step::Done(done) => {
                 let sent = s.write_all(&h.out);
                 // After ABORT the client may already be gone: that changes nothing.

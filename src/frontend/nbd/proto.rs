@@ -8,6 +8,9 @@ pub const OPT_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
 pub const REQUEST_MAGIC: u32 = 0x2560_9513;
 pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
 pub const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
+/// Request and reply magics once `NBD_OPT_EXTENDED_HEADERS` is negotiated.
+pub const EXTENDED_REQUEST_MAGIC: u32 = 0x21e4_1c71;
+pub const EXTENDED_REPLY_MAGIC: u32 = 0x6e8a_278c;
 
 // Handshake flags (server) and client flags.
 pub const FLAG_FIXED_NEWSTYLE: u16 = 1 << 0;
@@ -25,6 +28,7 @@ pub const OPT_GO: u32 = 7;
 pub const OPT_STRUCTURED_REPLY: u32 = 8;
 pub const OPT_LIST_META_CONTEXT: u32 = 9;
 pub const OPT_SET_META_CONTEXT: u32 = 10;
+pub const OPT_EXTENDED_HEADERS: u32 = 11;
 
 // Option replies.
 pub const REP_ACK: u32 = 1;
@@ -35,8 +39,13 @@ pub const REP_FLAG_ERROR: u32 = 1 << 31;
 pub const REP_ERR_UNSUP: u32 = REP_FLAG_ERROR | 1;
 pub const REP_ERR_POLICY: u32 = REP_FLAG_ERROR | 2;
 pub const REP_ERR_INVALID: u32 = REP_FLAG_ERROR | 3;
+pub const REP_ERR_PLATFORM: u32 = REP_FLAG_ERROR | 4;
+pub const REP_ERR_TLS_REQD: u32 = REP_FLAG_ERROR | 5;
 pub const REP_ERR_UNKNOWN: u32 = REP_FLAG_ERROR | 6;
+pub const REP_ERR_SHUTDOWN: u32 = REP_FLAG_ERROR | 7;
+pub const REP_ERR_BLOCK_SIZE_REQD: u32 = REP_FLAG_ERROR | 8;
 pub const REP_ERR_TOO_BIG: u32 = REP_FLAG_ERROR | 9;
+pub const REP_ERR_EXT_HEADER_REQD: u32 = REP_FLAG_ERROR | 10;
 
 // Info types.
 pub const INFO_EXPORT: u16 = 0;
@@ -72,12 +81,16 @@ pub const CMD_FLAG_NO_HOLE: u16 = 1 << 1;
 pub const CMD_FLAG_DF: u16 = 1 << 2;
 pub const CMD_FLAG_REQ_ONE: u16 = 1 << 3;
 pub const CMD_FLAG_FAST_ZERO: u16 = 1 << 4;
+/// Extended headers only: *length* is the payload's, not the effect's.
+pub const CMD_FLAG_PAYLOAD_LEN: u16 = 1 << 5;
 
 // Structured reply chunk types and flags.
 pub const REPLY_FLAG_DONE: u16 = 1 << 0;
 pub const REPLY_TYPE_NONE: u16 = 0;
 pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
 pub const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
+/// Block status with 64-bit extent lengths (extended headers only).
+pub const REPLY_TYPE_BLOCK_STATUS_EXT: u16 = 6;
 pub const REPLY_TYPE_ERROR: u16 = (1 << 15) | 1;
 
 // base:allocation states.
@@ -97,6 +110,9 @@ pub const MAX_NAME_LEN: usize = 4096;
 
 /// Size of a request header on the wire.
 pub const REQUEST_LEN: usize = 28;
+/// Size of an extended request header (and of an extended reply header).
+pub const EXTENDED_REQUEST_LEN: usize = 32;
+pub const EXTENDED_REPLY_LEN: usize = 32;
 /// Size of a simple reply header.
 pub const SIMPLE_REPLY_LEN: usize = 16;
 /// Size of a structured reply chunk header.

@@ -13,6 +13,18 @@ use crate::ring::{Io, TAG_RECV, ud};
 use io_uring::{opcode, types};
 use std::os::fd::AsRawFd;
 
+/// Effect bytes of one piece of a request longer than a task can be (a power
+/// of two, so pieces of an aligned request stay aligned).
+pub(super) const PIECE: u32 = 1 << 31;
+
+/// The range a BLOCK_STATUS request asks the backing file about: a 64-bit
+/// length is cut to whole blocks below 4 GiB (the reply may cover less than
+/// asked; the client asks again from where it ends).
+fn status_len(dev: &crate::device::Device, len: u64) -> u32 {
+    let bs = dev.block_size.max(1);
+    u32::try_from(len).unwrap_or(u32::MAX / bs * bs)
+}
+
 impl Conn {
     /// Post a receive of up to `len` bytes into `ptr`.
     ///
@@ -146,7 +158,8 @@ impl Conn {
                 }
                 RecvState::Header => {}
             }
-            if self.avail() < REQUEST_LEN {
+            let hlen = wire::request_len(self.view.extended);
+            if self.avail() < hlen {
                 self.compact();
                 let at = self.rend;
                 // SAFETY: at <= RBUF, the buffer's capacity.
@@ -165,8 +178,8 @@ impl Conn {
             if self.export.epoch() != self.epoch {
                 self.reload();
             }
-            let hdr = &self.rbuf.as_slice()[self.rstart..self.rstart + REQUEST_LEN];
-            let req = match wire::parse_request(hdr) {
+            let hdr = &self.rbuf.as_slice()[self.rstart..self.rstart + hlen];
+            let req = match wire::parse_header(hdr, self.view.extended) {
                 Ok(r) => r,
                 Err(e) => {
                     self.export.leave();
@@ -182,8 +195,12 @@ impl Conn {
             // before the request is taken; if it does not, read no further until
             // budget is released (the header stays buffered).
             let valid = wire::validate(&req, &self.view);
+            // What one task does: all of a request but a 64-bit TRIM,
+            // WRITE_ZEROES or CACHE, which runs as pieces (`Slot::rest`); a
+            // read's or write's length is at most MAX_PAYLOAD once valid.
+            let piece = u32::try_from(req.len).unwrap_or(PIECE);
             if let Some(op @ (Op::Read | Op::Write)) = valid.ok().and_then(Command::op) {
-                let need = task::buffer_len(&self.dev, op, req.offset, req.len);
+                let need = task::buffer_len(&self.dev, op, req.offset, piece);
                 if !io.pool.reserve(need) {
                     io.starve();
                     if !io.pool.reserve(need) {
@@ -193,20 +210,24 @@ impl Conn {
                     }
                 }
             }
-            self.rstart += REQUEST_LEN;
+            self.rstart += hlen;
             self.active = true;
             let Some(si) = self.free_slots.pop() else {
                 self.export.leave();
                 return;
             };
-            self.slots[si as usize].cookie = req.cookie;
-            self.slots[si as usize].req.arrived(None);
+            let slot = &mut self.slots[si as usize];
+            slot.cookie = req.cookie;
+            slot.offset = req.offset;
+            slot.rest = 0;
+            slot.rest_fua = req.flags & CMD_FLAG_FUA != 0;
+            slot.req.arrived(None);
             let cmd = match valid {
                 Err(rej) => {
                     self.slots[si as usize].state = SlotState::Io;
                     if rej.payload > 0 {
                         self.recv = RecvState::Discard {
-                            remaining: u64::from(rej.payload),
+                            remaining: rej.payload,
                         };
                     }
                     self.finish(io, ci, si, req.kind == CMD_READ, Err(rej.errno));
@@ -218,7 +239,8 @@ impl Conn {
                 if cmd == Command::BlockStatus {
                     self.dev.stats.status_query();
                     let one = req.flags & CMD_FLAG_REQ_ONE != 0;
-                    self.block_status(io, ci, si, req.offset, req.len, one);
+                    let len = status_len(&self.dev, req.len);
+                    self.block_status(io, ci, si, req.offset, len, one);
                     continue;
                 }
                 // DISC: answered by closing once everything before it is.
@@ -230,9 +252,14 @@ impl Conn {
                 self.read_closed = true;
                 return;
             };
-            let flags = wire::req_flags(req.flags);
-            let mut task = Task::plan(&self.dev, op, flags, req.offset, req.len, &mut io.pool);
-            let len = req.len as usize;
+            if matches!(op, Op::Trim | Op::WriteZeroes | Op::Cache) {
+                self.slots[si as usize].rest = req.len - u64::from(piece).min(req.len);
+            }
+            let mut flags = wire::req_flags(req.flags);
+            // FUA goes with the last piece: its sync covers the ones before.
+            flags.fua &= self.slots[si as usize].rest == 0;
+            let mut task = Task::plan(&self.dev, op, flags, req.offset, piece, &mut io.pool);
+            let len = piece as usize;
             if op.has_data() {
                 self.bytes_held += len;
             }

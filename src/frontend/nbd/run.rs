@@ -3,12 +3,13 @@
 //! on the reactor's ring, and its result turned into a queued reply.
 
 use super::conn::{Conn, SlotState};
+use super::recv::PIECE;
 use crate::block::Op;
 use crate::device::stats::Path;
 use crate::engine::exec;
 use crate::engine::ops;
 use crate::engine::splice::SPLICE_MIN;
-use crate::engine::task::Next;
+use crate::engine::task::{Next, Task};
 use crate::frontend::nbd::wire::{self, NbdErrno};
 use crate::ring::{Io, TAG_FILE, ud};
 use io_uring::squeue;
@@ -81,9 +82,35 @@ impl Conn {
                 let task = self.slots[si as usize].req.task.as_ref();
                 let is_read = task.is_some_and(|t| t.op == Op::Read);
                 exec::conclude(&self.dev, task, &r);
+                if r.is_ok() && self.slots[si as usize].rest > 0 {
+                    self.next_piece(io, ci, si);
+                    return;
+                }
                 self.finish(io, ci, si, is_read, r);
             }
         }
+    }
+
+    /// Run the next piece of a request longer than a task can be (see
+    /// [`super::conn::Slot::rest`]): the piece before gives up its range, the
+    /// next one takes its own.
+    fn next_piece(&mut self, io: &mut Io, ci: u32, si: u16) {
+        let slot = &mut self.slots[si as usize];
+        if let Some(t) = slot.req.ticket.take() {
+            self.dev.lock.unlock(t);
+        }
+        let Some(mut done) = slot.req.task.take() else {
+            return;
+        };
+        done.recycle(&mut io.pool);
+        let off = done.offset + u64::from(done.len);
+        let len = u32::try_from(slot.rest).map_or(PIECE, |r| r.min(PIECE));
+        slot.rest -= u64::from(len);
+        let mut flags = done.flags;
+        flags.fua = slot.rest_fua && slot.rest == 0;
+        let task = Task::plan(&self.dev, done.op, flags, off, len, &mut io.pool);
+        slot.req.task = Some(task);
+        self.dispatch(io, ci, si);
     }
 
     pub fn on_file(&mut self, io: &mut Io, ci: u32, si: u16, res: i32) {
@@ -129,15 +156,14 @@ impl Conn {
             self.dev.stats.error(e);
         }
         let slot = &mut self.slots[si as usize];
-        let offset = slot.req.task.as_ref().map_or(0, |t| t.offset);
         let r = if is_read { r } else { r.map(|_| 0) };
         slot.data_len = r.map_or(0, |n| n as usize);
         slot.hdr_len = wire::reply_header(
             &mut slot.hdr,
             is_read,
-            self.structured,
+            self.replies,
             slot.cookie,
-            offset,
+            slot.offset,
             r,
         );
         self.queue(io, si);

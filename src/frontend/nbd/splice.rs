@@ -43,7 +43,7 @@ impl Conn {
         let n = wire::reply_header(
             &mut slot.hdr,
             true,
-            self.structured,
+            self.replies,
             slot.cookie,
             task.offset,
             Ok(task.len),

@@ -1,12 +1,13 @@
 //! BLOCK_STATUS (`base:allocation`): asked of the backing file off the reactor
-//! ([`crate::engine::offload`]), answered as one structured reply chunk.
+//! ([`crate::engine::offload`]), answered as one structured reply chunk
+//! (`NBD_REPLY_TYPE_BLOCK_STATUS_EXT`, 64-bit lengths, with extended headers).
 
 use super::conn::{Conn, SlotState};
 use crate::block::Extent;
 use crate::device::status;
 use crate::engine::offload;
 use crate::frontend::nbd::proto::*;
-use crate::frontend::nbd::wire;
+use crate::frontend::nbd::wire::{self, Replies};
 use crate::ring::Io;
 use std::sync::Arc;
 
@@ -50,17 +51,35 @@ impl Conn {
             Ok(n) => {
                 self.settle(si);
                 let slot = &mut self.slots[si as usize];
-                let mut out = io.pool.get(8 * status::MAX_DESCRIPTORS);
-                let n = wire::encode_extents(out.as_mut_slice(), &d.out[..n.min(d.out.len())]);
-                let count = u32::try_from(n).unwrap_or(0);
-                slot.hdr_len = wire::block_status_header(
-                    &mut slot.hdr,
-                    slot.cookie,
-                    BASE_ALLOCATION_ID,
-                    count,
-                );
-                slot.data_len = 8 * n;
-                slot.extra = Some(out);
+                let extents = &d.out[..n.min(d.out.len())];
+                // Extended headers get 64-bit descriptors (BLOCK_STATUS_EXT).
+                let (n, size) = if self.replies == Replies::Extended {
+                    let mut out = io.pool.get(16 * status::MAX_DESCRIPTORS);
+                    let n = wire::encode_extents_ext(out.as_mut_slice(), extents);
+                    let count = u32::try_from(n).unwrap_or(0);
+                    slot.hdr_len = wire::block_status_ext_header(
+                        &mut slot.hdr,
+                        slot.cookie,
+                        slot.offset,
+                        BASE_ALLOCATION_ID,
+                        count,
+                    );
+                    slot.extra = Some(out);
+                    (n, 16)
+                } else {
+                    let mut out = io.pool.get(8 * status::MAX_DESCRIPTORS);
+                    let n = wire::encode_extents(out.as_mut_slice(), extents);
+                    let count = u32::try_from(n).unwrap_or(0);
+                    slot.hdr_len = wire::block_status_header(
+                        &mut slot.hdr,
+                        slot.cookie,
+                        BASE_ALLOCATION_ID,
+                        count,
+                    );
+                    slot.extra = Some(out);
+                    (n, 8)
+                };
+                slot.data_len = size * n;
                 self.queue(io, si);
             }
             Err(e) => {

@@ -206,19 +206,29 @@ pub fn rep_meta_context(id: u32, name: &str) -> Vec<u8> {
 // ---------------------------------------------------------------------------
 // Transmission
 
-/// A request header as it came off the wire, not yet validated.
+/// A request header as it came off the wire, not yet validated. `len` is 64
+/// bits wide for extended headers; a compact header's fits in 32.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Request {
     pub flags: u16,
     pub kind: u16,
     pub cookie: u64,
     pub offset: u64,
-    pub len: u32,
+    pub len: u64,
 }
 
-/// Decode the 28-byte request header. Only the magic is checked here; everything
-/// else is [`validate`]'s job, so that a bad field gets an error reply rather than
-/// a closed connection.
+/// Size of a request header: 32 bytes with extended headers, else 28.
+pub fn request_len(extended: bool) -> usize {
+    if extended {
+        EXTENDED_REQUEST_LEN
+    } else {
+        REQUEST_LEN
+    }
+}
+
+/// Decode the 28-byte compact request header. Only the magic is checked here;
+/// everything else is [`validate`]'s job, so that a bad field gets an error
+/// reply rather than a closed connection.
 pub fn parse_request(b: &[u8]) -> Result<Request, WireError> {
     need(b, REQUEST_LEN)?;
     let magic = be32(b, 0);
@@ -230,11 +240,48 @@ pub fn parse_request(b: &[u8]) -> Result<Request, WireError> {
         kind: be16(b, 6),
         cookie: be64(b, 8),
         offset: be64(b, 16),
-        len: be32(b, 24),
+        len: u64::from(be32(b, 24)),
     })
 }
 
-/// Encode a request header (used by tests, fuzz seeds and benchmarks' raw clients).
+/// Decode the 32-byte extended request header. Besides the magic, one thing is
+/// a framing error here: a payload (a `WRITE`'s, or a request flagged
+/// `NBD_CMD_FLAG_PAYLOAD_LEN`) longer than a compact header could announce (the
+/// spec lets the server hang up on any payload past its maximum; shorter ones
+/// are refused and skipped, as in compact mode).
+pub fn parse_request_ext(b: &[u8]) -> Result<Request, WireError> {
+    need(b, EXTENDED_REQUEST_LEN)?;
+    let magic = be32(b, 0);
+    if magic != EXTENDED_REQUEST_MAGIC {
+        return Err(WireError::BadMagic(u64::from(magic)));
+    }
+    let r = Request {
+        flags: be16(b, 4),
+        kind: be16(b, 6),
+        cookie: be64(b, 8),
+        offset: be64(b, 16),
+        len: be64(b, 24),
+    };
+    let limit = u64::from(u32::MAX);
+    let payload = r.kind == CMD_WRITE || r.flags & CMD_FLAG_PAYLOAD_LEN != 0;
+    if payload && r.len > limit {
+        return Err(WireError::TooLong { len: r.len, limit });
+    }
+    Ok(r)
+}
+
+/// Decode a request header of the negotiated kind: with extended headers a
+/// compact one is a framing error, and the other way round.
+pub fn parse_header(b: &[u8], extended: bool) -> Result<Request, WireError> {
+    if extended {
+        parse_request_ext(b)
+    } else {
+        parse_request(b)
+    }
+}
+
+/// Encode a compact request header (tests, fuzz seeds and benchmarks' raw
+/// clients); `r.len` must fit in 32 bits (it is cut to its low 32 bits).
 pub fn encode_request(r: &Request) -> [u8; REQUEST_LEN] {
     let mut b = [0u8; REQUEST_LEN];
     b[0..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
@@ -242,7 +289,20 @@ pub fn encode_request(r: &Request) -> [u8; REQUEST_LEN] {
     b[6..8].copy_from_slice(&r.kind.to_be_bytes());
     b[8..16].copy_from_slice(&r.cookie.to_be_bytes());
     b[16..24].copy_from_slice(&r.offset.to_be_bytes());
-    b[24..28].copy_from_slice(&r.len.to_be_bytes());
+    let low = (r.len & u64::from(u32::MAX)).to_be_bytes();
+    b[24..28].copy_from_slice(&low[4..]);
+    b
+}
+
+/// Encode an extended request header.
+pub fn encode_request_ext(r: &Request) -> [u8; EXTENDED_REQUEST_LEN] {
+    let mut b = [0u8; EXTENDED_REQUEST_LEN];
+    b[0..4].copy_from_slice(&EXTENDED_REQUEST_MAGIC.to_be_bytes());
+    b[4..6].copy_from_slice(&r.flags.to_be_bytes());
+    b[6..8].copy_from_slice(&r.kind.to_be_bytes());
+    b[8..16].copy_from_slice(&r.cookie.to_be_bytes());
+    b[16..24].copy_from_slice(&r.offset.to_be_bytes());
+    b[24..32].copy_from_slice(&r.len.to_be_bytes());
     b
 }
 
@@ -298,8 +358,10 @@ pub fn req_flags(flags: u16) -> ReqFlags {
 pub struct ExportView {
     pub size: u64,
     pub read_only: bool,
-    /// Structured replies were negotiated.
+    /// Structured replies were negotiated (also true with extended headers).
     pub structured: bool,
+    /// Extended headers were negotiated: 32-byte headers, 64-bit lengths.
+    pub extended: bool,
     /// A metadata context was selected with `SET_META_CONTEXT`.
     pub meta_context: bool,
 }
@@ -309,13 +371,28 @@ pub struct ExportView {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Rejected {
     pub errno: NbdErrno,
-    pub payload: u32,
+    pub payload: u64,
+}
+
+/// Payload bytes that follow `req` on the wire: a `WRITE`'s length (its length
+/// is always its payload's: with extended headers, qemu and libnbd send writes
+/// without `NBD_CMD_FLAG_PAYLOAD_LEN`, which is optional there); with extended
+/// headers, also the length of any request flagged `NBD_CMD_FLAG_PAYLOAD_LEN`.
+pub fn payload_len(req: &Request, exp: &ExportView) -> u64 {
+    let flagged = exp.extended && req.flags & CMD_FLAG_PAYLOAD_LEN != 0;
+    if req.kind == CMD_WRITE || flagged {
+        req.len
+    } else {
+        0
+    }
 }
 
 /// Check a request against the export: command, flags, bounds, size.
-/// On success returns the command; the payload length of a write is `req.len`.
+/// On success returns the command; the payload length of a write is `req.len`
+/// (at most [`MAX_PAYLOAD`]). With extended headers, `TRIM`, `WRITE_ZEROES`,
+/// `CACHE` and `BLOCK_STATUS` may have an effect length past 32 bits.
 pub fn validate(req: &Request, exp: &ExportView) -> Result<Command, Rejected> {
-    let payload = if req.kind == CMD_WRITE { req.len } else { 0 };
+    let payload = payload_len(req, exp);
     let reject = |errno| Err(Rejected { errno, payload });
     let cmd = match req.kind {
         CMD_READ => Command::Read,
@@ -330,6 +407,7 @@ pub fn validate(req: &Request, exp: &ExportView) -> Result<Command, Rejected> {
     };
     let allowed = match cmd {
         Command::Read => CMD_FLAG_FUA | if exp.structured { CMD_FLAG_DF } else { 0 },
+        Command::Write if exp.extended => CMD_FLAG_FUA | CMD_FLAG_PAYLOAD_LEN,
         Command::Write | Command::Trim => CMD_FLAG_FUA,
         Command::WriteZeroes => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
         Command::BlockStatus => CMD_FLAG_REQ_ONE,
@@ -351,7 +429,7 @@ pub fn validate(req: &Request, exp: &ExportView) -> Result<Command, Rejected> {
     if req.len == 0 {
         return reject(NbdErrno::Inval);
     }
-    let end = req.offset.checked_add(u64::from(req.len));
+    let end = req.offset.checked_add(req.len);
     let in_range = end.is_some_and(|e| e <= exp.size);
     if !in_range {
         let errno = match cmd {
@@ -360,7 +438,7 @@ pub fn validate(req: &Request, exp: &ExportView) -> Result<Command, Rejected> {
         };
         return reject(errno);
     }
-    if matches!(cmd, Command::Read | Command::Write) && req.len > MAX_PAYLOAD {
+    if matches!(cmd, Command::Read | Command::Write) && req.len > u64::from(MAX_PAYLOAD) {
         return reject(NbdErrno::Overflow);
     }
     Ok(cmd)
@@ -382,36 +460,89 @@ pub fn chunk_header(out: &mut [u8], flags: u16, kind: u16, cookie: u64, len: u32
     out[16..20].copy_from_slice(&len.to_be_bytes());
 }
 
-/// Largest reply header loopd builds (a structured error chunk with no message
-/// is 26 bytes; an offset-data chunk header 28; a block-status header 24).
-pub const MAX_REPLY_HEADER: usize = 32;
+/// How replies are framed on a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replies {
+    /// Simple replies only (nothing negotiated).
+    Simple,
+    /// `NBD_OPT_STRUCTURED_REPLY`: structured chunks for reads and errors.
+    Structured,
+    /// `NBD_OPT_EXTENDED_HEADERS`: a 32-byte extended header on every reply.
+    Extended,
+}
+
+impl Replies {
+    /// The framing negotiated (extended headers take precedence).
+    pub fn of(structured: bool, extended: bool) -> Replies {
+        match (structured, extended) {
+            (_, true) => Replies::Extended,
+            (true, false) => Replies::Structured,
+            (false, false) => Replies::Simple,
+        }
+    }
+}
+
+/// Largest reply header loopd builds: an extended offset-data or block-status
+/// header (32 + 8); an extended error chunk with no message is 38 bytes, a
+/// structured offset-data chunk header 28.
+pub const MAX_REPLY_HEADER: usize = 40;
+
+/// Encode an extended reply header (`offset` is the request's).
+pub fn extended_header(out: &mut [u8], flags: u16, kind: u16, cookie: u64, offset: u64, len: u64) {
+    out[0..4].copy_from_slice(&EXTENDED_REPLY_MAGIC.to_be_bytes());
+    out[4..6].copy_from_slice(&flags.to_be_bytes());
+    out[6..8].copy_from_slice(&kind.to_be_bytes());
+    out[8..16].copy_from_slice(&cookie.to_be_bytes());
+    out[16..24].copy_from_slice(&offset.to_be_bytes());
+    out[24..32].copy_from_slice(&len.to_be_bytes());
+}
 
 /// Encode the header of a reply into `out`, returning its length. `data_len` is
-/// the number of payload bytes that follow (read data or block-status descriptors).
+/// the number of payload bytes that follow (read data); `offset` is the
+/// request's offset.
 pub fn reply_header(
     out: &mut [u8; MAX_REPLY_HEADER],
     cmd_is_read: bool,
-    structured: bool,
+    replies: Replies,
     cookie: u64,
     offset: u64,
     result: Result<u32, NbdErrno>,
 ) -> usize {
-    match (structured, result) {
-        (false, Ok(_)) | (false, Err(_)) => {
-            let err = result.err().map_or(0, error_code);
-            let mut h = [0u8; SIMPLE_REPLY_LEN];
-            simple_reply(&mut h, err, cookie);
-            out[..SIMPLE_REPLY_LEN].copy_from_slice(&h);
-            SIMPLE_REPLY_LEN
+    match (replies, result) {
+        (Replies::Extended, Err(e)) => {
+            // Error chunk: errno (4) + message length (2), no message.
+            let x = EXTENDED_REPLY_LEN;
+            extended_header(out, REPLY_FLAG_DONE, REPLY_TYPE_ERROR, cookie, offset, 6);
+            out[x..x + 4].copy_from_slice(&error_code(e).to_be_bytes());
+            out[x + 4..x + 6].copy_from_slice(&0u16.to_be_bytes());
+            x + 6
         }
-        (true, Err(e)) => {
+        (Replies::Extended, Ok(data_len)) if cmd_is_read => {
+            let len = u64::from(data_len) + 8;
+            let x = EXTENDED_REPLY_LEN;
+            extended_header(
+                out,
+                REPLY_FLAG_DONE,
+                REPLY_TYPE_OFFSET_DATA,
+                cookie,
+                offset,
+                len,
+            );
+            out[x..x + 8].copy_from_slice(&offset.to_be_bytes());
+            x + 8
+        }
+        (Replies::Extended, Ok(_)) => {
+            extended_header(out, REPLY_FLAG_DONE, REPLY_TYPE_NONE, cookie, offset, 0);
+            EXTENDED_REPLY_LEN
+        }
+        (Replies::Structured, Err(e)) => {
             // Error chunk: errno (4) + message length (2), no message.
             chunk_header(out, REPLY_FLAG_DONE, REPLY_TYPE_ERROR, cookie, 6);
             out[20..24].copy_from_slice(&error_code(e).to_be_bytes());
             out[24..26].copy_from_slice(&0u16.to_be_bytes());
             26
         }
-        (true, Ok(data_len)) if cmd_is_read => {
+        (Replies::Structured, Ok(data_len)) if cmd_is_read => {
             chunk_header(
                 out,
                 REPLY_FLAG_DONE,
@@ -422,9 +553,10 @@ pub fn reply_header(
             out[20..28].copy_from_slice(&offset.to_be_bytes());
             28
         }
-        (true, Ok(_)) => {
+        (Replies::Simple | Replies::Structured, _) => {
+            let err = result.err().map_or(0, error_code);
             let mut h = [0u8; SIMPLE_REPLY_LEN];
-            simple_reply(&mut h, 0, cookie);
+            simple_reply(&mut h, err, cookie);
             out[..SIMPLE_REPLY_LEN].copy_from_slice(&h);
             SIMPLE_REPLY_LEN
         }
@@ -449,6 +581,30 @@ pub fn block_status_header(
     24
 }
 
+/// Encode the extended header of an `NBD_REPLY_TYPE_BLOCK_STATUS_EXT` chunk
+/// carrying `n` 16-byte descriptors (`offset` is the request's).
+pub fn block_status_ext_header(
+    out: &mut [u8; MAX_REPLY_HEADER],
+    cookie: u64,
+    offset: u64,
+    context: u32,
+    n: u32,
+) -> usize {
+    let len = u64::from(n) * 16 + 8;
+    let x = EXTENDED_REPLY_LEN;
+    extended_header(
+        out,
+        REPLY_FLAG_DONE,
+        REPLY_TYPE_BLOCK_STATUS_EXT,
+        cookie,
+        offset,
+        len,
+    );
+    out[x..x + 4].copy_from_slice(&context.to_be_bytes());
+    out[x + 4..x + 8].copy_from_slice(&n.to_be_bytes());
+    x + 8
+}
+
 /// Encode one block-status descriptor.
 pub fn block_descriptor(out: &mut [u8], len: u32, flags: u32) {
     out[0..4].copy_from_slice(&len.to_be_bytes());
@@ -462,6 +618,21 @@ pub fn encode_extents(out: &mut [u8], extents: &[Extent]) -> usize {
     for (e, d) in extents.iter().zip(out.chunks_exact_mut(8)) {
         let flags = if e.hole { STATE_HOLE } else { 0 } | if e.zero { STATE_ZERO } else { 0 };
         block_descriptor(d, e.len, flags);
+        n += 1;
+    }
+    n
+}
+
+/// Encode `extents` as 16-byte `base:allocation` descriptors of
+/// `NBD_REPLY_TYPE_BLOCK_STATUS_EXT` into `out` (64-bit length, zero padding,
+/// flags; as many as fit). Returns the number encoded.
+pub fn encode_extents_ext(out: &mut [u8], extents: &[Extent]) -> usize {
+    let mut n = 0;
+    for (e, d) in extents.iter().zip(out.chunks_exact_mut(16)) {
+        let flags = if e.hole { STATE_HOLE } else { 0 } | if e.zero { STATE_ZERO } else { 0 };
+        d[0..8].copy_from_slice(&u64::from(e.len).to_be_bytes());
+        d[8..12].copy_from_slice(&0u32.to_be_bytes());
+        d[12..16].copy_from_slice(&flags.to_be_bytes());
         n += 1;
     }
     n

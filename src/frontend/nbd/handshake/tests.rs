@@ -17,13 +17,13 @@ struct TestExports {
 
 impl Exports for TestExports {
     type Client = ();
-    fn find(&self, name: &str) -> Option<Arc<Device>> {
+    fn find(&self, name: &str, _ids: &[String]) -> Option<Arc<Device>> {
         self.devs.iter().find(|d| d.name == name).cloned()
     }
-    fn join(&self, name: &str) -> Option<(Arc<Device>, ())> {
-        self.find(name).map(|d| (d, ()))
+    fn join(&self, name: &str, ids: &[String]) -> Option<(Arc<Device>, ())> {
+        self.find(name, ids).map(|d| (d, ()))
     }
-    fn names(&self) -> Vec<String> {
+    fn names(&self, _ids: &[String]) -> Vec<String> {
         self.devs.iter().map(|d| d.name.clone()).collect()
     }
 }
@@ -210,7 +210,8 @@ fn go_with_block_size_request_replies_export_info_block_size_and_ack() {
     assert_eq!(be16(&p, 0), INFO_BLOCK_SIZE);
     assert_eq!(
         (be32(&p, 2), be32(&p, 6), be32(&p, 10)),
-        (512, 4096, MAX_PAYLOAD)
+        (1, 4096, MAX_PAYLOAD),
+        "minimum 1: unaligned requests are served; the block size is preferred"
     );
     assert!(c.expect(OPT_GO, REP_ACK).is_empty());
     let (r, _) = c.finish();
@@ -300,8 +301,9 @@ fn unknown_option_gets_err_unsup_and_handshake_continues() {
     let mut c = Client::fixed(&ex);
     c.option(99, b"whatever");
     c.expect(99, REP_ERR_UNSUP);
+    // TLS is off by default: refused by policy, and the handshake goes on.
     c.option(OPT_STARTTLS, &[]);
-    c.expect(OPT_STARTTLS, REP_ERR_UNSUP);
+    c.expect(OPT_STARTTLS, REP_ERR_POLICY);
     c.option(OPT_GO, &info_request("", &[]));
     expect_info_export(&mut c, OPT_GO);
     c.expect(OPT_GO, REP_ACK);
@@ -662,7 +664,8 @@ fn bytewise_matches_whole(ex: &TestExports, input: Vec<u8>) -> Result<(), TestCa
         at += 1;
         out.append(&mut h.out);
         match step {
-            Ok(Step::More | Step::StartTls) => {}
+            Ok(Step::More) => {}
+            Ok(Step::StartTls) => break Err(HandshakeError::NoTls),
             Ok(Step::Done(d)) => break Ok(d),
             Err(e) => break Err(e),
         }
@@ -721,3 +724,5 @@ fn list_is_refused_by_policy() {
     assert_eq!(be32(&h.out, 12), REP_ERR_POLICY);
     assert_eq!(h.out.len(), 20 + be32(&h.out, 16) as usize);
 }
+
+mod tls_ext;

@@ -118,7 +118,7 @@ fn arb_request() -> impl Strategy<Value = Request> {
             kind,
             cookie,
             offset,
-            len,
+            len: u64::from(len),
         })
 }
 
@@ -144,7 +144,7 @@ fn arb_interesting_request() -> impl Strategy<Value = Request> {
             kind,
             cookie,
             offset,
-            len,
+            len: u64::from(len),
         }
     })
 }
@@ -161,6 +161,7 @@ fn arb_view() -> impl Strategy<Value = ExportView> {
             size,
             read_only,
             structured,
+            extended: false,
             meta_context,
         },
     )
@@ -190,9 +191,7 @@ fn allowed_flags(cmd: Command, structured: bool) -> u16 {
 }
 
 fn in_range(req: &Request, size: u64) -> bool {
-    req.offset
-        .checked_add(u64::from(req.len))
-        .is_some_and(|e| e <= size)
+    req.offset.checked_add(req.len).is_some_and(|e| e <= size)
 }
 
 fn well_flagged(req: &Request, exp: &ExportView) -> Option<Command> {
@@ -275,7 +274,7 @@ proptest! {
                     prop_assert!(in_range(&req, exp.size));
                 }
                 if matches!(cmd, Command::Read | Command::Write) {
-                    prop_assert!(req.len <= MAX_PAYLOAD);
+                    prop_assert!(req.len <= u64::from(MAX_PAYLOAD));
                 }
                 if cmd == Command::BlockStatus {
                     prop_assert!(exp.meta_context);
@@ -317,7 +316,7 @@ proptest! {
             prop_assert_eq!(got, Err(want), "out of range");
             return Ok(());
         }
-        if matches!(cmd, Command::Read | Command::Write) && req.len > MAX_PAYLOAD {
+        if matches!(cmd, Command::Read | Command::Write) && req.len > u64::from(MAX_PAYLOAD) {
             prop_assert_eq!(got, Err(NbdErrno::Overflow), "payload too big");
             return Ok(());
         }
@@ -335,8 +334,8 @@ proptest! {
         let end = size + past;
         let offset = end.saturating_sub(u64::from(len));
         let len = u32::try_from(end - offset).unwrap();
-        let req = Request { flags: 0, kind: CMD_READ, cookie: 1, offset, len };
-        let exp = ExportView { size, read_only: false, structured, meta_context: false };
+        let req = Request { flags: 0, kind: CMD_READ, cookie: 1, offset, len: u64::from(len) };
+        let exp = ExportView { size, read_only: false, structured, extended: false, meta_context: false };
         prop_assert_eq!(validate(&req, &exp), Err(Rejected { errno: NbdErrno::Inval, payload: 0 }));
     }
 
@@ -351,9 +350,9 @@ proptest! {
         let offset = end.saturating_sub(u64::from(len));
         let len = u32::try_from(end - offset).unwrap();
         let flags = if fua { CMD_FLAG_FUA } else { 0 };
-        let req = Request { flags, kind: CMD_WRITE, cookie: 1, offset, len };
-        let exp = ExportView { size, read_only: false, structured: false, meta_context: false };
-        prop_assert_eq!(validate(&req, &exp), Err(Rejected { errno: NbdErrno::NoSpc, payload: len }));
+        let req = Request { flags, kind: CMD_WRITE, cookie: 1, offset, len: u64::from(len) };
+        let exp = ExportView { size, read_only: false, structured: false, extended: false, meta_context: false };
+        prop_assert_eq!(validate(&req, &exp), Err(Rejected { errno: NbdErrno::NoSpc, payload: u64::from(len) }));
     }
 
     #[test]
@@ -367,7 +366,7 @@ proptest! {
         prop_assume!(offset.checked_add(u64::from(len)).is_none());
         let cmd = command_of(kind).unwrap();
         prop_assume!(!matches!(cmd, Command::Disc | Command::Flush));
-        let req = Request { flags: 0, kind, cookie: 0, offset, len };
+        let req = Request { flags: 0, kind, cookie: 0, offset, len: u64::from(len) };
         prop_assert!(validate(&req, &exp).is_err());
     }
 
@@ -377,9 +376,9 @@ proptest! {
         offset in 0u64..(1 << 20),
         len in 1u32..(1 << 20),
     ) {
-        let req = Request { flags: 0, kind, cookie: 0, offset, len };
-        let exp = ExportView { size: 1 << 21, read_only: true, structured: true, meta_context: true };
-        let payload = if kind == CMD_WRITE { len } else { 0 };
+        let req = Request { flags: 0, kind, cookie: 0, offset, len: u64::from(len) };
+        let exp = ExportView { size: 1 << 21, read_only: true, structured: true, extended: false, meta_context: true };
+        let payload = if kind == CMD_WRITE { u64::from(len) } else { 0 };
         prop_assert_eq!(validate(&req, &exp), Err(Rejected { errno: NbdErrno::Perm, payload }));
     }
 
@@ -389,9 +388,9 @@ proptest! {
         len in (MAX_PAYLOAD + 1)..=u32::MAX,
         offset in 0u64..(1 << 20),
     ) {
-        let req = Request { flags: 0, kind, cookie: 0, offset, len };
-        let exp = ExportView { size: 1 << 40, read_only: false, structured: false, meta_context: false };
-        let payload = if kind == CMD_WRITE { len } else { 0 };
+        let req = Request { flags: 0, kind, cookie: 0, offset, len: u64::from(len) };
+        let exp = ExportView { size: 1 << 40, read_only: false, structured: false, extended: false, meta_context: false };
+        let payload = if kind == CMD_WRITE { u64::from(len) } else { 0 };
         prop_assert_eq!(validate(&req, &exp), Err(Rejected { errno: NbdErrno::Overflow, payload }));
     }
 
@@ -403,7 +402,7 @@ proptest! {
         len in any::<u32>(),
         exp in arb_view(),
     ) {
-        let req = Request { flags, kind, cookie: 0, offset, len };
+        let req = Request { flags, kind, cookie: 0, offset, len: u64::from(len) };
         prop_assert_eq!(validate(&req, &exp), Err(Rejected { errno: NbdErrno::Inval, payload: 0 }));
     }
 
@@ -487,7 +486,7 @@ proptest! {
         ],
     ) {
         let mut out = [0xaau8; MAX_REPLY_HEADER];
-        let n = reply_header(&mut out, cmd_is_read, false, cookie, offset, result);
+        let n = reply_header(&mut out, cmd_is_read, Replies::Simple, cookie, offset, result);
         prop_assert_eq!(n, SIMPLE_REPLY_LEN);
         prop_assert_eq!(be32_at(&out, 0), SIMPLE_REPLY_MAGIC);
         prop_assert_eq!(SIMPLE_REPLY_MAGIC, 0x6744_6698);
@@ -502,7 +501,7 @@ proptest! {
         data_len in 0u32..=MAX_PAYLOAD,
     ) {
         let mut out = [0u8; MAX_REPLY_HEADER];
-        let n = reply_header(&mut out, true, true, cookie, offset, Ok(data_len));
+        let n = reply_header(&mut out, true, Replies::Structured, cookie, offset, Ok(data_len));
         prop_assert_eq!(n, 28);
         prop_assert_eq!(be32_at(&out, 0), STRUCTURED_REPLY_MAGIC);
         prop_assert_eq!(u16::from_be_bytes([out[4], out[5]]), REPLY_FLAG_DONE);
@@ -519,7 +518,7 @@ proptest! {
         e in prop::sample::select(ALL_ERRNOS.to_vec()),
     ) {
         let mut out = [0u8; MAX_REPLY_HEADER];
-        let n = reply_header(&mut out, cmd_is_read, true, cookie, 0, Err(e));
+        let n = reply_header(&mut out, cmd_is_read, Replies::Structured, cookie, 0, Err(e));
         prop_assert_eq!(n, 26);
         prop_assert_eq!(be32_at(&out, 0), STRUCTURED_REPLY_MAGIC);
         prop_assert_eq!(u16::from_be_bytes([out[4], out[5]]), REPLY_FLAG_DONE);
@@ -534,7 +533,7 @@ proptest! {
     #[test]
     fn structured_non_read_success_is_a_simple_reply(cookie in any::<u64>(), v in any::<u32>()) {
         let mut out = [0u8; MAX_REPLY_HEADER];
-        let n = reply_header(&mut out, false, true, cookie, 0, Ok(v));
+        let n = reply_header(&mut out, false, Replies::Structured, cookie, 0, Ok(v));
         prop_assert_eq!(n, SIMPLE_REPLY_LEN);
         prop_assert_eq!(be32_at(&out, 0), SIMPLE_REPLY_MAGIC);
         prop_assert_eq!(be32_at(&out, 4), 0);
@@ -694,3 +693,5 @@ fn info_payloads_have_spec_layout() {
     );
     assert_eq!(rep_meta_context(1, "base:allocation")[..4], [0, 0, 0, 1]);
 }
+
+mod ext;
