@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Installs what bench/run needs (Debian/Ubuntu), only when something is missing:
 # fio (with its nbd engine), nbdkit, qemu-nbd, nbdinfo, losetup/fincore, and
-# matplotlib for Debian's /usr/bin/python3 (which bench/run runs under).
+# matplotlib for Debian's /usr/bin/python3 (which bench/run runs under), openssl
+# and setpriv for bench/tls.
 set -euo pipefail
 export PATH="/usr/bin:/usr/sbin:/bin:/sbin:${PATH}"
 
-PACKAGES=(fio nbdkit qemu-utils libnbd-bin python3-libnbd python3-matplotlib util-linux)
+PACKAGES=(fio nbdkit qemu-utils libnbd-bin python3-libnbd python3-matplotlib util-linux openssl)
 missing=()
-for t in fio nbdkit qemu-nbd nbdinfo losetup fincore findmnt; do
+for t in fio nbdkit qemu-nbd nbdinfo losetup fincore findmnt setpriv openssl; do
     command -v "$t" >/dev/null 2>&1 || missing+=("$t")
 done
 /usr/bin/python3 -c "import matplotlib" >/dev/null 2>&1 || missing+=("python3-matplotlib")

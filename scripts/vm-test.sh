@@ -4,7 +4,7 @@
 # needed), runs each test binary inside it as root, and reports.
 #
 #   scripts/vm-test.sh              # all kernel_* suites
-#   scripts/vm-test.sh kernel_x     # only these suites
+#   scripts/vm-test.sh kernel_x     # only these suites (or just x: tls = kernel_tls)
 #
 # Needs what scripts/install-test-deps.sh installs (bookworm-backports kernel,
 # qemu-system-x86, virtme-ng in /opt/loopd-vng). Results (one log and one exit
@@ -58,7 +58,11 @@ else
     done
 fi
 [ "${#suites[@]}" -gt 0 ] || die "no tests/kernel_*.rs suite found"
-for s in "${suites[@]}"; do
+for i in "${!suites[@]}"; do
+    s=${suites[$i]}
+    # A short name (tls) means tests/kernel_tls.rs.
+    [ -e "tests/$s.rs" ] || [ ! -e "tests/kernel_$s.rs" ] || suites[$i]=kernel_$s
+    s=${suites[$i]}
     [ -e "tests/$s.rs" ] || die "no suite tests/$s.rs"
 done
 

@@ -79,6 +79,21 @@ impl NbdDev {
     /// Connects the first free `/dev/nbdN` with `nbd-client -unix SOCK -N NAME
     /// -b BS /dev/nbdN` and waits until the device has its size.
     pub fn connect(o: &NbdClientOpts<'_>) -> NbdDev {
+        let bs = o.block_size.to_string();
+        NbdDev::connect_with(&[
+            OsStr::new("-unix"),
+            o.socket.as_os_str(),
+            OsStr::new("-N"),
+            OsStr::new(o.name),
+            OsStr::new("-b"),
+            OsStr::new(&bs),
+        ])
+    }
+
+    /// Connects the first free `/dev/nbdN` with `nbd-client ARGS... /dev/nbdN`
+    /// (any transport, TLS files, ...; the device goes last) and waits until
+    /// the device has its size.
+    pub fn connect_with(args: &[&OsStr]) -> NbdDev {
         require_module("nbd");
         require_tool("nbd-client");
         let _g = NBD_PICK.lock().unwrap_or_else(|e| e.into_inner());
@@ -91,15 +106,7 @@ impl NbdDev {
             let out = sh_status(
                 KCMD_TIMEOUT,
                 "nbd-client",
-                [
-                    OsStr::new("-unix"),
-                    o.socket.as_os_str(),
-                    OsStr::new("-N"),
-                    OsStr::new(o.name),
-                    OsStr::new("-b"),
-                    OsStr::new(&o.block_size.to_string()),
-                    dev.as_os_str(),
-                ],
+                args.iter().copied().chain([dev.as_os_str()]),
             );
             if !out.success() {
                 // Another process may have taken it between the check and the
@@ -199,8 +206,13 @@ fn nbds_max() -> u32 {
         .unwrap_or(16)
 }
 
+/// The first `/dev/nbdN` that [`nbd_is_free`], if any.
+pub fn first_free_nbd() -> Option<u32> {
+    (0..nbds_max()).find(|&i| nbd_is_free(i))
+}
+
 /// A device is free when no client task holds it (`pid` absent) and it has no size.
-fn nbd_is_free(index: u32) -> bool {
+pub fn nbd_is_free(index: u32) -> bool {
     let base = PathBuf::from(format!("/sys/block/nbd{index}"));
     base.exists()
         && !base.join("pid").exists()
