@@ -63,12 +63,21 @@ impl Conn {
                 }
             }
         };
+        // SAFETY: by this function's contract (or, with TLS, the free tail of
+        // the record layer's ciphertext buffer, which lives in the connection).
+        unsafe { self.push_recv(io, ci, ptr, len) };
+    }
+
+    /// Submit the receive SQE of `len` bytes into `ptr`.
+    ///
+    /// # Safety
+    /// As [`Conn::post_recv`]: the memory stays put until the receive completes.
+    unsafe fn push_recv(&self, io: &mut Io, ci: u32, ptr: *mut u8, len: usize) {
         let len = u32::try_from(len).unwrap_or(u32::MAX);
         let e = opcode::Recv::new(types::Fd(self.sock.as_raw_fd()), ptr, len)
             .build()
             .user_data(ud(TAG_RECV, ci, 0));
-        // SAFETY: by this function's contract (or, with TLS, the free tail of
-        // the record layer's ciphertext buffer, which lives in the connection).
+        // SAFETY: by this function's contract.
         unsafe { io.push(e) };
     }
 
@@ -95,13 +104,9 @@ impl Conn {
                     return Some(-libc::EPROTO);
                 }
                 self.recv_inflight = true;
-                let len = u32::try_from(len).unwrap_or(u32::MAX);
-                let e = opcode::Recv::new(types::Fd(self.sock.as_raw_fd()), ptr, len)
-                    .build()
-                    .user_data(ud(TAG_RECV, ci, 0));
                 // SAFETY: the free tail of the record layer's ciphertext buffer,
                 // which lives in the connection until the receive completes.
-                unsafe { io.push(e) };
+                unsafe { self.push_recv(io, ci, ptr, len) };
                 None
             }
             Err(e) => {

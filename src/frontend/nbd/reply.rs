@@ -17,46 +17,25 @@ impl Conn {
         if self.send_inflight || self.sendq.is_empty() || self.dead {
             return;
         }
-        let mut n_iov = 0;
-        let mut skip = self.front_sent;
-        for (k, &si) in self.sendq.iter().enumerate() {
-            if n_iov + 2 > MAX_IOV {
-                break;
-            }
-            let s = &self.slots[si as usize];
-            if s.spliced() {
-                if k > 0 {
-                    break; // sent on its own, after the replies before it
-                }
-                let Some((pipe, left)) = s.pipe_at(skip) else {
-                    break;
-                };
-                let left = u32::try_from(left).unwrap_or(0);
-                let sock = types::Fd(self.sock.as_raw_fd());
-                let e = opcode::Splice::new(types::Fd(pipe.r.as_raw_fd()), -1, sock, -1, left)
-                    .build()
-                    .user_data(ud(TAG_SEND, ci, 0));
-                self.send_inflight = true;
-                // SAFETY: a splice refers to no memory; the pipe stays in the
-                // slot until the send completes.
-                unsafe { io.push(e) };
+        if let Some(&si) = self.sendq.front()
+            && self.slots[si as usize].spliced()
+        {
+            // Sent on its own, out of its pipes.
+            let Some((pipe, left)) = self.slots[si as usize].pipe_at(self.front_sent) else {
                 return;
-            }
-            for (ptr, len) in [(s.hdr.as_ptr(), s.hdr_len), (s.data_ptr(), s.data_len)] {
-                if skip >= len {
-                    skip -= len;
-                    continue;
-                }
-                // SAFETY: skip < len, so the pointer stays inside the part.
-                let p = unsafe { ptr.add(skip) };
-                self.iov[n_iov] = libc::iovec {
-                    iov_base: p as *mut libc::c_void,
-                    iov_len: len - skip,
-                };
-                skip = 0;
-                n_iov += 1;
-            }
+            };
+            let left = u32::try_from(left).unwrap_or(0);
+            let sock = types::Fd(self.sock.as_raw_fd());
+            let e = opcode::Splice::new(types::Fd(pipe.r.as_raw_fd()), -1, sock, -1, left)
+                .build()
+                .user_data(ud(TAG_SEND, ci, 0));
+            self.send_inflight = true;
+            // SAFETY: a splice refers to no memory; the pipe stays in the
+            // slot until the send completes.
+            unsafe { io.push(e) };
+            return;
         }
+        let n_iov = self.fill_iov();
         if n_iov == 0 {
             return; // nothing sendable (cannot happen: a queued reply has a header)
         }
@@ -81,37 +60,55 @@ impl Conn {
         if self.send_inflight || self.dead {
             return;
         }
+        if self.sendq.is_empty() && !self.tls.as_ref().is_some_and(|t| t.wants_write()) {
+            return;
+        }
+        let n_iov = self.fill_iov();
         let Some(tls) = self.tls.as_mut() else {
             return;
         };
-        if self.sendq.is_empty() && !tls.wants_write() {
-            return;
-        }
-        let mut skip = self.front_sent;
-        let mut parts: Vec<&[u8]> = Vec::with_capacity(MAX_IOV);
-        for &si in self.sendq.iter() {
-            if parts.len() + 2 > MAX_IOV {
-                break;
-            }
-            let s = &self.slots[si as usize];
-            for (ptr, len) in [(s.hdr.as_ptr(), s.hdr_len), (s.data_ptr(), s.data_len)] {
-                if skip >= len {
-                    skip -= len;
-                    continue;
-                }
-                // SAFETY: a queued slot's header and data (its task's buffer or
-                // status descriptors) are `len` bytes at `ptr`, alive while it
-                // is queued; skip < len keeps the slice inside.
-                parts.push(unsafe { std::slice::from_raw_parts(ptr.add(skip), len - skip) });
-                skip = 0;
-            }
-        }
+        let parts = self.iov[..n_iov].iter().map(|v| {
+            // SAFETY: `fill_iov` points each iovec at a queued slot's header or
+            // data (its task's buffer or status descriptors), alive while the
+            // slot is queued, which it is until this send completes.
+            unsafe { std::slice::from_raw_parts(v.iov_base as *const u8, v.iov_len) }
+        });
         if let Err(e) = tls.encrypt(parts) {
             tracing::info!("closing a TLS connection to {:?}: {e}", self.dev.name);
             self.kill(io, ci);
             return;
         }
         self.post_tls_send(io, ci);
+    }
+
+    /// Point `self.iov` at the queued replies' bytes still to send, in order
+    /// (each reply's header and data, less the `front_sent` bytes earlier
+    /// partial sends took), stopping before a spliced reply (sent on its own)
+    /// and at [`MAX_IOV`]; returns how many iovecs are set.
+    fn fill_iov(&mut self) -> usize {
+        let mut n_iov = 0;
+        let mut skip = self.front_sent;
+        for &si in self.sendq.iter() {
+            let s = &self.slots[si as usize];
+            if n_iov + 2 > MAX_IOV || s.spliced() {
+                break;
+            }
+            for (ptr, len) in [(s.hdr.as_ptr(), s.hdr_len), (s.data_ptr(), s.data_len)] {
+                if skip >= len {
+                    skip -= len;
+                    continue;
+                }
+                // SAFETY: skip < len, so the pointer stays inside the part.
+                let p = unsafe { ptr.add(skip) };
+                self.iov[n_iov] = libc::iovec {
+                    iov_base: p as *mut libc::c_void,
+                    iov_len: len - skip,
+                };
+                skip = 0;
+                n_iov += 1;
+            }
+        }
+        n_iov
     }
 
     fn post_tls_send(&mut self, io: &mut Io, ci: u32) {

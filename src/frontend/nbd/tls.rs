@@ -213,9 +213,4 @@ impl TlsIo {
     pub fn wants_write(&self) -> bool {
         self.conn.wants_write()
     }
-
-    /// Queue a close_notify (sent with the next send, if any).
-    pub fn close(&mut self) {
-        self.conn.send_close_notify();
-    }
 }
