@@ -14,11 +14,21 @@ pub struct DeviceSpec {
     pub image: PathBuf,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
-    #[serde(default)]
+    /// Sizes are numbers of bytes, or strings with a suffix (`"1G"`, `"4k"`)
+    /// as on the command line; they are written back as numbers.
+    #[serde(default, deserialize_with = "sizes::bytes")]
     pub offset: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "sizes::opt_bytes"
+    )]
     pub size_limit: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "sizes::opt_block"
+    )]
     pub block_size: Option<u32>,
     /// Advertise the block size as the NBD minimum block size, so clients
     /// refuse unaligned requests themselves; default: minimum 1, the block
@@ -31,7 +41,12 @@ pub struct DeviceSpec {
     pub read_only: bool,
     #[serde(default)]
     pub autoclear: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Create a sparse image of this size if `image` does not exist.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "sizes::opt_bytes"
+    )]
     pub create: Option<u64>,
     /// Let other writers (QEMU, other devices) use the image too (QEMU's
     /// force-share); default: refuse an image another writer holds.
@@ -77,6 +92,73 @@ pub enum Blockdev {
     Nbd,
 }
 
+/// Sizes in config files and requests: a number of bytes or a string such as
+/// `"1G"` or `"1.5M"` (see [`crate::size::parse_size`]).
+mod sizes {
+    use serde::{Deserialize, Deserializer, de::Error};
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Size {
+        Bytes(u64),
+        Text(String),
+    }
+
+    fn value(s: Size) -> Result<u64, String> {
+        match s {
+            Size::Bytes(n) => Ok(n),
+            Size::Text(t) => crate::size::parse_size(&t).map_err(|e| e.to_string()),
+        }
+    }
+
+    pub fn bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+        value(Size::deserialize(d)?).map_err(D::Error::custom)
+    }
+
+    pub fn opt_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+        Option::<Size>::deserialize(d)?
+            .map(value)
+            .transpose()
+            .map_err(D::Error::custom)
+    }
+
+    pub fn opt_block<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+        match opt_bytes(d)? {
+            None => Ok(None),
+            Some(n) => u32::try_from(n)
+                .map(Some)
+                .map_err(|_| D::Error::custom(format!("block size {n} is too large"))),
+        }
+    }
+}
+
 fn is_false(b: &bool) -> bool {
     !*b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_take_numbers_or_suffixed_strings() {
+        let t: DeviceSpec = toml::from_str(
+            "image = \"/a.img\"\noffset = \"1M\"\nsize_limit = \"2G\"\nblock_size = \"4k\"\ncreate = 4096\n",
+        )
+        .unwrap();
+        assert_eq!(t.offset, 1 << 20);
+        assert_eq!(t.size_limit, Some(2 << 30));
+        assert_eq!(t.block_size, Some(4096));
+        assert_eq!(t.create, Some(4096));
+        // Written back as numbers; read back the same.
+        let j = serde_json::to_string(&t).unwrap();
+        assert!(j.contains("\"size_limit\":2147483648"), "{j}");
+        assert_eq!(serde_json::from_str::<DeviceSpec>(&j).unwrap(), t);
+        let e = toml::from_str::<DeviceSpec>("image = \"/a\"\nsize_limit = \"lots\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not a size"), "{e}");
+        let d: DeviceSpec = serde_json::from_str(r#"{"image":"/a"}"#).unwrap();
+        assert_eq!((d.offset, d.size_limit), (0, None));
+    }
 }
