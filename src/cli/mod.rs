@@ -1,6 +1,7 @@
 //! Argument types shared by subcommands, and output formatting (tables, JSON).
 
 pub mod kernel;
+pub mod serve;
 
 use anyhow::{Context, Result};
 use clap::ValueEnum;
