@@ -41,6 +41,9 @@ enum Cmd {
     /// Re-read the server's TLS certificates (as SIGHUP does): new connections
     /// use the new ones; on error the old ones stay in use.
     ReloadTls(ReloadTlsArgs),
+    /// Re-read the TLS certificates and the --config file (as SIGHUP does):
+    /// attach new devices, apply changes, report what needs a detach and attach.
+    Reload(ReloadArgs),
     /// Kernel loop devices (/dev/loopN), set up in one LOOP_CONFIGURE call.
     #[command(subcommand)]
     Kernel(cli::kernel::KernelCmd),
@@ -160,6 +163,15 @@ struct ReloadTlsArgs {
     ctl: ControlArg,
 }
 
+#[derive(clap::Args)]
+struct ReloadArgs {
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    ctl: ControlArg,
+}
+
 fn main() -> std::process::ExitCode {
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -223,6 +235,7 @@ fn run() -> Result<()> {
             println!("TLS certificates reloaded");
             Ok(())
         }
+        Cmd::Reload(a) => cli::reload::print(&call(&a.ctl, &Request::Reload)?, a.json),
         Cmd::Kernel(k) => cli::kernel::run(k),
     }
 }

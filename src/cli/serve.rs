@@ -304,7 +304,24 @@ fn start(
     let d = Daemon::new(Some(state));
     // Before anything is attached or bound: refuse a state file that is another
     // daemon's, or not a state file at all.
-    d.open_state()?;
+    if let Err(e) = d.open_state() {
+        // Two servers on every default path meet first at the state file.
+        if let (daemon::state::StateError::Locked { pid, .. }, None, None) =
+            (&e, &a.state, &a.control)
+        {
+            if let Some(sock) = nbd
+                .as_ref()
+                .filter(|_| a.socket.is_none() && act.nbd.is_empty())
+            {
+                bail!(
+                    "{} is in use by another server (pid {pid}); pass --socket PATH (and \
+                     --control/--state) to run a second one",
+                    sock.display()
+                );
+            }
+        }
+        return Err(e.into());
+    }
     let opts = ServeOptions {
         control: Some(control),
         ..opts0
@@ -330,6 +347,8 @@ fn start(
     let n = Arc::clone(&notifier);
     let on_sighup = Box::new(move |d: &Daemon| {
         n.reloading();
+        // Logged by reload (a config file that does not parse too).
+        let _ = d.reload();
         n.ready(&format!("serving {} devices", d.all().len()));
     });
     let n = Arc::clone(&notifier);
@@ -384,6 +403,7 @@ fn attach_at_start(d: &Daemon, a: &ServeArgs) -> Result<()> {
     }
     if let Some(cfg) = &a.config {
         let specs = super::read_config(cfg)?;
+        d.set_config(cfg, specs.clone());
         let t = std::time::Instant::now();
         let n = specs.len();
         for spec in specs {

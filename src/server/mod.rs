@@ -16,7 +16,7 @@ mod pending;
 pub mod pidfile;
 
 use crate::daemon::control_socket::{self as control, ControlError};
-use crate::daemon::{CtlError, Daemon, Endpoints};
+use crate::daemon::{Daemon, Endpoints};
 use crate::engine::admit::Admission;
 use crate::frontend::nbd::handshake::{Policy, TlsMode};
 use crate::reactor::{self, ReactorError, ReactorHandle};
@@ -302,8 +302,8 @@ pub struct Hooks {
     /// Called once every socket listens and the devices asked for at start
     /// are up, just before the first connection is accepted.
     pub on_ready: Option<ReadyHook>,
-    /// Called on SIGHUP (after the TLS certificates are re-read), on the
-    /// signal thread.
+    /// Called on SIGHUP instead of [`Daemon::reload`], on the signal thread
+    /// (it calls it, and tells the service manager).
     pub on_sighup: Option<SighupHook>,
     /// Called once SIGTERM/SIGINT arrived, before the devices are stopped.
     pub on_stopping: Option<Box<dyn FnOnce()>>,
@@ -445,8 +445,9 @@ pub fn run(
     result
 }
 
-/// SIGHUP re-reads the TLS certificates, then calls `hook` (and never stops
-/// the daemon).
+/// SIGHUP re-reads the TLS certificates and the config file
+/// ([`Daemon::reload`]), or calls `hook`, which does (and never stops the
+/// daemon).
 fn reload_on_sighup(daemon: &Arc<Daemon>, hook: Option<SighupHook>) -> Result<(), ServerError> {
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGHUP])
         .map_err(ServerError::Signals)?;
@@ -455,16 +456,12 @@ fn reload_on_sighup(daemon: &Arc<Daemon>, hook: Option<SighupHook>) -> Result<()
         .name("loopd-sighup".into())
         .spawn(move || {
             for _ in signals.forever() {
-                match daemon.reload_tls() {
-                    Ok(()) => tracing::info!("SIGHUP: TLS certificates reloaded"),
-                    Err(CtlError::TlsOff) => {
-                        tracing::info!("SIGHUP: nothing to reload (TLS is off)")
+                match &hook {
+                    Some(h) => h(&daemon),
+                    // Logged by reload (a config that does not parse too).
+                    None => {
+                        let _ = daemon.reload();
                     }
-                    // Logged by reload_tls.
-                    Err(_) => {}
-                }
-                if let Some(h) = &hook {
-                    h(&daemon);
                 }
             }
         })
