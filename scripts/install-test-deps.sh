@@ -6,9 +6,10 @@
 set -euo pipefail
 
 PACKAGES=(qemu-utils fio nbdkit libnbd-bin python3-libnbd nbd-client e2fsprogs util-linux fdisk openssl
-    fuse3)
+    fuse3 systemd)
 TOOLS=(qemu-io qemu-img qemu-nbd fio nbdkit nbdinfo nbdcopy nbdsh nbd-client nbdfuse
-    mkfs.ext4 e2fsck fstrim sfdisk openssl fusermount3)
+    mkfs.ext4 e2fsck fstrim sfdisk openssl fusermount3
+    systemd-socket-activate)
 # fsx (asomers' fsx-rs, crates.io), pinned; installed into /usr/local/bin.
 FSX_VERSION=0.3.2
 
