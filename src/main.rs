@@ -23,8 +23,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Run the server in the foreground until Ctrl-C/SIGTERM: serve IMAGE (if
-    /// given), the devices of --config and of the state file, and any attached later.
+    /// Run the server until Ctrl-C/SIGTERM (in the background with --fork): serve
+    /// IMAGE (if given), the devices of --config and of the state file, and any
+    /// attached later. SIGHUP re-reads --config and the TLS certificates.
     Serve(Box<cli::serve::ServeArgs>),
     /// Attach an image as a new device of a running server; prints its name and URIs.
     Attach(AttachArgs),

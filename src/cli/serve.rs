@@ -23,7 +23,8 @@ pub struct ServeArgs {
     #[command(flatten)]
     dev: DeviceArgs,
     /// NBD Unix socket to listen on [default: /run/loopd/loopd.sock for root,
-    /// else $XDG_RUNTIME_DIR/loopd/loopd.sock].
+    /// else $XDG_RUNTIME_DIR/loopd/loopd.sock; none when systemd passes NBD
+    /// sockets (LISTEN_FDS, FileDescriptorName=nbd)].
     #[arg(long, value_name = "PATH")]
     socket: Option<PathBuf>,
     /// Mode of the NBD Unix socket, in octal. Connecting needs write permission:
@@ -77,10 +78,12 @@ pub struct ServeArgs {
     #[arg(long, hide = true, value_name = "SECS", default_value_t = 60.0)]
     control_idle_timeout: f64,
     /// TOML file of devices to attach at start ([[device]] tables with image,
-    /// name, offset, size_limit, block_size, cache, read_only, autoclear, shared, format).
+    /// name, offset, size_limit, block_size, cache, read_only, autoclear, shared,
+    /// format); re-read on SIGHUP and `loopd reload`.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
-    /// Control socket (mode 0600) [default: beside the NBD socket, with extension .ctl].
+    /// Control socket (mode 0600) [default: the one systemd passes named
+    /// `control`, else beside the NBD socket, with extension .ctl].
     #[arg(long, value_name = "PATH")]
     control: Option<PathBuf>,
     /// State file: devices attached over the control socket, restored at start;
@@ -333,9 +336,12 @@ fn start(
     }
     d.restore();
     d.run_retrier();
-    let pid_file = match &a.pid_file {
-        Some(p) => Some(PidFile::write(p)?),
-        None => None,
+    let pid_file = match a.pid_file.as_deref().map(PidFile::write).transpose() {
+        Ok(p) => p,
+        Err(e) => {
+            remove_created(&d);
+            return Err(e.into());
+        }
     };
     let n = Arc::clone(&notifier);
     let on_ready = Box::new(move |d: &Daemon| {
