@@ -648,3 +648,46 @@ fn listen_colon_port_reaches_loopback() {
     assert_eq!(nbd_size(&format!("nbd://127.0.0.1:{port}/")), MIB);
     p.stop();
 }
+
+/// An activated TCP socket is an NBD listener too; `NOTIFY_SOCKET` may name
+/// an abstract socket (`@name`).
+#[test]
+fn socket_activation_tcp_and_abstract_notify() {
+    use std::os::linux::net::SocketAddrExt;
+    let dir = tempdir();
+    let img = dir.path().join("t.img");
+    create_sparse_image(&img, 3 * MIB);
+    let name = format!("loopd-test-{}", std::process::id());
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    let rx = UnixDatagram::bind_addr(&addr).expect("bind an abstract datagram socket");
+    rx.set_read_timeout(Some(START)).unwrap();
+    let port = free_port();
+    let mut c = Command::new(require_tool("systemd-socket-activate"));
+    c.arg("-l")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--fdname=nbd")
+        .arg(format!("--setenv=NOTIFY_SOCKET=@{name}"))
+        .arg(loopd_bin())
+        .arg("serve")
+        .arg(&img)
+        .arg("--control")
+        .arg(dir.path().join("t.ctl"))
+        .arg("--state")
+        .arg(dir.path().join("t.state"));
+    let mut p = Proc::spawn(c);
+    let uri = format!("nbd://127.0.0.1:{port}/");
+    let deadline = Instant::now() + START;
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "systemd-socket-activate did not listen"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(nbd_size(&uri), 3 * MIB);
+    assert_eq!(p.wait_line("nbd://"), format!("nbd://127.0.0.1:{port}/t"));
+    let mut buf = [0u8; 4096];
+    let n = rx.recv(&mut buf).expect("READY=1 on the abstract socket");
+    assert!(buf[..n].starts_with(b"READY=1\n"));
+    p.stop();
+}
