@@ -84,8 +84,8 @@ fail() {
     if [ -n "$SD" ]; then
         echo "---- systemctl status loopd.service loopd.socket loopd-control.socket"
         c systemctl --no-pager -l status loopd.service loopd.socket loopd-control.socket
-        echo "---- journal of loopd.service"
-        c journalctl --no-pager -o short-monotonic -u loopd.service -u loopd.socket -u loopd-control.socket
+        echo "---- journal of the loopd units (last 60 lines)"
+        c journalctl --no-pager -o short-monotonic -n 60 -u loopd.service -u loopd.socket -u loopd-control.socket
         echo "---- systemctl --failed"
         c systemctl --no-pager --failed
         kill -KILL "$SD" 2>/dev/null
@@ -165,6 +165,7 @@ for _ in $(seq 1 300); do
 done
 case $state in running | degraded) ;; *) fail "systemd not up after 300 s (state '$state')" ;; esac
 ok "systemd is up ($state) after $(($(date +%s) - t0)) s"
+T=120 c systemctl start systemd-journald.socket systemd-journald.service || fail "cannot start journald"
 T=30 c systemctl is-active systemd-journald.service >/dev/null || fail "journald is not running"
 
 # --- 1. sockets first, no service ---------------------------------------------
