@@ -255,7 +255,8 @@ fn run() -> Result<()> {
         }
         Cmd::Kernel(k) => cli::kernel::run(k),
         Cmd::Completions(a) => {
-            cli::generate::completions(&Cli::command(), a.shell, &mut std::io::stdout().lock());
+            let script = cli::generate::completions(&Cli::command(), a.shell);
+            std::io::Write::write_all(&mut std::io::stdout().lock(), &script)?;
             Ok(())
         }
         Cmd::Man(a) => {

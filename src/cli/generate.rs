@@ -10,7 +10,6 @@ use clap::Command;
 use clap_complete::Shell;
 use clap_mangen::Man;
 use clap_mangen::roff::{Roff, bold, italic, roman};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// The name users type; completions are registered for it.
@@ -133,10 +132,13 @@ fn visible(cmd: &Command) -> Command {
     )
 }
 
-/// Write the completion script for `shell` to `out`.
-pub fn completions(cmd: &Command, shell: Shell, out: &mut dyn Write) {
+/// The completion script for `shell`. (Returned, not written: clap_complete
+/// panics on a write error, e.g. a closed pipe.)
+pub fn completions(cmd: &Command, shell: Shell) -> Vec<u8> {
     let mut c = visible(cmd).disable_help_subcommand(true);
-    clap_complete::generate(shell, &mut c, BIN, out);
+    let mut out = Vec::new();
+    clap_complete::generate(shell, &mut c, BIN, &mut out);
+    out
 }
 
 /// Write `loopd.1` and one page per visible subcommand into `dir` (created if
@@ -276,9 +278,7 @@ mod tests {
     }
 
     fn bash() -> String {
-        let mut out = Vec::new();
-        completions(&sample(), Shell::Bash, &mut out);
-        String::from_utf8(out).expect("utf-8 script")
+        String::from_utf8(completions(&sample(), Shell::Bash)).expect("utf-8 script")
     }
 
     #[test]
