@@ -10,7 +10,8 @@
 #      demand, reaches active (Type=notify: only after READY=1) and serves the
 #      export of devices.toml;
 #   3. a device added to devices.toml + `systemctl reload loopd`: `loopd list`
-#      shows it and the journal shows the reload;
+#      shows it and the journal shows the reload; `loopd attach --blockdev ublk`
+#      and `--blockdev nbd` work under the unit's hardening;
 #   4. `systemctl stop loopd.service` alone leaves the sockets in place, and a
 #      `loopd` command starts the service again;
 #   5. `systemctl stop loopd.service loopd.socket loopd-control.socket`: no loopd
@@ -201,6 +202,21 @@ is_state loopd.service active || fail "loopd.service is $(active_state loopd.ser
 ok "systemctl reload: device b attached, same process, reload in the journal:"
 c journalctl --no-pager -u loopd.service | grep -i reload
 T=60 c "$LOOPD" attach --name c "$IMG/c.img" >/dev/null || fail "loopd attach c"
+# The hardening (DevicePolicy=closed, capabilities, address families) still
+# lets the service make ublk and kernel NBD block devices.
+for kind in ublk nbd; do
+    truncate -s 16M "$IMG/$kind.img"
+    printf 'loopd-systemd-%s' "$kind" | dd of="$IMG/$kind.img" conv=notrunc status=none
+    out=$(T=120 c "$LOOPD" attach --name "$kind" --blockdev "$kind" "$IMG/$kind.img" 2>&1) ||
+        fail "loopd attach --blockdev $kind under loopd.service: $out"
+    dev=$(printf '%s\n' "$out" | grep '^/dev/' | head -n 1)
+    [ -n "$dev" ] || fail "attach --blockdev $kind printed no device: $out"
+    want="loopd-systemd-$kind"
+    got=$(T=60 c dd if="$dev" bs=4096 count=1 iflag=direct status=none | head -c "${#want}")
+    [ "$got" = "$want" ] || fail "$dev reads '$got', not '$want'"
+    T=120 c "$LOOPD" detach "$kind" >/dev/null || fail "loopd detach $kind"
+    ok "attach --blockdev $kind under loopd.service: $dev reads the image"
+done
 
 # --- 4. stopping the service keeps the sockets ------------------------------------
 T=120 c systemctl stop loopd.service || fail "systemctl stop loopd.service"
@@ -229,7 +245,8 @@ ok "systemctl stop: no loopd process, no socket file; the state file is kept"
 
 echo "---- journal of loopd.service"
 c journalctl --no-pager -o short-monotonic -u loopd.service
-T=30 c systemctl --no-block poweroff
+# In a container, exit.target makes systemd exit.
+T=30 c systemctl --no-block start exit.target
 for _ in $(seq 1 30); do kill -0 "$SD" 2>/dev/null || break; sleep 1; done
 kill -KILL "$SD" 2>/dev/null
 wait "$US" 2>/dev/null
