@@ -195,6 +195,14 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     // taken before anything else (and before any thread starts).
     let act = activation::take()?;
     let notifier = Arc::new(Notifier::from_env()?);
+    // A SIGHUP during start-up (`systemctl reload` racing the start) must not
+    // kill the daemon: its default action is replaced at once. The server
+    // reloads on SIGHUP once it runs; the files are read at start anyway.
+    signal_hook::flag::register(
+        signal_hook::consts::SIGHUP,
+        Arc::new(std::sync::atomic::AtomicBool::new(false)),
+    )
+    .context("cannot set up signal handling")?;
     if let Some(p) = &a.pid_file {
         pidfile::check(p)?;
     }
@@ -204,8 +212,13 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
         *ready_pipe.borrow_mut() = Some(daemonize::fork()?);
     }
     let r = start(a, act, Arc::clone(&notifier), Rc::clone(&ready_pipe));
-    if let (Err(e), Some(p)) = (&r, ready_pipe.borrow_mut().as_mut()) {
-        p.fail(&format!("{e:#}"));
+    if let Err(e) = &r {
+        let msg = format!("{e:#}");
+        // `systemctl status` shows it beside the exit code.
+        notifier.send(&format!("STATUS=failed: {}", msg.replace('\n', " ")));
+        if let Some(p) = ready_pipe.borrow_mut().as_mut() {
+            p.fail(&msg);
+        }
     }
     r
 }
