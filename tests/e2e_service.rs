@@ -442,6 +442,17 @@ fn reload_command_prints_the_report() {
     assert_eq!(j.at("unchanged").arr()[0].str(), "b", "{out}");
     assert_eq!(j.at("tls").str(), "off");
 
+    // A device that cannot be attached: reported, and the command fails.
+    write_config(&cfg, &[("a.img", ""), ("b.img", ""), ("gone.img", "")]);
+    let out = ctl(&control, &["reload"]);
+    assert!(!out.success(), "{out}");
+    assert!(out.stdout.contains("failed: gone: cannot attach"), "{out}");
+    assert!(
+        out.stderr
+            .contains("the reload could not attach or change 1 device(s)"),
+        "{out}"
+    );
+
     std::fs::write(&cfg, "[[device]\nimage = ").unwrap();
     let out = ctl(&control, &["reload"]);
     assert!(!out.success(), "{out}");
