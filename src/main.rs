@@ -3,7 +3,7 @@
 mod cli;
 
 use anyhow::{Result, bail};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use cli::{Cache, DeviceArgs};
 use loopd::control::client;
 use loopd::control::proto::{Request, SetSpec};
@@ -48,7 +48,37 @@ enum Cmd {
     /// Kernel loop devices (/dev/loopN), set up in one LOOP_CONFIGURE call.
     #[command(subcommand)]
     Kernel(cli::kernel::KernelCmd),
+    /// Print a shell completion script, e.g. `loopd completions bash >
+    /// /usr/share/bash-completion/completions/loopd`.
+    Completions(CompletionsArgs),
+    /// Write the man pages (loopd.1 and one per subcommand) into a directory.
+    #[command(hide = true)]
+    Man(ManArgs),
 }
+
+#[derive(clap::Args)]
+struct CompletionsArgs {
+    /// The shell.
+    #[arg(value_enum)]
+    shell: clap_complete::Shell,
+}
+
+#[derive(clap::Args)]
+struct ManArgs {
+    /// Directory to write the pages into (created if missing).
+    #[arg(long, value_name = "DIR")]
+    out_dir: PathBuf,
+}
+
+/// The exit codes, for the man page's EXIT STATUS.
+const EXIT_STATUS: &[(u8, &str)] = &[
+    (0, "Success."),
+    (
+        1,
+        "An error: the message on standard error says what failed.",
+    ),
+    (2, "Wrong usage: an unknown option or a missing argument."),
+];
 
 /// Where client commands find the server.
 #[derive(clap::Args)]
@@ -238,6 +268,17 @@ fn run() -> Result<()> {
         }
         Cmd::Reload(a) => cli::reload::print(&call(&a.ctl, &Request::Reload)?, a.json),
         Cmd::Kernel(k) => cli::kernel::run(k),
+        Cmd::Completions(a) => {
+            let script = cli::generate::completions(&Cli::command(), a.shell);
+            std::io::Write::write_all(&mut std::io::stdout().lock(), &script)?;
+            Ok(())
+        }
+        Cmd::Man(a) => {
+            for p in cli::generate::man_pages(&Cli::command(), &a.out_dir, EXIT_STATUS)? {
+                println!("{}", p.display());
+            }
+            Ok(())
+        }
     }
 }
 

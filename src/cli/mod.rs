@@ -1,5 +1,6 @@
 //! Argument types shared by subcommands, and output formatting (tables, JSON).
 
+pub mod generate;
 pub mod kernel;
 pub mod reload;
 pub mod serve;
