@@ -357,7 +357,10 @@ fn start(
         }
     };
     let n = Arc::clone(&notifier);
+    let ready = Rc::new(std::cell::Cell::new(false));
+    let was_ready = Rc::clone(&ready);
     let on_ready = Box::new(move |d: &Daemon| {
+        was_ready.set(true);
         n.ready(&format!("serving {} devices", d.all().len()));
         if let Some(p) = ready_pipe.borrow_mut().as_mut() {
             p.ready();
@@ -376,9 +379,12 @@ fn start(
         on_sighup: Some(on_sighup),
         on_stopping: Some(Box::new(move || n.stopping())),
     };
-    server::run(d, bound, &opts, hooks)?;
+    let r = server::run(Arc::clone(&d), bound, &opts, hooks);
+    if r.is_err() && !ready.get() {
+        remove_created(&d);
+    }
     drop(pid_file);
-    Ok(())
+    Ok(r?)
 }
 
 /// Remove the images that attaches at start created (`create`), after a
