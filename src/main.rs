@@ -2,8 +2,8 @@
 
 mod cli;
 
-use anyhow::{Result, bail};
-use clap::{Parser, Subcommand};
+use anyhow::Result;
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use cli::{Cache, DeviceArgs};
 use loopd::control::client;
 use loopd::control::proto::{Request, SetSpec};
@@ -88,6 +88,9 @@ struct DetachArgs {
     /// says how many still wait for a backing file that does not answer, after 5 s).
     #[arg(long)]
     force: bool,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
     #[command(flatten)]
     ctl: ControlArg,
 }
@@ -156,22 +159,37 @@ struct ResizeArgs {
 
 #[derive(clap::Args)]
 struct ReloadTlsArgs {
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
     #[command(flatten)]
     ctl: ControlArg,
 }
 
+/// The command line definition, with the exit status table after `--help`.
+fn command() -> clap::Command {
+    Cli::command().after_help(cli::exit::TABLE)
+}
+
 fn main() -> std::process::ExitCode {
-    match run() {
+    // Client commands die quietly on a closed pipe (`loopd list | head -1`),
+    // like other Unix tools; `serve` goes back to ignoring SIGPIPE.
+    cli::exit::default_sigpipe();
+    let m = match command().try_get_matches() {
+        Ok(m) => m,
+        Err(e) => return cli::exit::usage(e),
+    };
+    let json = cli::exit::wants_json(&m);
+    let outcome = Cli::from_arg_matches(&m)
+        .map_err(anyhow::Error::from)
+        .and_then(run);
+    match outcome {
         Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            // One line with the whole cause chain; no backtrace noise.
-            eprintln!("loopd: error: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
+        Err(e) => std::process::ExitCode::from(cli::exit::report(&e, json)),
     }
 }
 
-fn run() -> Result<()> {
+fn run(cli: Cli) -> Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
@@ -181,9 +199,11 @@ fn run() -> Result<()> {
         .with_target(false)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Serve(a) => cli::serve::serve(*a),
+        Cmd::Serve(a) => {
+            cli::exit::ignore_sigpipe();
+            cli::serve::serve(*a)
+        }
         Cmd::Attach(a) => {
             let mut spec = a.dev.spec(a.image);
             spec.autoclear = a.autoclear;
@@ -191,15 +211,14 @@ fn run() -> Result<()> {
             cli::print_device(&v, a.json)
         }
         Cmd::Detach(a) => {
-            call(
+            let v = call(
                 &a.ctl,
                 &Request::Detach {
                     name: a.name.clone(),
                     force: a.force,
                 },
             )?;
-            println!("detached {}", a.name);
-            Ok(())
+            cli::print_done(&v, a.json, &format!("detached {}", a.name))
         }
         Cmd::List(a) => cli::print_list(&call(&a.ctl, &Request::List)?, a.json),
         Cmd::Status(a) => {
@@ -219,9 +238,8 @@ fn run() -> Result<()> {
         }
         Cmd::Resize(a) => cli::print_set(&call(&a.ctl, &Request::Resize { name: a.name })?, a.json),
         Cmd::ReloadTls(a) => {
-            call(&a.ctl, &Request::ReloadTls)?;
-            println!("TLS certificates reloaded");
-            Ok(())
+            let v = call(&a.ctl, &Request::ReloadTls)?;
+            cli::print_done(&v, a.json, "TLS certificates reloaded")
         }
         Cmd::Kernel(k) => cli::kernel::run(k),
     }
@@ -231,9 +249,6 @@ fn run() -> Result<()> {
 fn call(ctl: &ControlArg, req: &Request) -> Result<serde_json::Value> {
     match client::call(&ctl.path(), req)? {
         Ok(v) => Ok(v),
-        Err(e) => {
-            let code = serde_json::to_value(e.code).unwrap_or_default();
-            bail!("{} ({})", e.message, code.as_str().unwrap_or("error"))
-        }
+        Err(e) => Err(cli::exit::DaemonError(e).into()),
     }
 }

@@ -1556,7 +1556,22 @@ pub fn error_code(out: &Out) -> Option<String> {
     Some(inner[open + 1..].to_string())
 }
 
-/// Asserts a client command failed with a non-zero exit status and the
+/// The exit status `loopd` documents (in `--help` and the README) for a
+/// failure with machine code `code`.
+pub fn exit_status_for(code: &str) -> i32 {
+    match code {
+        "usage" => 2,
+        "not_running" | "shutting_down" => 3,
+        "not_found" => 4,
+        "busy" => 5,
+        "name_taken" => 6,
+        "invalid" | "bad_request" | "unsupported_version" => 7,
+        "unavailable" => 8,
+        _ => 1,
+    }
+}
+
+/// Asserts a client command failed with the exit status of `code` and the
 /// machine code `code` at the end of its error message.
 #[track_caller]
 pub fn assert_ctl_error(out: &Out, code: &str) {
@@ -1566,8 +1581,8 @@ pub fn assert_ctl_error(out: &Out, code: &str) {
     );
     assert_eq!(
         out.status.code(),
-        Some(1),
-        "expected exit status 1 for a daemon error:\n{out}"
+        Some(exit_status_for(code)),
+        "wrong exit status for ({code}):\n{out}"
     );
     assert!(
         out.stderr.contains("loopd: error:"),
