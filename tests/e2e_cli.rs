@@ -178,3 +178,43 @@ fn help_documents_exit_statuses() {
     let text = reactors.join("");
     assert_eq!(text.matches("default").count(), 1, "{text}");
 }
+
+/// Names, images and socket paths with spaces: the printed URIs are
+/// percent-encoded and nbdinfo opens them.
+#[test]
+fn uris_with_spaces_work() {
+    let dir = tempdir();
+    let sockdir = dir.path().join("with space");
+    std::fs::create_dir(&sockdir).expect("mkdir");
+    let sock = sockdir.join("loopd.sock");
+    let srv = Server::daemon().socket_path(&sock).start();
+    let img = dir.path().join("my disk.img");
+    create_sparse_image(&img, 3 * MIB);
+    let enc_sock = format!("{}/with%20space/loopd.sock", dir.path().display());
+
+    // The name from the file stem: `my disk`.
+    let out = srv.ctl_ok(&["attach", path_str(&img), "--shared"]);
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(lines[0], "my disk", "{out}");
+    let want = format!("nbd+unix:///my%20disk?socket={enc_sock}");
+    assert!(lines.contains(&want.as_str()), "want {want}:\n{out}");
+    assert_eq!(nbd_size(&want), 3 * MIB);
+
+    // An explicit name with a space, and one with URI delimiters.
+    for (name, enc) in [("a b", "a%20b"), ("x#z&1%", "x%23z%261%25")] {
+        let j = srv.ctl_json(&["attach", path_str(&img), "--shared", "--name", name]);
+        let want = format!("nbd+unix:///{enc}?socket={enc_sock}");
+        let uris: Vec<&str> = j.at("uris").arr().iter().map(Json::str).collect();
+        assert_eq!(uris, vec![want.as_str()], "{j:?}");
+        assert_eq!(nbd_size(&want), 3 * MIB, "{name}");
+        let out = run("nbdinfo", ["--json", &want]);
+        let info = Json::parse_first_object(&out.stdout);
+        assert_eq!(info.at("exports").arr()[0].at("export-name").str(), name);
+    }
+    // The status output carries the same URIs.
+    let j = srv.ctl_json(&["status", "a b"]);
+    assert_eq!(
+        j.at("uris").arr()[0].str(),
+        format!("nbd+unix:///a%20b?socket={enc_sock}")
+    );
+}

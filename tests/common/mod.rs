@@ -1170,7 +1170,11 @@ impl Server {
 
     /// A Unix URI for another export name on the same socket.
     pub fn uri_for_name(&self, name: &str) -> String {
-        format!("nbd+unix:///{name}?socket={}", self.socket().display())
+        format!(
+            "nbd+unix:///{}?socket={}",
+            pct(name),
+            pct(&self.socket().display().to_string())
+        )
     }
 
     /// `nbd://127.0.0.1:PORT/NAME`
@@ -1179,7 +1183,7 @@ impl Server {
         if self.name.is_empty() {
             format!("nbd://127.0.0.1:{port}")
         } else {
-            format!("nbd://127.0.0.1:{port}/{}", self.name)
+            format!("nbd://127.0.0.1:{port}/{}", pct(&self.name))
         }
     }
 
@@ -1554,6 +1558,20 @@ pub fn error_code(out: &Out) -> Option<String> {
     let inner = line.strip_suffix(')')?;
     let open = inner.rfind('(')?;
     Some(inner[open + 1..].to_string())
+}
+
+/// Percent-encodes `s` for an NBD URI (every byte but RFC 3986's unreserved
+/// ones and `/`), written here independently of loopd's encoder.
+pub fn pct(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
 }
 
 /// The exit status `loopd` documents (in `--help` and the README) for a
