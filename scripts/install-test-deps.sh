@@ -5,10 +5,13 @@
 # Idempotent: does nothing when every tool is already present.
 set -euo pipefail
 
+# man-db and systemd: tests/e2e_install.rs (man -l, systemd-analyze verify) and
+# scripts/vm-systemd-test.sh (the host's systemd runs the units in the VM).
 PACKAGES=(qemu-utils fio nbdkit libnbd-bin python3-libnbd nbd-client e2fsprogs util-linux fdisk openssl
-    fuse3)
+    fuse3 man-db systemd)
 TOOLS=(qemu-io qemu-img qemu-nbd fio nbdkit nbdinfo nbdcopy nbdsh nbd-client nbdfuse
-    mkfs.ext4 e2fsck fstrim sfdisk openssl fusermount3)
+    mkfs.ext4 e2fsck fstrim sfdisk openssl fusermount3 man systemd-analyze systemctl
+    systemd-socket-activate)
 # fsx (asomers' fsx-rs, crates.io), pinned; installed into /usr/local/bin.
 FSX_VERSION=0.3.2
 

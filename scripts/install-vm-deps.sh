@@ -25,7 +25,8 @@ die() {
 
 # The newest installed 6.12 kernel, or nothing.
 newest_kernel() {
-    ls -1 /boot/vmlinuz-6.12* 2>/dev/null | sort -V | tail -n 1
+    # (ls fails when there is none: not an error here, under pipefail.)
+    { ls -1 /boot/vmlinuz-6.12* 2>/dev/null || true; } | sort -V | tail -n 1
 }
 
 # Whether kernel image $1 has its ublk_drv and nbd modules installed.

@@ -22,6 +22,9 @@ cargo test --release --no-fail-fast
 echo "== kernel-side tests (scripts/vm-test.sh: one VM boot, every tests/kernel_*.rs)"
 scripts/vm-test.sh
 
+echo "== systemd units under systemd (scripts/vm-systemd-test.sh: socket activation, reload, stop, in the VM)"
+scripts/vm-systemd-test.sh
+
 echo "== fuzz smoke (every parser of untrusted bytes, ${FUZZ_SECONDS:-20}s each)"
 scripts/fuzz-smoke.sh "${FUZZ_SECONDS:-20}"
 

@@ -23,8 +23,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Run the server in the foreground until Ctrl-C/SIGTERM: serve IMAGE (if
-    /// given), the devices of --config and of the state file, and any attached later.
+    /// Run the server until Ctrl-C/SIGTERM (in the background with --fork): serve
+    /// IMAGE (if given), the devices of --config and of the state file, and any
+    /// attached later. SIGHUP re-reads --config and the TLS certificates.
     Serve(Box<cli::serve::ServeArgs>),
     /// Attach an image as a new device of a running server; prints its name and URIs.
     Attach(AttachArgs),
@@ -41,9 +42,32 @@ enum Cmd {
     /// Re-read the server's TLS certificates (as SIGHUP does): new connections
     /// use the new ones; on error the old ones stay in use.
     ReloadTls(ReloadTlsArgs),
+    /// Re-read the TLS certificates and the --config file (as SIGHUP does):
+    /// attach new devices, apply changes, report what needs a detach and attach.
+    Reload(ReloadArgs),
     /// Kernel loop devices (/dev/loopN), set up in one LOOP_CONFIGURE call.
     #[command(subcommand)]
     Kernel(cli::kernel::KernelCmd),
+    /// Print a shell completion script, e.g. `loopd completions bash >
+    /// /usr/share/bash-completion/completions/loopd`.
+    Completions(CompletionsArgs),
+    /// Write the man pages (loopd.1 and one per subcommand) into a directory.
+    #[command(hide = true)]
+    Man(ManArgs),
+}
+
+#[derive(clap::Args)]
+struct CompletionsArgs {
+    /// The shell.
+    #[arg(value_enum)]
+    shell: clap_complete::Shell,
+}
+
+#[derive(clap::Args)]
+struct ManArgs {
+    /// Directory to write the pages into (created if missing).
+    #[arg(long, value_name = "DIR")]
+    out_dir: PathBuf,
 }
 
 /// Where client commands find the server.
@@ -166,9 +190,18 @@ struct ReloadTlsArgs {
     ctl: ControlArg,
 }
 
+#[derive(clap::Args)]
+struct ReloadArgs {
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    ctl: ControlArg,
+}
+
 /// The command line definition, with the exit status table after `--help`.
 fn command() -> clap::Command {
-    Cli::command().after_help(cli::exit::TABLE)
+    Cli::command().after_help(cli::exit::help_text())
 }
 
 fn main() -> std::process::ExitCode {
@@ -241,7 +274,19 @@ fn run(cli: Cli) -> Result<()> {
             let v = call(&a.ctl, &Request::ReloadTls)?;
             cli::print_done(&v, a.json, "TLS certificates reloaded")
         }
+        Cmd::Reload(a) => cli::reload::print(&call(&a.ctl, &Request::Reload)?, a.json),
         Cmd::Kernel(k) => cli::kernel::run(k),
+        Cmd::Completions(a) => {
+            let script = cli::generate::completions(&Cli::command(), a.shell);
+            std::io::Write::write_all(&mut std::io::stdout().lock(), &script)?;
+            Ok(())
+        }
+        Cmd::Man(a) => {
+            for p in cli::generate::man_pages(&Cli::command(), &a.out_dir, cli::exit::STATUSES)? {
+                println!("{}", p.display());
+            }
+            Ok(())
+        }
     }
 }
 

@@ -28,22 +28,47 @@ pub const NAME_TAKEN: u8 = 6;
 pub const INVALID: u8 = 7;
 pub const UNAVAILABLE: u8 = 8;
 
-/// The exit status table, for `--help`.
-pub const TABLE: &str = "\
-Exit status:
-  0  success
-  1  I/O, internal or other error (io, direct_refused, internal)
-  2  usage: bad command line (usage)
-  3  the daemon is not running or is shutting down (not_running, shutting_down)
-  4  no such device (not_found)
-  5  clients are connected; the change needs --force (busy)
-  6  a device with that name exists (name_taken)
-  7  a value is out of range or the request is malformed (invalid, bad_request,
-     unsupported_version)
-  8  the kernel lacks what is needed: a module, a permission, a limit (unavailable)
+/// The exit statuses and what they mean (for `--help` and the man page's
+/// EXIT STATUS).
+pub const STATUSES: &[(u8, &str)] = &[
+    (OK, "success"),
+    (
+        OTHER,
+        "I/O, internal or other error (io, direct_refused, internal)",
+    ),
+    (USAGE, "usage: bad command line (usage)"),
+    (
+        NOT_RUNNING,
+        "the daemon is not running or is shutting down (not_running, shutting_down)",
+    ),
+    (NOT_FOUND, "no such device (not_found)"),
+    (
+        BUSY,
+        "clients are connected; the change needs --force (busy)",
+    ),
+    (NAME_TAKEN, "a device with that name exists (name_taken)"),
+    (
+        INVALID,
+        "a value is out of range or the request is malformed (invalid, bad_request, unsupported_version)",
+    ),
+    (
+        UNAVAILABLE,
+        "the kernel lacks what is needed: a module, a permission, a limit (unavailable)",
+    ),
+];
 
-With --json, a failure also prints {\"error\":{\"code\":\"…\",\"message\":\"…\"}} on stdout.
-LOOPD_LOG sets the log filter (e.g. LOOPD_LOG=debug; default info).";
+/// The text after `loopd --help`: exit statuses, `--json` errors, LOOPD_LOG.
+pub fn help_text() -> String {
+    let mut s = String::from("Exit status:\n");
+    for (n, what) in STATUSES {
+        s.push_str(&format!("  {n}  {what}\n"));
+    }
+    s.push_str(
+        "\nWith --json, a failure also prints {\"error\":{\"code\":\"…\",\"message\":\"…\"}} on stdout.\n\
+         LOOPD_LOG sets the log filter (e.g. LOOPD_LOG=debug; default info).",
+    );
+    s
+}
 
 /// The protocol's name for a code (as it appears on the wire).
 pub fn code_str(c: ErrorCode) -> &'static str {

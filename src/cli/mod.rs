@@ -1,10 +1,12 @@
 //! Argument types shared by subcommands, and output formatting (tables, JSON).
 
 pub mod exit;
+pub mod generate;
 pub mod kernel;
+pub mod reload;
 pub mod serve;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::ValueEnum;
 use loopd::backing::format::ImageFormat;
 use loopd::control::proto::DeviceSpec;
@@ -167,33 +169,9 @@ impl DeviceArgs {
     }
 }
 
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ConfigFile {
-    #[serde(default)]
-    device: Vec<DeviceSpec>,
-}
-
 /// Read a `--config` file: `[[device]]` tables.
 pub fn read_config(path: &Path) -> Result<Vec<DeviceSpec>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let c: ConfigFile = toml::from_str(&text)
-        .with_context(|| format!("{} is not a valid config file", path.display()))?;
-    // Relative image paths are relative to the config file's directory.
-    let base = std::path::absolute(path)?
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_default();
-    Ok(c.device
-        .into_iter()
-        .map(|mut d| {
-            if d.image.is_relative() {
-                d.image = base.join(&d.image);
-            }
-            d
-        })
-        .collect())
+    Ok(loopd::daemon::config::read(path)?)
 }
 
 fn s(v: &Value, k: &str) -> String {

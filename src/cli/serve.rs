@@ -5,8 +5,15 @@ use super::DeviceArgs;
 use anyhow::{Context, Result, bail};
 use loopd::daemon::{self, Daemon};
 use loopd::frontend::nbd::handshake::TlsMode;
-use loopd::server::{self, ServeOptions};
+use loopd::server::activation::{self, Activated};
+use loopd::server::daemonize::{self, ReadyPipe};
+use loopd::server::notify::Notifier;
+use loopd::server::pidfile::{self, PidFile};
+use loopd::server::{self, Hooks, ServeOptions};
+use std::cell::RefCell;
 use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::Arc;
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
@@ -16,7 +23,8 @@ pub struct ServeArgs {
     #[command(flatten)]
     dev: DeviceArgs,
     /// NBD Unix socket to listen on [default: /run/loopd/loopd.sock for root,
-    /// else $XDG_RUNTIME_DIR/loopd/loopd.sock].
+    /// else $XDG_RUNTIME_DIR/loopd/loopd.sock; none when systemd passes NBD
+    /// sockets (LISTEN_FDS, FileDescriptorName=nbd)].
     #[arg(long, value_name = "PATH")]
     socket: Option<PathBuf>,
     /// Mode of the NBD Unix socket, in octal. Connecting needs write permission:
@@ -27,10 +35,11 @@ pub struct ServeArgs {
     /// --socket-mode 660.
     #[arg(long, value_name = "GROUP")]
     socket_group: Option<String>,
-    /// Also (or only) listen on TCP, e.g. 127.0.0.1:10809 (NBD's port). Repeatable.
-    /// Without --tls require any host that reaches the address can use the
-    /// devices, so loopd warns unless it is a loopback address.
-    #[arg(long, value_name = "HOST:PORT")]
+    /// Also (or only) listen on TCP: HOST:PORT, HOST (NBD's port 10809), :PORT
+    /// (every IPv4 address), [IPV6]:PORT. Repeatable. Without --tls require any
+    /// host that reaches the address can use the devices, so loopd warns unless
+    /// it is a loopback address.
+    #[arg(long, value_name = "HOST:PORT", value_parser = parse_listen)]
     listen: Vec<String>,
     /// TLS for NBD clients (STARTTLS), as nbdkit's --tls: `off`; `on` offers it
     /// and lets clients choose; `require` refuses every option but STARTTLS
@@ -69,10 +78,12 @@ pub struct ServeArgs {
     #[arg(long, hide = true, value_name = "SECS", default_value_t = 60.0)]
     control_idle_timeout: f64,
     /// TOML file of devices to attach at start ([[device]] tables with image,
-    /// name, offset, size_limit, block_size, cache, read_only, autoclear, shared, format).
+    /// name, offset, size_limit, block_size, cache, read_only, autoclear, shared,
+    /// format); re-read on SIGHUP and `loopd reload`.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
-    /// Control socket (mode 0600) [default: beside the NBD socket, with extension .ctl].
+    /// Control socket (mode 0600) [default: the one systemd passes named
+    /// `control`, else beside the NBD socket, with extension .ctl].
     #[arg(long, value_name = "PATH")]
     control: Option<PathBuf>,
     /// State file: devices attached over the control socket, restored at start;
@@ -81,6 +92,15 @@ pub struct ServeArgs {
     /// the control socket's file stem].
     #[arg(long, value_name = "FILE")]
     state: Option<PathBuf>,
+    /// Write the daemon's pid to FILE once it serves; removed at exit. A pid file
+    /// a running loopd holds is refused.
+    #[arg(long, value_name = "FILE")]
+    pid_file: Option<PathBuf>,
+    /// Run in the background (for scripts without systemd): return once the
+    /// daemon serves (sockets bound, devices attached and restored), or print
+    /// its start-up error and exit non-zero. Best with --pid-file.
+    #[arg(long)]
+    fork: bool,
     /// Reactor threads, each with its own io_uring [default: one per core].
     #[arg(long, value_name = "N", default_value = "0", hide_default_value = true)]
     reactors: usize,
@@ -157,6 +177,11 @@ fn warn_old_default_state(control: &std::path::Path, state: &std::path::Path) {
     }
 }
 
+/// `--listen`: normalized to `HOST:PORT`.
+fn parse_listen(s: &str) -> Result<String, String> {
+    server::listen::normalize_listen(s).map_err(|e| e.to_string())
+}
+
 /// An octal file mode (`600`, `0660`).
 fn parse_mode(s: &str) -> Result<u32, String> {
     match u32::from_str_radix(s, 8) {
@@ -165,7 +190,55 @@ fn parse_mode(s: &str) -> Result<u32, String> {
     }
 }
 
-pub fn serve(a: ServeArgs) -> Result<()> {
+pub fn serve(mut a: ServeArgs) -> Result<()> {
+    // Sockets passed by the service manager, and where to report readiness:
+    // taken before anything else (and before any thread starts).
+    let act = activation::take()?;
+    let notifier = Arc::new(Notifier::from_env()?);
+    if let Some(p) = &a.pid_file {
+        pidfile::check(p)?;
+    }
+    let ready_pipe = Rc::new(RefCell::new(None::<ReadyPipe>));
+    if a.fork {
+        absolute_paths(&mut a)?;
+        *ready_pipe.borrow_mut() = Some(daemonize::fork()?);
+    }
+    let r = start(a, act, Arc::clone(&notifier), Rc::clone(&ready_pipe));
+    if let (Err(e), Some(p)) = (&r, ready_pipe.borrow_mut().as_mut()) {
+        p.fail(&format!("{e:#}"));
+    }
+    r
+}
+
+/// With --fork the daemon runs in `/`: every path it is given becomes absolute.
+fn absolute_paths(a: &mut ServeArgs) -> Result<()> {
+    for p in [
+        &mut a.image,
+        &mut a.socket,
+        &mut a.tls_certs,
+        &mut a.config,
+        &mut a.control,
+        &mut a.state,
+        &mut a.pid_file,
+    ]
+    .into_iter()
+    .flatten()
+    {
+        *p = std::path::absolute(&*p)
+            .with_context(|| format!("cannot make {} absolute", p.display()))?;
+    }
+    Ok(())
+}
+
+/// Start-up after the fork: lock the state, bind every socket, attach IMAGE and
+/// --config, restore the state, then serve. A failure removes the images it
+/// created (and `bind` the sockets it bound).
+fn start(
+    a: ServeArgs,
+    act: Activated,
+    notifier: Arc<Notifier>,
+    ready_pipe: Rc<RefCell<Option<ReadyPipe>>>,
+) -> Result<()> {
     if !(a.handshake_timeout > 0.0 && a.handshake_timeout <= 3600.0) {
         bail!("--handshake-timeout must be more than 0 and at most 3600 seconds");
     }
@@ -200,8 +273,27 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             .memory_budget
             .map_or(0, |b| usize::try_from(b).unwrap_or(usize::MAX)),
     };
-    let nbd = server::nbd_socket_path(&opts0);
-    let control = a.control.clone().unwrap_or_else(|| match &nbd {
+    if !act.nbd.is_empty() && (a.socket.is_some() || !a.listen.is_empty()) {
+        bail!(
+            "NBD sockets were passed by socket activation (LISTEN_FDS); drop --socket and \
+             --listen, or name the activated sockets `control` only"
+        );
+    }
+    if act.control.is_some() && a.control.is_some() {
+        bail!("the control socket was passed by socket activation (LISTEN_FDS); drop --control");
+    }
+    let nbd = if act.nbd.is_empty() {
+        server::nbd_socket_path(&opts0)
+    } else {
+        act.first_unix_path().cloned()
+    };
+    let activated_control = act.control.as_ref().map(|(_, p)| p.clone());
+    let control = match (&a.control, activated_control) {
+        (Some(c), _) => Some(c.clone()),
+        (None, Some(p)) => p,
+        (None, None) => None,
+    };
+    let control = control.unwrap_or_else(|| match &nbd {
         Some(p) => p.with_extension("ctl"),
         None => server::default_socket_dir().join("loopd.ctl"),
     });
@@ -215,8 +307,81 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let d = Daemon::new(Some(state));
     // Before anything is attached or bound: refuse a state file that is another
     // daemon's, or not a state file at all.
-    d.open_state()?;
-    if let Some(image) = a.image {
+    if let Err(e) = d.open_state() {
+        // Two servers on every default path meet first at the state file.
+        if let (daemon::state::StateError::Locked { pid, .. }, None, None) =
+            (&e, &a.state, &a.control)
+        {
+            if let Some(sock) = nbd
+                .as_ref()
+                .filter(|_| a.socket.is_none() && act.nbd.is_empty())
+            {
+                bail!(
+                    "{} is in use by another server (pid {pid}); pass --socket PATH (and \
+                     --control/--state) to run a second one",
+                    sock.display()
+                );
+            }
+        }
+        return Err(e.into());
+    }
+    let opts = ServeOptions {
+        control: Some(control),
+        ..opts0
+    };
+    let bound = server::bind(&opts, act)?;
+    if let Err(e) = attach_at_start(&d, &a) {
+        remove_created(&d);
+        return Err(e);
+    }
+    d.restore();
+    d.run_retrier();
+    let pid_file = match a.pid_file.as_deref().map(PidFile::write).transpose() {
+        Ok(p) => p,
+        Err(e) => {
+            remove_created(&d);
+            return Err(e.into());
+        }
+    };
+    let n = Arc::clone(&notifier);
+    let on_ready = Box::new(move |d: &Daemon| {
+        n.ready(&format!("serving {} devices", d.all().len()));
+        if let Some(p) = ready_pipe.borrow_mut().as_mut() {
+            p.ready();
+        }
+    });
+    let n = Arc::clone(&notifier);
+    let on_sighup = Box::new(move |d: &Daemon| {
+        n.reloading();
+        // Logged by reload (a config file that does not parse too).
+        let _ = d.reload();
+        n.ready(&format!("serving {} devices", d.all().len()));
+    });
+    let n = Arc::clone(&notifier);
+    let hooks = Hooks {
+        on_ready: Some(on_ready),
+        on_sighup: Some(on_sighup),
+        on_stopping: Some(Box::new(move || n.stopping())),
+    };
+    server::run(d, bound, &opts, hooks)?;
+    drop(pid_file);
+    Ok(())
+}
+
+/// Remove the images that attaches at start created (`create`), after a
+/// failed start.
+fn remove_created(d: &Daemon) {
+    for e in d.all() {
+        let (dev, _) = e.current();
+        if dev.created {
+            let _ = std::fs::remove_file(&dev.path);
+        }
+    }
+}
+
+/// Attach IMAGE and the devices of --config.
+fn attach_at_start(d: &Daemon, a: &ServeArgs) -> Result<()> {
+    if let Some(image) = a.image.clone() {
         let mut spec = a.dev.spec(image);
         spec.autoclear = false;
         let info = d
@@ -244,6 +409,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     }
     if let Some(cfg) = &a.config {
         let specs = super::read_config(cfg)?;
+        d.set_config(cfg, specs.clone());
         let t = std::time::Instant::now();
         let n = specs.len();
         for spec in specs {
@@ -258,13 +424,6 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             t.elapsed()
         );
     }
-    d.restore();
-    d.run_retrier();
-    let opts = ServeOptions {
-        control: Some(control),
-        ..opts0
-    };
-    server::serve(d, &opts)?;
     Ok(())
 }
 

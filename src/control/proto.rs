@@ -55,6 +55,8 @@ pub enum Request {
     Version,
     /// Re-read the TLS certificates (as SIGHUP does); new connections use them.
     ReloadTls,
+    /// Re-read the TLS certificates and the `--config` file (as SIGHUP does).
+    Reload,
 }
 
 /// Machine-readable error codes.

@@ -21,8 +21,10 @@
 //! is retried every [`RETRY_INTERVAL`] and by an attach of the same name.
 
 pub mod blockdev;
+pub mod config;
 pub mod control_socket;
 pub mod info;
+pub mod reload;
 pub mod state;
 pub mod uri;
 
@@ -233,6 +235,8 @@ pub struct Daemon {
     blockdevs: Mutex<BTreeMap<String, Arc<KernelDev>>>,
     /// The NBD server's TLS certificates, when TLS is on.
     tls: RwLock<Option<Arc<TlsContext>>>,
+    /// The `--config` file and the devices last read from it (see [`reload`]).
+    config: Mutex<Option<(PathBuf, Vec<DeviceSpec>)>>,
 }
 
 /// A recorded device that is not attached: its spec and why.
@@ -345,6 +349,7 @@ impl Daemon {
             handshake_kick: Mutex::new(None),
             blockdevs: Mutex::default(),
             tls: RwLock::new(None),
+            config: Mutex::new(None),
         })
     }
 
@@ -449,6 +454,7 @@ impl Daemon {
             Request::Status { name } => self.status(&name).map(|s| ok_reply(&s)),
             Request::Set(s) => self.set(s).map(|r| ok_reply(&r)),
             Request::Resize { name } => self.resize(&name).map(|r| ok_reply(&r)),
+            Request::Reload => self.reload().map(|r| ok_reply(&r)),
             Request::ReloadTls => self
                 .reload_tls()
                 .map(|()| ok_reply(&serde_json::json!({ "reloaded": "tls" }))),

@@ -18,10 +18,8 @@ use thiserror::Error;
 pub enum ListenError {
     #[error("cannot create directory {0} for the socket")]
     SocketDir(PathBuf, #[source] std::io::Error),
-    #[error(
-        "{0} is in use by another server (stop it, or give this one its own --socket and --control)"
-    )]
-    SocketInUse(PathBuf),
+    #[error("{0} is in use by another server; {1}")]
+    SocketInUse(PathBuf, &'static str),
     #[error("cannot listen on {0}")]
     BindUnix(PathBuf, #[source] std::io::Error),
     #[error("cannot set the mode or group of {0}")]
@@ -32,6 +30,10 @@ pub enum ListenError {
         "refusing the runtime directory {path}: {why}; remove it, or set XDG_RUNTIME_DIR or --socket/--control"
     )]
     UnsafeDir { path: PathBuf, why: String },
+    #[error(
+        "--listen {0:?}: expected HOST:PORT, HOST (port 10809), :PORT (every address) or [IPV6]:PORT"
+    )]
+    BadListen(String),
     #[error("unknown group {0:?}")]
     UnknownGroup(String),
 }
@@ -105,7 +107,12 @@ fn check_private_dir(dir: &Path, uid: Uid) -> Result<(), ListenError> {
 /// Bind a Unix socket at `path` with exactly `mode` (and `group`, if given).
 /// A stale socket file (nobody answers on it) is replaced; a live one is an
 /// error. A missing parent directory is created 0755.
-pub fn bind_unix(path: &Path, mode: u32, group: Option<Gid>) -> Result<UnixListener, ListenError> {
+pub fn bind_unix(
+    path: &Path,
+    mode: u32,
+    group: Option<Gid>,
+    hint: Hint,
+) -> Result<UnixListener, ListenError> {
     if let Some(dir) = path.parent() {
         if !dir.as_os_str().is_empty() && !dir.exists() {
             std::fs::DirBuilder::new()
@@ -117,7 +124,7 @@ pub fn bind_unix(path: &Path, mode: u32, group: Option<Gid>) -> Result<UnixListe
     }
     if path.exists() {
         if UnixStream::connect(path).is_ok() {
-            return Err(ListenError::SocketInUse(path.to_path_buf()));
+            return Err(ListenError::SocketInUse(path.to_path_buf(), hint.text()));
         }
         // A stale socket from a server that died: nobody answers on it.
         let _ = std::fs::remove_file(path);
@@ -137,6 +144,26 @@ pub fn bind_unix(path: &Path, mode: u32, group: Option<Gid>) -> Result<UnixListe
         return Err(ListenError::SocketMode(path.to_path_buf(), e));
     }
     Ok(l)
+}
+
+/// Which option moves a socket, for the message when its path is taken.
+#[derive(Debug, Clone, Copy)]
+pub enum Hint {
+    /// The NBD socket (`--socket`).
+    Socket,
+    /// The control socket (`--control`).
+    Control,
+}
+
+impl Hint {
+    fn text(self) -> &'static str {
+        match self {
+            Hint::Socket => {
+                "stop it, or pass --socket PATH (and --control/--state) to run a second one"
+            }
+            Hint::Control => "stop it, or pass --control PATH (and --state) to run a second one",
+        }
+    }
 }
 
 /// A group given by name or number.
@@ -164,6 +191,46 @@ pub fn group_id(g: &str) -> Result<Gid, ListenError> {
         return Err(ListenError::UnknownGroup(g.into()));
     }
     Ok(Gid::from_raw(group.gr_gid))
+}
+
+/// NBD's registered TCP port, used when `--listen` gives none.
+pub const NBD_PORT: u16 = 10809;
+
+/// `--listen`'s value as `HOST:PORT`: `:PORT` is every IPv4 address
+/// (`0.0.0.0:PORT`), a host without a port gets NBD's port, a bare IPv6 address
+/// is bracketed (`::1` → `[::1]:10809`).
+pub fn normalize_listen(s: &str) -> Result<String, ListenError> {
+    let bad = || ListenError::BadListen(s.to_owned());
+    let port_ok = |p: &str| p.parse::<u16>().is_ok();
+    if s.is_empty() || s.chars().any(char::is_whitespace) {
+        return Err(bad());
+    }
+    if s.parse::<std::net::Ipv6Addr>().is_ok() {
+        return Ok(format!("[{s}]:{NBD_PORT}"));
+    }
+    if let Some(port) = s.strip_prefix(':') {
+        return port_ok(port)
+            .then(|| format!("0.0.0.0:{port}"))
+            .ok_or_else(bad);
+    }
+    if let Some(rest) = s.strip_prefix('[') {
+        let (host, after) = rest.split_once(']').ok_or_else(bad)?;
+        host.parse::<std::net::Ipv6Addr>().map_err(|_| bad())?;
+        return match after {
+            "" => Ok(format!("[{host}]:{NBD_PORT}")),
+            _ => match after.strip_prefix(':') {
+                Some(p) if port_ok(p) => Ok(s.to_owned()),
+                _ => Err(bad()),
+            },
+        };
+    }
+    match s.rsplit_once(':') {
+        None => Ok(format!("{s}:{NBD_PORT}")),
+        Some((host, port)) if !host.is_empty() && !host.contains(':') && port_ok(port) => {
+            Ok(s.to_owned())
+        }
+        Some(_) => Err(bad()),
+    }
 }
 
 /// Bind a TCP listener; warn when other hosts can reach it without TLS
@@ -210,7 +277,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("s.sock");
         let old = rustix::process::umask(Mode::empty());
-        let r = bind_unix(&p, 0o600, None);
+        let r = bind_unix(&p, 0o600, None, Hint::Socket);
         rustix::process::umask(old);
         let _l = r.unwrap();
         let m = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
@@ -243,6 +310,32 @@ mod tests {
         assert!(warn("192.0.2.7:10809").is_some());
         let required = |s: &str| exposure_warning(s.parse().unwrap(), true);
         assert!(required("0.0.0.0:10809").is_none());
+    }
+
+    #[test]
+    fn listen_addresses_are_normalized() {
+        let n = |s: &str| normalize_listen(s).map_err(|e| e.to_string());
+        assert_eq!(n(":10809").unwrap(), "0.0.0.0:10809");
+        assert_eq!(n(":0").unwrap(), "0.0.0.0:0");
+        assert_eq!(n("127.0.0.1").unwrap(), "127.0.0.1:10809");
+        assert_eq!(n("localhost").unwrap(), "localhost:10809");
+        assert_eq!(n("127.0.0.1:7000").unwrap(), "127.0.0.1:7000");
+        assert_eq!(n("[::1]:10809").unwrap(), "[::1]:10809");
+        assert_eq!(n("[::1]").unwrap(), "[::1]:10809");
+        assert_eq!(n("::1").unwrap(), "[::1]:10809");
+        for bad in [
+            "", ":", ":x", ":70000", "[::1", "[zz]:1", "[::1]x", "a:b:c", "h:", " h",
+        ] {
+            let e = n(bad).unwrap_err();
+            assert!(e.contains("expected HOST:PORT"), "{bad}: {e}");
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn listen_parser_never_panics(s in ".{0,40}") {
+            let _ = normalize_listen(&s);
+        }
     }
 
     #[test]

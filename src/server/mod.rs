@@ -8,16 +8,21 @@
 //! remove the socket files.
 
 mod accept;
+pub mod activation;
+pub mod daemonize;
 pub mod listen;
+pub mod notify;
 mod pending;
+pub mod pidfile;
 
 use crate::daemon::control_socket::{self as control, ControlError};
-use crate::daemon::{CtlError, Daemon, Endpoints};
+use crate::daemon::{Daemon, Endpoints};
 use crate::engine::admit::Admission;
 use crate::frontend::nbd::handshake::{Policy, TlsMode};
 use crate::reactor::{self, ReactorError, ReactorHandle};
 use crate::tls::{TlsContext, TlsError, TlsFiles};
 pub use accept::MAX_PENDING;
+use activation::{Activated, NbdSocket};
 pub use listen::{ListenError, default_socket_dir};
 use std::io::Write;
 use std::net::TcpListener;
@@ -176,9 +181,33 @@ fn connection_limit(asked: usize, reactors: usize) -> usize {
     asked
 }
 
-/// Serve the daemon's exports until SIGINT or SIGTERM.
-/// Prints one line per endpoint with its URI on stdout once ready.
-pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError> {
+/// Everything [`bind`] made ready: the NBD listeners, the control socket, the
+/// TLS certificates. Dropping it removes the socket files it bound (never
+/// activated ones).
+pub struct Bound {
+    listeners: Vec<Listener>,
+    control: Option<(UnixListener, Option<PathBuf>)>,
+    endpoints: Endpoints,
+    tls: Option<Arc<TlsContext>>,
+    files: SocketFiles,
+}
+
+/// Socket files this server bound, removed when dropped (on every exit path).
+#[derive(Default)]
+struct SocketFiles(Vec<PathBuf>);
+
+impl Drop for SocketFiles {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// Read the certificates and bind every socket: the activated ones `act`, else
+/// `--socket` (or the default path) and `--listen`, and the control socket.
+/// Starts no thread; on error, removes the socket files it bound.
+pub fn bind(opts: &ServeOptions, act: Activated) -> Result<Bound, ServerError> {
     raise_open_file_limit();
     // Certificates are read before anything is bound: a bad one stops here.
     let tls = tls_context(opts)?;
@@ -187,46 +216,132 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
         .as_deref()
         .map(listen::group_id)
         .transpose()?;
+    let mut files = SocketFiles::default();
     let mut listeners = Vec::new();
-    let socket = nbd_socket_path(opts);
-    // The default runtime directory is checked before anything is put in it.
-    let default_dir = default_socket_dir();
-    let in_default =
-        |p: Option<&PathBuf>| p.and_then(|p| p.parent()) == Some(default_dir.as_path());
-    if in_default(socket.as_ref()) || in_default(opts.control.as_ref()) {
-        listen::ensure_runtime_dir(&default_dir)?;
-    }
-    if let Some(p) = &socket {
-        listeners.push(Listener::Unix(listen::bind_unix(
-            p,
-            opts.socket_mode,
-            group,
-        )?));
-    }
     let mut tcp = Vec::new();
-    for addr in &opts.listen {
-        let l = listen::bind_tcp(addr, opts.tls == TlsMode::Require)?;
-        if let Ok(a) = l.local_addr() {
-            tcp.push(listen::uri_host(&a));
+    let mut unix = None;
+    if !act.nbd.is_empty() {
+        for s in act.nbd {
+            match s {
+                NbdSocket::Unix(l, p) => {
+                    unix = unix.or(p);
+                    listeners.push(Listener::Unix(l));
+                }
+                NbdSocket::Tcp(l) => {
+                    if let Ok(a) = l.local_addr() {
+                        tcp.push(listen::uri_host(&a));
+                    }
+                    listeners.push(Listener::Tcp(l));
+                }
+            }
         }
-        listeners.push(Listener::Tcp(l));
+    } else {
+        let socket = nbd_socket_path(opts);
+        // The default runtime directory is checked before anything is put in it.
+        let default_dir = default_socket_dir();
+        let in_default =
+            |p: Option<&PathBuf>| p.and_then(|p| p.parent()) == Some(default_dir.as_path());
+        if in_default(socket.as_ref()) || in_default(opts.control.as_ref()) {
+            listen::ensure_runtime_dir(&default_dir)?;
+        }
+        if let Some(p) = &socket {
+            let l = listen::bind_unix(p, opts.socket_mode, group, listen::Hint::Socket)?;
+            files.0.push(p.clone());
+            listeners.push(Listener::Unix(l));
+            unix = Some(p.clone());
+        }
+        for addr in &opts.listen {
+            let l = listen::bind_tcp(addr, opts.tls == TlsMode::Require)?;
+            if let Ok(a) = l.local_addr() {
+                tcp.push(listen::uri_host(&a));
+            }
+            listeners.push(Listener::Tcp(l));
+        }
     }
-    daemon.set_endpoints(Endpoints {
-        unix: socket.clone(),
-        tcp,
-        tls: opts.tls != TlsMode::Off,
-    });
+    let control = match (act.control, &opts.control) {
+        (Some(c), _) => Some(c),
+        (None, Some(p)) => {
+            if let Some(dir) = p.parent() {
+                if dir == default_socket_dir() {
+                    listen::ensure_runtime_dir(dir)?;
+                }
+            }
+            let l = listen::bind_unix(p, CONTROL_SOCKET_MODE, None, listen::Hint::Control)?;
+            files.0.push(p.clone());
+            Some((l, Some(p.clone())))
+        }
+        (None, None) => None,
+    };
+    for l in &listeners {
+        let _ = match l {
+            Listener::Unix(u) => u.set_nonblocking(true),
+            Listener::Tcp(t) => t.set_nonblocking(true),
+        };
+    }
+    Ok(Bound {
+        listeners,
+        control,
+        endpoints: Endpoints {
+            unix,
+            tcp,
+            tls: opts.tls != TlsMode::Off,
+        },
+        tls,
+        files,
+    })
+}
+
+/// Called once when the server is ready.
+pub type ReadyHook = Box<dyn FnOnce(&Daemon)>;
+/// Called on every SIGHUP, on the signal thread.
+pub type SighupHook = Box<dyn Fn(&Daemon) + Send>;
+
+/// What the embedding program hears from [`run`].
+#[derive(Default)]
+pub struct Hooks {
+    /// Called once every socket listens and the devices asked for at start
+    /// are up, just before the first connection is accepted.
+    pub on_ready: Option<ReadyHook>,
+    /// Called on SIGHUP instead of [`Daemon::reload`], on the signal thread
+    /// (it calls it, and tells the service manager).
+    pub on_sighup: Option<SighupHook>,
+    /// Called once SIGTERM/SIGINT arrived, before the devices are stopped.
+    pub on_stopping: Option<Box<dyn FnOnce()>>,
+}
+
+/// Serve the daemon's exports until SIGINT or SIGTERM.
+/// Prints one line per endpoint with its URI on stdout once ready.
+pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError> {
+    let bound = bind(opts, Activated::default())?;
+    run(daemon, bound, opts, Hooks::default())
+}
+
+/// Serve on what [`bind`] bound until SIGINT or SIGTERM, then remove the
+/// socket files it made.
+pub fn run(
+    daemon: Arc<Daemon>,
+    bound: Bound,
+    opts: &ServeOptions,
+    hooks: Hooks,
+) -> Result<(), ServerError> {
+    let Bound {
+        listeners,
+        control,
+        endpoints,
+        tls,
+        files,
+    } = bound;
+    daemon.set_endpoints(endpoints);
     if let Some(t) = &tls {
         daemon.set_tls(Arc::clone(t));
     }
     for e in daemon.all() {
         daemon.warn_if_unreachable(&e.name);
     }
-    let control = match &opts.control {
-        Some(p) => {
-            let l = listen::bind_unix(p, CONTROL_SOCKET_MODE, None)?;
+    let control = match control {
+        Some((l, p)) => {
             control::spawn(l, Arc::clone(&daemon), opts.control_idle)?;
-            Some(p.clone())
+            p
         }
         None => None,
     };
@@ -237,7 +352,7 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
         signal_hook::low_level::pipe::register(sig, tx).map_err(ServerError::Signals)?;
     }
     sig_rx.set_nonblocking(true).map_err(ServerError::Signals)?;
-    reload_on_sighup(&daemon)?;
+    reload_on_sighup(&daemon, hooks.on_sighup)?;
     let (kick_rx, kick_tx) = UnixStream::pair().map_err(ServerError::Signals)?;
     kick_rx
         .set_nonblocking(true)
@@ -278,7 +393,7 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
     }
     if let Some(msg) = failed {
         stop(&daemon, &reactors);
-        remove_sockets(&[&socket, &control]);
+        drop(files);
         return Err(ServerError::Blockdev(msg));
     }
     daemon.run_janitor();
@@ -294,11 +409,8 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
     if let Some(c) = &control {
         println!("control: {}", c.display());
     }
-    for l in &listeners {
-        let _ = match l {
-            Listener::Unix(u) => u.set_nonblocking(true),
-            Listener::Tcp(t) => t.set_nonblocking(true),
-        };
+    if let Some(f) = hooks.on_ready {
+        f(&daemon);
     }
 
     let cfg = accept::AcceptConfig {
@@ -315,6 +427,9 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
         .run()
         .map_err(|e| ServerError::Poll(e.into()));
 
+    if let Some(f) = hooks.on_stopping {
+        f();
+    }
     tracing::info!("stopping: finishing in-flight requests");
     stop(&daemon, &reactors);
     for e in daemon.all() {
@@ -326,15 +441,14 @@ pub fn serve(daemon: Arc<Daemon>, opts: &ServeOptions) -> Result<(), ServerError
         }
         tracing::info!("device {:?}: {}", e.name, e.stats.summary());
     }
-    remove_sockets(&[&socket, &control]);
+    drop(files);
     result
 }
 
-/// Stop serving: no new requests, block devices removed (their queues keep
-/// commands in the reactors' rings until the kernel is told to stop them), the
-/// state file closed, then every reactor drained and stopped.
-/// SIGHUP re-reads the TLS certificates (and never stops the daemon).
-fn reload_on_sighup(daemon: &Arc<Daemon>) -> Result<(), ServerError> {
+/// SIGHUP re-reads the TLS certificates and the config file
+/// ([`Daemon::reload`]), or calls `hook`, which does (and never stops the
+/// daemon).
+fn reload_on_sighup(daemon: &Arc<Daemon>, hook: Option<SighupHook>) -> Result<(), ServerError> {
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGHUP])
         .map_err(ServerError::Signals)?;
     let daemon = Arc::clone(daemon);
@@ -342,13 +456,12 @@ fn reload_on_sighup(daemon: &Arc<Daemon>) -> Result<(), ServerError> {
         .name("loopd-sighup".into())
         .spawn(move || {
             for _ in signals.forever() {
-                match daemon.reload_tls() {
-                    Ok(()) => tracing::info!("SIGHUP: TLS certificates reloaded"),
-                    Err(CtlError::TlsOff) => {
-                        tracing::info!("SIGHUP: nothing to reload (TLS is off)")
+                match &hook {
+                    Some(h) => h(&daemon),
+                    // Logged by reload (a config that does not parse too).
+                    None => {
+                        let _ = daemon.reload();
                     }
-                    // Logged by reload_tls.
-                    Err(_) => {}
                 }
             }
         })
@@ -373,19 +486,15 @@ fn tls_context(opts: &ServeOptions) -> Result<Option<Arc<TlsContext>>, ServerErr
     Ok(Some(Arc::new(ctx)))
 }
 
+/// Stop serving: no new requests, block devices removed (their queues keep
+/// commands in the reactors' rings until the kernel is told to stop them), the
+/// state file closed, then every reactor drained and stopped.
 fn stop(daemon: &Daemon, reactors: &[Arc<ReactorHandle>]) {
     daemon.set_stopping();
     daemon.remove_blockdevs();
     daemon.close_state();
     for r in reactors {
         r.shutdown();
-    }
-}
-
-/// Remove the socket files this server bound.
-fn remove_sockets(paths: &[&Option<PathBuf>]) {
-    for p in paths.iter().copied().flatten() {
-        let _ = std::fs::remove_file(p);
     }
 }
 

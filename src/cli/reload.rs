@@ -1,0 +1,52 @@
+//! `loopd reload`: the report of a `reload` request (TLS certificates and the
+//! `--config` file re-read, as SIGHUP does), as text or JSON.
+
+use anyhow::Result;
+use serde_json::Value;
+
+/// Print the daemon's reload report.
+pub fn print(v: &Value, json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(v)?);
+        return Ok(());
+    }
+    let names = |k: &str| -> Vec<String> {
+        v.get(k)
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(|x| x.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let tls = v.get("tls").and_then(Value::as_str).unwrap_or("?");
+    println!("TLS certificates: {tls}");
+    let Some(cfg) = v.get("config").and_then(Value::as_str) else {
+        println!("config: none (the server runs without --config)");
+        return Ok(());
+    };
+    println!("config: {cfg}");
+    for (key, label) in [
+        ("attached", "attached"),
+        ("changed", "changed"),
+        ("unchanged", "unchanged"),
+        (
+            "kept",
+            "kept (no longer in the file; detach it to remove it)",
+        ),
+    ] {
+        let n = names(key);
+        if !n.is_empty() {
+            println!("{label}: {}", n.join(", "));
+        }
+    }
+    for (key, label) in [("not_applied", "not applied"), ("failed", "failed")] {
+        for p in v.get(key).and_then(Value::as_array).into_iter().flatten() {
+            let name = p.get("name").and_then(Value::as_str).unwrap_or("?");
+            let msg = p.get("message").and_then(Value::as_str).unwrap_or("");
+            println!("{label}: {name}: {msg}");
+        }
+    }
+    Ok(())
+}

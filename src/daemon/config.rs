@@ -1,0 +1,292 @@
+//! The `--config` file: reading it, and deciding what a reload changes.
+//!
+//! Contract: [`read`] parses `[[device]]` tables (unknown keys are errors) and
+//! makes relative image paths relative to the file's directory. [`plan_change`]
+//! is pure: given the devices of the file as last loaded and as read now, it
+//! says per device what a reload does (see `docs/config.md`, "Reloading"):
+//! attach a new one; apply size limit, cache and read-only live; apply offset
+//! and block size only with no client connected; leave every other change to a
+//! detach and attach; keep a device gone from the file, with a warning.
+
+use super::name_of;
+use crate::device::spec::DeviceSpec;
+use std::path::{Path, PathBuf};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("cannot read {0}")]
+    Read(PathBuf, #[source] std::io::Error),
+    #[error("{0} is not a valid config file: {1}")]
+    Parse(PathBuf, String),
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConfigFile {
+    #[serde(default)]
+    device: Vec<DeviceSpec>,
+}
+
+/// Read a `--config` file: `[[device]]` tables.
+pub fn read(path: &Path) -> Result<Vec<DeviceSpec>, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read(path.into(), e))?;
+    let c: ConfigFile = toml::from_str(&text)
+        .map_err(|e| ConfigError::Parse(path.into(), e.message().to_owned()))?;
+    // Relative image paths are relative to the config file's directory.
+    let base = std::path::absolute(path)
+        .map_err(|e| ConfigError::Read(path.into(), e))?
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default();
+    Ok(c.device
+        .into_iter()
+        .map(|mut d| {
+            if d.image.is_relative() {
+                d.image = base.join(&d.image);
+            }
+            d
+        })
+        .collect())
+}
+
+/// Changes a reload can apply while clients stay connected.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LiveChange {
+    pub size_limit: Option<u64>,
+    pub cache: Option<crate::device::CacheMode>,
+    pub read_only: Option<bool>,
+}
+
+/// Changes a reload applies only while no client is connected.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IdleChange {
+    pub offset: Option<u64>,
+    pub block_size: Option<u32>,
+}
+
+/// What a reload does with one device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// New in the file: attach it.
+    Attach(DeviceSpec),
+    /// The same table as before.
+    Unchanged(String),
+    /// A changed table: what can be applied now, and the keys that need a
+    /// detach and attach.
+    Changed {
+        name: String,
+        live: LiveChange,
+        idle: IdleChange,
+        reattach: Vec<&'static str>,
+    },
+    /// Gone from the file: kept attached.
+    Removed(String),
+}
+
+/// Per device, what reloading `new` over `old` does (in the file's order; then
+/// the devices gone from it).
+pub fn plan_change(old: &[DeviceSpec], new: &[DeviceSpec]) -> Vec<Change> {
+    let find = |name: &str| old.iter().find(|o| name_of(o) == name);
+    let mut out = Vec::new();
+    for n in new {
+        let name = name_of(n);
+        let Some(o) = find(&name) else {
+            out.push(Change::Attach(n.clone()));
+            continue;
+        };
+        if o == n {
+            out.push(Change::Unchanged(name));
+            continue;
+        }
+        let mut live = LiveChange::default();
+        let mut idle = IdleChange::default();
+        let mut reattach = Vec::new();
+        match (o.size_limit, n.size_limit) {
+            (a, b) if a == b => {}
+            (_, Some(b)) => live.size_limit = Some(b),
+            (Some(_), None) => reattach.push("size_limit"),
+            (None, None) => {}
+        }
+        if o.cache != n.cache {
+            live.cache = Some(n.cache);
+        }
+        if o.read_only != n.read_only {
+            live.read_only = Some(n.read_only);
+        }
+        if o.offset != n.offset {
+            idle.offset = Some(n.offset);
+        }
+        match (o.block_size, n.block_size) {
+            (a, b) if a == b => {}
+            (_, Some(b)) => idle.block_size = Some(b),
+            (Some(_), None) => reattach.push("block_size"),
+            (None, None) => {}
+        }
+        let others: [(&'static str, bool); 13] = [
+            ("image", o.image != n.image),
+            (
+                "strict_block_size",
+                o.strict_block_size != n.strict_block_size,
+            ),
+            ("autoclear", o.autoclear != n.autoclear),
+            ("shared", o.shared != n.shared),
+            ("format", o.format != n.format),
+            ("blockdev", o.blockdev != n.blockdev),
+            ("queues", o.queues != n.queues),
+            ("queue_depth", o.queue_depth != n.queue_depth),
+            ("connections", o.connections != n.connections),
+            ("partscan", o.partscan != n.partscan),
+            ("ublk_id", o.ublk_id != n.ublk_id),
+            ("tls_allow", o.tls_allow != n.tls_allow),
+            // Only matters when the image is missing, which it is not.
+            ("create", false),
+        ];
+        reattach.extend(others.iter().filter(|(_, d)| *d).map(|(k, _)| *k));
+        if live == LiveChange::default() && idle == IdleChange::default() && reattach.is_empty() {
+            out.push(Change::Unchanged(name));
+            continue;
+        }
+        out.push(Change::Changed {
+            name,
+            live,
+            idle,
+            reattach,
+        });
+    }
+    for o in old {
+        let name = name_of(o);
+        if !new.iter().any(|n| name_of(n) == name) {
+            out.push(Change::Removed(name));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::CacheMode;
+    use proptest::prelude::*;
+
+    fn dev(name: &str) -> DeviceSpec {
+        DeviceSpec {
+            name: Some(name.into()),
+            image: PathBuf::from(format!("/img/{name}.img")),
+            ..DeviceSpec::default()
+        }
+    }
+
+    #[test]
+    fn new_unchanged_removed() {
+        let old = vec![dev("a"), dev("b")];
+        let new = vec![dev("a"), dev("c")];
+        assert_eq!(
+            plan_change(&old, &new),
+            vec![
+                Change::Unchanged("a".into()),
+                Change::Attach(dev("c")),
+                Change::Removed("b".into()),
+            ]
+        );
+    }
+
+    #[test]
+    fn changes_are_sorted_by_how_they_apply() {
+        let old = vec![dev("a")];
+        let mut n = dev("a");
+        n.size_limit = Some(1 << 20);
+        n.cache = CacheMode::Buffered;
+        n.read_only = true;
+        n.offset = 4096;
+        n.block_size = Some(4096);
+        n.image = PathBuf::from("/img/other.img");
+        n.shared = true;
+        let plan = plan_change(&old, &[n]);
+        assert_eq!(
+            plan,
+            vec![Change::Changed {
+                name: "a".into(),
+                live: LiveChange {
+                    size_limit: Some(1 << 20),
+                    cache: Some(CacheMode::Buffered),
+                    read_only: Some(true),
+                },
+                idle: IdleChange {
+                    offset: Some(4096),
+                    block_size: Some(4096),
+                },
+                reattach: vec!["image", "shared"],
+            }]
+        );
+    }
+
+    #[test]
+    fn removing_a_limit_needs_a_reattach() {
+        let mut o = dev("a");
+        o.size_limit = Some(4096);
+        let plan = plan_change(&[o], &[dev("a")]);
+        assert!(
+            matches!(&plan[0], Change::Changed { reattach, .. } if reattach == &vec!["size_limit"]),
+            "{plan:?}"
+        );
+    }
+
+    #[test]
+    fn create_alone_changes_nothing() {
+        let mut n = dev("a");
+        n.create = Some(1 << 20);
+        assert_eq!(
+            plan_change(&[dev("a")], &[n]),
+            vec![Change::Unchanged("a".into())]
+        );
+    }
+
+    #[test]
+    fn reads_relative_paths_and_refuses_unknown_keys() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("c.toml");
+        std::fs::write(&p, "[[device]]\nimage = \"x.img\"\nsize_limit = \"1M\"\n").unwrap();
+        let v = read(&p).unwrap();
+        assert_eq!(v[0].image, d.path().join("x.img"));
+        assert_eq!(v[0].size_limit, Some(1 << 20));
+        std::fs::write(&p, "[[device]]\nimage = \"x.img\"\nbogus = 1\n").unwrap();
+        let e = read(&p).unwrap_err().to_string();
+        assert!(e.contains("not a valid config file"), "{e}");
+    }
+
+    proptest! {
+        /// Every device of either file appears in the plan exactly once.
+        #[test]
+        fn every_device_is_planned_once(old in proptest::collection::btree_set("[a-e]", 0..5),
+                                        new in proptest::collection::btree_set("[a-e]", 0..5),
+                                        limits in proptest::collection::vec(proptest::option::of(0u64..4), 5)) {
+            let mk = |names: &std::collections::BTreeSet<String>, salt: usize| -> Vec<DeviceSpec> {
+                names.iter().enumerate().map(|(i, n)| {
+                    let mut d = dev(n);
+                    d.size_limit = limits[(i + salt) % limits.len()];
+                    d
+                }).collect()
+            };
+            let (o, n) = (mk(&old, 0), mk(&new, 1));
+            let plan = plan_change(&o, &n);
+            let names: Vec<String> = plan.iter().map(|c| match c {
+                Change::Attach(s) => name_of(s),
+                Change::Unchanged(n) | Change::Removed(n) => n.clone(),
+                Change::Changed { name, .. } => name.clone(),
+            }).collect();
+            let mut all: Vec<String> = old.union(&new).cloned().collect();
+            let mut got = names.clone();
+            all.sort();
+            got.sort();
+            prop_assert_eq!(got, all);
+            for c in &plan {
+                match c {
+                    Change::Attach(s) => prop_assert!(!old.contains(&name_of(s))),
+                    Change::Removed(n) => prop_assert!(!new.contains(n)),
+                    _ => {}
+                }
+            }
+        }
+    }
+}

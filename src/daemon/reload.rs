@@ -1,0 +1,252 @@
+//! Reloading (SIGHUP, the `reload` request): the TLS certificates and the
+//! `--config` file.
+//!
+//! Contract: [`Daemon::reload`] re-reads the certificates (when TLS is on) and
+//! the config file the daemon started with, applies [`config::plan_change`]'s
+//! plan, and returns a [`ReloadReport`]; one summary line is logged at info and
+//! each change not applied at warn. A config file that does not read or parse
+//! changes nothing (the error is logged and returned). Devices are never
+//! detached by a reload.
+
+use super::config::{self, Change};
+use super::{CtlError, Daemon};
+use crate::control::proto::SetSpec;
+use crate::device::spec::DeviceSpec;
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// What a reload did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct ReloadReport {
+    /// `reloaded`, `off` (no TLS), or why the certificates were not reloaded.
+    pub tls: String,
+    /// The config file re-read; `None`: the daemon runs without --config.
+    pub config: Option<PathBuf>,
+    /// Devices new in the file, now attached.
+    pub attached: Vec<String>,
+    /// Devices whose changes were applied.
+    pub changed: Vec<String>,
+    pub unchanged: Vec<String>,
+    /// Devices no longer in the file, still attached.
+    pub kept: Vec<String>,
+    /// Changes not applied, with what to do.
+    pub not_applied: Vec<Problem>,
+    /// Devices that could not be attached or changed.
+    pub failed: Vec<Problem>,
+}
+
+/// One device's change that did not happen.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Problem {
+    pub name: String,
+    pub message: String,
+}
+
+impl ReloadReport {
+    /// The one line logged at info.
+    pub fn summary(&self) -> String {
+        let Some(c) = &self.config else {
+            return format!("reload: TLS {}; no --config", self.tls);
+        };
+        format!(
+            "reload of {}: {} attached, {} changed, {} unchanged, {} not applied, \
+             {} kept though gone from the file, {} failed; TLS {}",
+            c.display(),
+            self.attached.len(),
+            self.changed.len(),
+            self.unchanged.len(),
+            self.not_applied.len(),
+            self.kept.len(),
+            self.failed.len(),
+            self.tls
+        )
+    }
+}
+
+const REATTACH: &str = "detach and attach it to apply";
+
+impl Daemon {
+    /// Remember the config file and the devices read from it at start.
+    pub fn set_config(&self, path: &Path, specs: Vec<DeviceSpec>) {
+        if let Ok(mut g) = self.config.lock() {
+            let path = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+            *g = Some((path, specs));
+        }
+    }
+
+    /// Re-read the certificates and the config file (see the module doc).
+    pub fn reload(&self) -> Result<ReloadReport, CtlError> {
+        let tls = match self.reload_tls() {
+            Ok(()) => "reloaded".to_owned(),
+            Err(CtlError::TlsOff) => "off".to_owned(),
+            // Logged by reload_tls.
+            Err(e) => e.to_string(),
+        };
+        let path = self
+            .config
+            .lock()
+            .ok()
+            .and_then(|g| g.as_ref().map(|(p, _)| p.clone()));
+        let mut report = match path {
+            None => ReloadReport::default(),
+            Some(p) => {
+                let specs = config::read(&p).map_err(|e| {
+                    let msg = format!("{e}; nothing changed");
+                    tracing::error!("reload: {msg}");
+                    CtlError::Invalid(msg)
+                })?;
+                let mut r = self.reload_config(specs);
+                r.config = Some(p);
+                r
+            }
+        };
+        report.tls = tls;
+        tracing::info!("{}", report.summary());
+        Ok(report)
+    }
+
+    /// Apply the devices `specs` of the config file over those last loaded.
+    pub fn reload_config(&self, specs: Vec<DeviceSpec>) -> ReloadReport {
+        // One reload at a time: the plan is made against the last one.
+        let mut guard = match self.config.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        let old = guard.as_ref().map(|(_, s)| s.clone()).unwrap_or_default();
+        let mut r = ReloadReport::default();
+        for change in config::plan_change(&old, &specs) {
+            self.apply_change(change, &specs, &mut r);
+        }
+        for p in &r.not_applied {
+            tracing::warn!("reload: device {:?}: {}", p.name, p.message);
+        }
+        for p in &r.failed {
+            tracing::error!("reload: device {:?}: {}", p.name, p.message);
+        }
+        for n in &r.kept {
+            tracing::warn!(
+                "reload: device {n:?} is no longer in the config file; it stays attached \
+                 (detach it with `loopd detach {n}`)"
+            );
+        }
+        // What did not happen is planned again by the next reload: the old
+        // table stays recorded for it (none, for a device not attached).
+        let pending = |n: &str| r.not_applied.iter().chain(&r.failed).any(|p| p.name == n);
+        let loaded: Vec<DeviceSpec> = specs
+            .into_iter()
+            .filter_map(|s| {
+                let n = super::name_of(&s);
+                if !pending(&n) {
+                    return Some(s);
+                }
+                old.iter().find(|o| super::name_of(o) == n).cloned()
+            })
+            .collect();
+        if let Some((_, s)) = guard.as_mut() {
+            *s = loaded;
+        }
+        r
+    }
+
+    fn apply_change(&self, change: Change, specs: &[DeviceSpec], r: &mut ReloadReport) {
+        let fail = |name: &str, e: CtlError| Problem {
+            name: name.to_owned(),
+            message: e.to_string(),
+        };
+        match change {
+            Change::Attach(spec) => {
+                let name = super::name_of(&spec);
+                match self.attach(spec, false) {
+                    Ok(_) => r.attached.push(name),
+                    Err(e) => r.failed.push(fail(&name, e)),
+                }
+            }
+            Change::Removed(name) => r.kept.push(name),
+            Change::Unchanged(name) => {
+                // Detached meanwhile: the file still wants it.
+                if self.export(&name).is_none() {
+                    self.reattach(&name, specs, r);
+                } else {
+                    r.unchanged.push(name);
+                }
+            }
+            Change::Changed {
+                name,
+                live,
+                idle,
+                reattach,
+            } => {
+                if self.export(&name).is_none() {
+                    self.reattach(&name, specs, r);
+                    return;
+                }
+                let mut done = false;
+                let mut failed = false;
+                if live != config::LiveChange::default() {
+                    let s = SetSpec {
+                        name: name.clone(),
+                        size_limit: live.size_limit,
+                        cache: live.cache,
+                        read_only: live.read_only,
+                        ..SetSpec::default()
+                    };
+                    match self.set(s) {
+                        Ok(_) => done = true,
+                        Err(e) => {
+                            failed = true;
+                            r.failed.push(fail(&name, e));
+                        }
+                    }
+                }
+                if idle != config::IdleChange::default() {
+                    let s = SetSpec {
+                        name: name.clone(),
+                        offset: idle.offset,
+                        block_size: idle.block_size,
+                        ..SetSpec::default()
+                    };
+                    match self.set(s) {
+                        Ok(_) => done = true,
+                        Err(CtlError::Busy(_)) => {
+                            let clients = self.export(&name).map_or(0, |e| e.clients());
+                            r.not_applied.push(Problem {
+                                name: name.clone(),
+                                message: format!(
+                                    "offset or block_size changed but {clients} client(s) are \
+                                     connected; disconnect them and reload, or {REATTACH}"
+                                ),
+                            });
+                        }
+                        Err(e) => {
+                            failed = true;
+                            r.failed.push(fail(&name, e));
+                        }
+                    }
+                }
+                if !reattach.is_empty() {
+                    r.not_applied.push(Problem {
+                        name: name.clone(),
+                        message: format!("{} changed: {REATTACH}", reattach.join(", ")),
+                    });
+                }
+                if done && !failed {
+                    r.changed.push(name);
+                }
+            }
+        }
+    }
+
+    /// Attach again a device of the file that was detached meanwhile.
+    fn reattach(&self, name: &str, specs: &[DeviceSpec], r: &mut ReloadReport) {
+        let Some(spec) = specs.iter().find(|s| super::name_of(s) == name) else {
+            return;
+        };
+        match self.attach(spec.clone(), false) {
+            Ok(_) => r.attached.push(name.to_owned()),
+            Err(e) => r.failed.push(Problem {
+                name: name.to_owned(),
+                message: e.to_string(),
+            }),
+        }
+    }
+}
