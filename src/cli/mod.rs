@@ -1,5 +1,6 @@
 //! Argument types shared by subcommands, and output formatting (tables, JSON).
 
+pub mod exit;
 pub mod generate;
 pub mod kernel;
 pub mod reload;
@@ -192,6 +193,16 @@ fn yn(v: &Value, k: &str) -> &'static str {
 
 fn pretty(v: &Value) -> Result<String> {
     Ok(serde_json::to_string_pretty(v)?)
+}
+
+/// `detach`, `reload-tls`: the daemon's reply as JSON, or one line of text.
+pub fn print_done(v: &Value, json: bool, text: &str) -> Result<()> {
+    if json {
+        println!("{}", pretty(v)?);
+    } else {
+        println!("{text}");
+    }
+    Ok(())
 }
 
 /// `attach`: the name, then one URI per line.

@@ -131,7 +131,9 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ErrorBody> {
     }
     // Requests without fields: serde accepts anything beside "op" for them, the
     // document does not.
-    if let Some(op @ ("list" | "version")) = obj.get("op").and_then(|o| o.as_str()) {
+    if let Some(op @ ("list" | "version" | "reload_tls" | "reload")) =
+        obj.get("op").and_then(|o| o.as_str())
+    {
         if let Some(k) = obj.keys().find(|k| *k != "op") {
             return Err(bad(format!(
                 "bad request: unknown field `{k}`: op {op} takes no fields"

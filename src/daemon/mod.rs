@@ -26,6 +26,7 @@ pub mod control_socket;
 pub mod info;
 pub mod reload;
 pub mod state;
+pub mod uri;
 
 use crate::backing::lock::LockError;
 use crate::control::proto::{
@@ -199,12 +200,11 @@ pub struct Endpoints {
 impl Endpoints {
     pub fn uris(&self, name: &str) -> Vec<String> {
         let mut v = Vec::new();
-        let s = if self.tls { "s" } else { "" };
         if let Some(p) = &self.unix {
-            v.push(format!("nbd{s}+unix:///{name}?socket={}", p.display()));
+            v.push(uri::unix_uri(self.tls, name, p));
         }
         for t in &self.tcp {
-            v.push(format!("nbd{s}://{t}/{name}"));
+            v.push(uri::tcp_uri(self.tls, t, name));
         }
         v
     }

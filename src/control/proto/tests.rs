@@ -153,6 +153,8 @@ fn request() -> impl Strategy<Value = Request> {
         set_spec().prop_map(Request::Set),
         name().prop_map(|name| Request::Resize { name }),
         Just(Request::Version),
+        Just(Request::ReloadTls),
+        Just(Request::Reload),
     ]
 }
 
