@@ -2,8 +2,8 @@
 
 mod cli;
 
-use anyhow::{Result, bail};
-use clap::{CommandFactory, Parser, Subcommand};
+use anyhow::Result;
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use cli::{Cache, DeviceArgs};
 use loopd::control::client;
 use loopd::control::proto::{Request, SetSpec};
@@ -70,16 +70,6 @@ struct ManArgs {
     out_dir: PathBuf,
 }
 
-/// The exit codes, for the man page's EXIT STATUS.
-const EXIT_STATUS: &[(u8, &str)] = &[
-    (0, "Success."),
-    (
-        1,
-        "An error: the message on standard error says what failed.",
-    ),
-    (2, "Wrong usage: an unknown option or a missing argument."),
-];
-
 /// Where client commands find the server.
 #[derive(clap::Args)]
 struct ControlArg {
@@ -122,6 +112,9 @@ struct DetachArgs {
     /// says how many still wait for a backing file that does not answer, after 5 s).
     #[arg(long)]
     force: bool,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
     #[command(flatten)]
     ctl: ControlArg,
 }
@@ -137,8 +130,8 @@ struct ListArgs {
 
 #[derive(clap::Args)]
 struct StatusArgs {
-    /// Device name.
-    name: String,
+    /// Device name (without one: every device, one row each).
+    name: Option<String>,
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
@@ -190,6 +183,9 @@ struct ResizeArgs {
 
 #[derive(clap::Args)]
 struct ReloadTlsArgs {
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
     #[command(flatten)]
     ctl: ControlArg,
 }
@@ -203,18 +199,30 @@ struct ReloadArgs {
     ctl: ControlArg,
 }
 
+/// The command line definition, with the exit status table after `--help`.
+fn command() -> clap::Command {
+    Cli::command().after_help(cli::exit::help_text())
+}
+
 fn main() -> std::process::ExitCode {
-    match run() {
+    // Client commands die quietly on a closed pipe (`loopd list | head -1`),
+    // like other Unix tools; `serve` goes back to ignoring SIGPIPE.
+    cli::exit::default_sigpipe();
+    let m = match command().try_get_matches() {
+        Ok(m) => m,
+        Err(e) => return cli::exit::usage(e),
+    };
+    let json = cli::exit::wants_json(&m);
+    let outcome = Cli::from_arg_matches(&m)
+        .map_err(anyhow::Error::from)
+        .and_then(run);
+    match outcome {
         Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            // One line with the whole cause chain; no backtrace noise.
-            eprintln!("loopd: error: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
+        Err(e) => std::process::ExitCode::from(cli::exit::report(&e, json)),
     }
 }
 
-fn run() -> Result<()> {
+fn run(cli: Cli) -> Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
@@ -224,9 +232,11 @@ fn run() -> Result<()> {
         .with_target(false)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Serve(a) => cli::serve::serve(*a),
+        Cmd::Serve(a) => {
+            cli::exit::ignore_sigpipe();
+            cli::serve::serve(*a)
+        }
         Cmd::Attach(a) => {
             let mut spec = a.dev.spec(a.image);
             spec.autoclear = a.autoclear;
@@ -234,19 +244,24 @@ fn run() -> Result<()> {
             cli::print_device(&v, a.json)
         }
         Cmd::Detach(a) => {
-            call(
+            let v = call(
                 &a.ctl,
                 &Request::Detach {
                     name: a.name.clone(),
                     force: a.force,
                 },
             )?;
-            println!("detached {}", a.name);
-            Ok(())
+            cli::print_done(&v, a.json, &format!("detached {}", a.name))
         }
         Cmd::List(a) => cli::print_list(&call(&a.ctl, &Request::List)?, a.json),
         Cmd::Status(a) => {
-            cli::print_status(&call(&a.ctl, &Request::Status { name: a.name })?, a.json)
+            let all = a.name.is_none();
+            let v = call(&a.ctl, &Request::Status { name: a.name })?;
+            if all {
+                cli::print_status_all(&v, a.json)
+            } else {
+                cli::print_status(&v, a.json)
+            }
         }
         Cmd::Set(a) => {
             let s = SetSpec {
@@ -262,9 +277,8 @@ fn run() -> Result<()> {
         }
         Cmd::Resize(a) => cli::print_set(&call(&a.ctl, &Request::Resize { name: a.name })?, a.json),
         Cmd::ReloadTls(a) => {
-            call(&a.ctl, &Request::ReloadTls)?;
-            println!("TLS certificates reloaded");
-            Ok(())
+            let v = call(&a.ctl, &Request::ReloadTls)?;
+            cli::print_done(&v, a.json, "TLS certificates reloaded")
         }
         Cmd::Reload(a) => cli::reload::print(&call(&a.ctl, &Request::Reload)?, a.json),
         Cmd::Kernel(k) => cli::kernel::run(k),
@@ -274,7 +288,7 @@ fn run() -> Result<()> {
             Ok(())
         }
         Cmd::Man(a) => {
-            for p in cli::generate::man_pages(&Cli::command(), &a.out_dir, EXIT_STATUS)? {
+            for p in cli::generate::man_pages(&Cli::command(), &a.out_dir, cli::exit::STATUSES)? {
                 println!("{}", p.display());
             }
             Ok(())
@@ -286,9 +300,6 @@ fn run() -> Result<()> {
 fn call(ctl: &ControlArg, req: &Request) -> Result<serde_json::Value> {
     match client::call(&ctl.path(), req)? {
         Ok(v) => Ok(v),
-        Err(e) => {
-            let code = serde_json::to_value(e.code).unwrap_or_default();
-            bail!("{} ({})", e.message, code.as_str().unwrap_or("error"))
-        }
+        Err(e) => Err(cli::exit::DaemonError(e).into()),
     }
 }

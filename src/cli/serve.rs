@@ -102,7 +102,7 @@ pub struct ServeArgs {
     #[arg(long)]
     fork: bool,
     /// Reactor threads, each with its own io_uring [default: one per core].
-    #[arg(long, value_name = "N", default_value = "0")]
+    #[arg(long, value_name = "N", default_value = "0", hide_default_value = true)]
     reactors: usize,
     /// Keep each connection on the reactor it started on. By default, while the
     /// machine's CPUs are busy, a connection moves to the reactor running on the

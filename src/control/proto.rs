@@ -45,8 +45,10 @@ pub enum Request {
         force: bool,
     },
     List,
+    /// One device's status; without a name, every device's.
     Status {
-        name: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        name: Option<String>,
     },
     Set(SetSpec),
     Resize {

@@ -26,6 +26,7 @@ pub mod control_socket;
 pub mod info;
 pub mod reload;
 pub mod state;
+pub mod uri;
 
 use crate::backing::lock::LockError;
 use crate::control::proto::{
@@ -199,12 +200,11 @@ pub struct Endpoints {
 impl Endpoints {
     pub fn uris(&self, name: &str) -> Vec<String> {
         let mut v = Vec::new();
-        let s = if self.tls { "s" } else { "" };
         if let Some(p) = &self.unix {
-            v.push(format!("nbd{s}+unix:///{name}?socket={}", p.display()));
+            v.push(uri::unix_uri(self.tls, name, p));
         }
         for t in &self.tcp {
-            v.push(format!("nbd{s}://{t}/{name}"));
+            v.push(uri::tcp_uri(self.tls, t, name));
         }
         v
     }
@@ -451,7 +451,10 @@ impl Daemon {
                 .detach(&name, force)
                 .map(|()| ok_reply(&serde_json::json!({ "name": name }))),
             Request::List => Ok(ok_reply(&serde_json::json!({ "devices": self.list() }))),
-            Request::Status { name } => self.status(&name).map(|s| ok_reply(&s)),
+            Request::Status { name: Some(name) } => self.status(&name).map(|s| ok_reply(&s)),
+            Request::Status { name: None } => Ok(ok_reply(
+                &serde_json::json!({ "devices": self.status_all() }),
+            )),
             Request::Set(s) => self.set(s).map(|r| ok_reply(&r)),
             Request::Resize { name } => self.resize(&name).map(|r| ok_reply(&r)),
             Request::Reload => self.reload().map(|r| ok_reply(&r)),
@@ -942,6 +945,13 @@ impl Daemon {
         let mut st = DeviceStatus::of(&e, &self.endpoints());
         st.info.blockdev = self.blockdev(name).map(|b| b.path());
         Ok(st)
+    }
+
+    /// Every device's status (live and missing), sorted by name.
+    pub fn status_all(&self) -> Vec<DeviceStatus> {
+        let names: Vec<String> = self.list().into_iter().map(|i| i.name).collect();
+        // A device detached meanwhile is left out.
+        names.iter().filter_map(|n| self.status(n).ok()).collect()
     }
 
     /// Live reconfiguration. See the module and `Export` docs for what freezes.

@@ -1170,7 +1170,11 @@ impl Server {
 
     /// A Unix URI for another export name on the same socket.
     pub fn uri_for_name(&self, name: &str) -> String {
-        format!("nbd+unix:///{name}?socket={}", self.socket().display())
+        format!(
+            "nbd+unix:///{}?socket={}",
+            pct(name),
+            pct(&self.socket().display().to_string())
+        )
     }
 
     /// `nbd://127.0.0.1:PORT/NAME`
@@ -1179,7 +1183,7 @@ impl Server {
         if self.name.is_empty() {
             format!("nbd://127.0.0.1:{port}")
         } else {
-            format!("nbd://127.0.0.1:{port}/{}", self.name)
+            format!("nbd://127.0.0.1:{port}/{}", pct(&self.name))
         }
     }
 
@@ -1556,7 +1560,36 @@ pub fn error_code(out: &Out) -> Option<String> {
     Some(inner[open + 1..].to_string())
 }
 
-/// Asserts a client command failed with a non-zero exit status and the
+/// Percent-encodes `s` for an NBD URI (every byte but RFC 3986's unreserved
+/// ones and `/`), written here independently of loopd's encoder.
+pub fn pct(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+/// The exit status `loopd` documents (in `--help` and the README) for a
+/// failure with machine code `code`.
+pub fn exit_status_for(code: &str) -> i32 {
+    match code {
+        "usage" => 2,
+        "not_running" | "shutting_down" => 3,
+        "not_found" => 4,
+        "busy" => 5,
+        "name_taken" => 6,
+        "invalid" | "bad_request" | "unsupported_version" => 7,
+        "unavailable" => 8,
+        _ => 1,
+    }
+}
+
+/// Asserts a client command failed with the exit status of `code` and the
 /// machine code `code` at the end of its error message.
 #[track_caller]
 pub fn assert_ctl_error(out: &Out, code: &str) {
@@ -1566,8 +1599,8 @@ pub fn assert_ctl_error(out: &Out, code: &str) {
     );
     assert_eq!(
         out.status.code(),
-        Some(1),
-        "expected exit status 1 for a daemon error:\n{out}"
+        Some(exit_status_for(code)),
+        "wrong exit status for ({code}):\n{out}"
     );
     assert!(
         out.stderr.contains("loopd: error:"),

@@ -1,0 +1,220 @@
+//! The command line as scripts use it: closed pipes, errors as JSON with
+//! their exit statuses, URIs for names and paths with spaces, losetup and
+//! qemu-nbd spellings, sizes with suffixes, `set` rules and `resize` messages.
+
+mod common;
+
+use common::*;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+/// Runs `sh -c SCRIPT` with `$LOOPD` and `$CTL` set; returns its output.
+fn sh(srv: &Server, dir: &std::path::Path, script: &str) -> Out {
+    let mut c = Command::new("sh");
+    c.current_dir(dir)
+        .arg("-c")
+        .arg(script)
+        .env("LOOPD", loopd_bin())
+        .env("CTL", srv.control())
+        .env_remove("LOOPD_CONTROL")
+        .stdin(Stdio::null());
+    run_cmd_timeout(c, Duration::from_secs(60))
+}
+
+/// A daemon with `n` small devices attached (named d0, d1, ...).
+fn daemon_with_devices(dir: &std::path::Path, n: usize) -> Server {
+    let srv = Server::daemon().start();
+    for i in 0..n {
+        let img = dir.join(format!("d{i}.img"));
+        create_sparse_image(&img, MIB);
+        srv.ctl_ok(&["attach", path_str(&img)]);
+    }
+    srv
+}
+
+/// `loopd list | head -1` and `loopd status | true`: the reader goes away
+/// early; loopd ends quietly (no panic, no "Broken pipe" message), killed by
+/// SIGPIPE like other Unix tools.
+#[test]
+fn closed_pipe_ends_quietly() {
+    let dir = tempdir();
+    let srv = daemon_with_devices(dir.path(), 40);
+    let out = sh(
+        &srv,
+        dir.path(),
+        r#"for i in 1 2 3 4 5; do
+             "$LOOPD" list --control "$CTL" | head -1 >/dev/null
+           done
+           "$LOOPD" list --control "$CTL" | true
+           "$LOOPD" status d0 --control "$CTL" | true
+           "$LOOPD" list --json --control "$CTL" | head -c 1 >/dev/null
+           "$LOOPD" --help | head -1 >/dev/null
+           echo done"#,
+    );
+    assert!(out.success(), "{out}");
+    assert!(out.stdout.contains("done"), "{out}");
+    for bad in ["panicked", "Broken pipe", "error"] {
+        assert!(
+            !out.stderr.contains(bad),
+            "loopd complained ({bad}):\n{out}"
+        );
+    }
+    // The exit status of loopd itself: killed by SIGPIPE (128+13) or 0 if it
+    // finished writing before the reader left; never 101 (a panic).
+    let out = sh(
+        &srv,
+        dir.path(),
+        r#"mkfifo p; ( "$LOOPD" list --control "$CTL"; echo "rc=$?" >rc ) >p &
+           head -c 1 <p >/dev/null; wait; cat rc"#,
+    );
+    let rc = out.stdout.trim();
+    assert!(rc == "rc=141" || rc == "rc=0", "{out}");
+}
+
+/// Every client command failure under `--json` is one JSON object on stdout
+/// with the control protocol's code, and the exit status is the documented
+/// one for that code.
+#[test]
+fn json_errors_and_exit_statuses() {
+    let dir = tempdir();
+    let srv = daemon_with_devices(dir.path(), 1);
+    let cases: &[(&[&str], &str)] = &[
+        (&["status", "nope"], "not_found"),
+        (&["detach", "nope"], "not_found"),
+        (&["resize", "nope"], "not_found"),
+        (&["set", "nope", "--size-limit", "1M"], "not_found"),
+        (
+            &[
+                "attach",
+                &format!("{}/d0.img", dir.path().display()),
+                "--name",
+                "d0",
+                "--shared",
+            ],
+            "name_taken",
+        ),
+        (&["set", "d0", "--block-size", "3000"], "invalid"),
+        (&["attach", "/nonexistent/x.img"], "io"),
+        (&["list", "--bogus"], "usage"),
+        (&["set", "d0", "--size-limit", "1.5"], "usage"),
+    ];
+    for (args, code) in cases {
+        let out = srv.ctl(args);
+        if *code == "usage" {
+            // clap's own message; the status is the usage one.
+            assert_eq!(out.status.code(), Some(2), "{args:?}:\n{out}");
+        } else {
+            assert_ctl_error(&out, code);
+        }
+        let mut a = args.to_vec();
+        a.push("--json");
+        let out = srv.ctl(&a);
+        assert_eq!(
+            out.status.code(),
+            Some(exit_status_for(code)),
+            "{args:?} --json:\n{out}"
+        );
+        let j = Json::parse(&out.stdout);
+        assert_eq!(j.at("error").at("code").str(), *code, "{args:?}:\n{out}");
+        assert!(
+            !j.at("error").at("message").str().is_empty(),
+            "{args:?}:\n{out}"
+        );
+    }
+
+    // busy: a client is connected and detach needs --force.
+    let (c, _, _) = RawClient::handshake(srv.socket(), "d0");
+    srv.wait_clients("d0", 1, Duration::from_secs(10));
+    let out = srv.ctl(&["detach", "d0", "--json"]);
+    assert_eq!(out.status.code(), Some(exit_status_for("busy")), "{out}");
+    assert_eq!(
+        Json::parse(&out.stdout).at("error").at("code").str(),
+        "busy",
+        "{out}"
+    );
+    drop(c);
+
+    // The daemon is not running: its own code and status.
+    let gone = dir.path().join("gone.ctl");
+    let out = loopd_ctl(&gone, &["list", "--json"]);
+    assert_eq!(
+        out.status.code(),
+        Some(exit_status_for("not_running")),
+        "{out}"
+    );
+    assert_eq!(
+        Json::parse(&out.stdout).at("error").at("code").str(),
+        "not_running",
+        "{out}"
+    );
+    assert_ctl_error(&loopd_ctl(&gone, &["status", "x"]), "not_running");
+
+    // Success under --json: detach and reload-tls print JSON too.
+    let j = srv.ctl_json(&["detach", "d0"]);
+    assert_eq!(j.at("name").str(), "d0");
+}
+
+/// `loopd --help` shows the exit status table and LOOPD_LOG; the
+/// `--reactors` default is shown once.
+#[test]
+fn help_documents_exit_statuses() {
+    let out = loopd_run(["--help"]);
+    for s in [
+        "Exit status:",
+        "4  no such device (not_found)",
+        "3  the daemon is not running",
+        "LOOPD_LOG",
+    ] {
+        assert!(out.stdout.contains(s), "{s:?} missing:\n{out}");
+    }
+    let out = loopd_run(["serve", "--help"]);
+    let reactors: Vec<&str> = out
+        .stdout
+        .split("--reactors")
+        .nth(1)
+        .and_then(|s| s.split("\n\n").next())
+        .into_iter()
+        .collect();
+    let text = reactors.join("");
+    assert_eq!(text.matches("default").count(), 1, "{text}");
+}
+
+/// Names, images and socket paths with spaces: the printed URIs are
+/// percent-encoded and nbdinfo opens them.
+#[test]
+fn uris_with_spaces_work() {
+    let dir = tempdir();
+    let sockdir = dir.path().join("with space");
+    std::fs::create_dir(&sockdir).expect("mkdir");
+    let sock = sockdir.join("loopd.sock");
+    let srv = Server::daemon().socket_path(&sock).start();
+    let img = dir.path().join("my disk.img");
+    create_sparse_image(&img, 3 * MIB);
+    let enc_sock = format!("{}/with%20space/loopd.sock", dir.path().display());
+
+    // The name from the file stem: `my disk`.
+    let out = srv.ctl_ok(&["attach", path_str(&img), "--shared"]);
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(lines[0], "my disk", "{out}");
+    let want = format!("nbd+unix:///my%20disk?socket={enc_sock}");
+    assert!(lines.contains(&want.as_str()), "want {want}:\n{out}");
+    assert_eq!(nbd_size(&want), 3 * MIB);
+
+    // An explicit name with a space, and one with URI delimiters.
+    for (name, enc) in [("a b", "a%20b"), ("x#z&1%", "x%23z%261%25")] {
+        let j = srv.ctl_json(&["attach", path_str(&img), "--shared", "--name", name]);
+        let want = format!("nbd+unix:///{enc}?socket={enc_sock}");
+        let uris: Vec<&str> = j.at("uris").arr().iter().map(Json::str).collect();
+        assert_eq!(uris, vec![want.as_str()], "{j:?}");
+        assert_eq!(nbd_size(&want), 3 * MIB, "{name}");
+        let out = run("nbdinfo", ["--json", &want]);
+        let info = Json::parse_first_object(&out.stdout);
+        assert_eq!(info.at("exports").arr()[0].at("export-name").str(), name);
+    }
+    // The status output carries the same URIs.
+    let j = srv.ctl_json(&["status", "a b"]);
+    assert_eq!(
+        j.at("uris").arr()[0].str(),
+        format!("nbd+unix:///a%20b?socket={enc_sock}")
+    );
+}
