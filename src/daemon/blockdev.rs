@@ -423,6 +423,7 @@ pub fn start_nbd(
             meta_context: false,
             peer: Peer::Unknown,
             tls: None,
+            encrypted: false,
         });
         kernel_ends.push(k);
     }

@@ -14,7 +14,7 @@
 //! should accepting fail anyway, the thread pauses instead of spinning.
 
 use crate::control::proto::{self, ErrorBody, ErrorCode, MAX_LINE, err_reply};
-use crate::daemon::Daemon;
+use crate::daemon::{Daemon, audit};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::Arc;
@@ -91,6 +91,11 @@ fn admit(s: UnixStream, daemon: &Arc<Daemon>, clients: &Arc<AtomicUsize>, idle: 
 fn serve_client(s: UnixStream, daemon: &Daemon, idle: Duration) -> std::io::Result<()> {
     s.set_read_timeout(Some(idle))?;
     s.set_write_timeout(Some(idle))?;
+    let cred = rustix::net::sockopt::socket_peercred(&s).ok();
+    let caller = audit::Caller {
+        uid: cred.map(|c| c.uid.as_raw()),
+        pid: cred.map(|c| c.pid.as_raw_nonzero().get()),
+    };
     let mut w = s.try_clone()?;
     let mut r = BufReader::new(s);
     let mut line = Vec::with_capacity(256);
@@ -118,7 +123,19 @@ fn serve_client(s: UnixStream, daemon: &Daemon, idle: Duration) -> std::io::Resu
             continue;
         }
         let reply = match proto::parse_request(&line) {
-            Ok(req) => daemon.handle(req),
+            Ok(req) => {
+                let old_size = match &req {
+                    proto::Request::Resize { name } => {
+                        daemon.export(name).map(|e| e.current().0.size)
+                    }
+                    _ => None,
+                };
+                let reply = daemon.handle(req.clone());
+                if let Some(l) = audit::line(&req, caller, old_size, &reply) {
+                    tracing::info!("{l}");
+                }
+                reply
+            }
             Err(e) => err_reply(&e),
         };
         w.write_all(reply.as_bytes())?;

@@ -20,6 +20,7 @@
 //! opened at start stays recorded and is listed as *missing* with the reason; it
 //! is retried every [`RETRY_INTERVAL`] and by an attach of the same name.
 
+pub mod audit;
 pub mod blockdev;
 pub mod config;
 pub mod control_socket;

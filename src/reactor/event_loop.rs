@@ -255,6 +255,7 @@ impl Reactor {
                     nc.meta_context,
                     nc.peer,
                     nc.tls,
+                    nc.encrypted,
                 ));
                 self.adopt(Session::Nbd(c));
             }

@@ -51,6 +51,8 @@ pub struct NewConn {
     /// The userspace TLS record layer of an encrypted session the kernel does
     /// not carry (see [`crate::frontend::nbd::tls`]).
     pub tls: Option<Box<TlsIo>>,
+    /// TLS was negotiated (kernel or userspace records).
+    pub encrypted: bool,
 }
 
 pub(super) enum Msg {

@@ -342,6 +342,7 @@ impl<'a> AcceptLoop<'a> {
         let domain = rustix::net::sockopt::socket_domain(&p.sock).ok();
         widen_send_buffer(&p.sock, domain);
         let peer = Peer::of(&p.sock, domain);
+        let encrypted = p.tls.is_some();
         let tls = match p.tls {
             None => None,
             Some(session) => match self.record_layer(&p.sock, session, p.boundary.at_boundary()) {
@@ -358,6 +359,7 @@ impl<'a> AcceptLoop<'a> {
             meta_context: neg.meta_context,
             peer,
             tls,
+            encrypted,
         });
     }
 

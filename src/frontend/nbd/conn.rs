@@ -202,6 +202,51 @@ pub struct Conn {
     /// The TLS record layer, when the session is encrypted in userspace (with
     /// kTLS, or without TLS, the socket carries plaintext and this is `None`).
     pub tls: Option<Box<TlsIo>>,
+    /// For the audit lines at connect and disconnect.
+    pub audit: ConnAudit,
+}
+
+/// What the connect and disconnect lines say about a connection.
+pub struct ConnAudit {
+    /// The peer: `ADDR:PORT`, or `unix uid=U pid=P`.
+    pub who: String,
+    pub opened: std::time::Instant,
+    /// Requests read.
+    pub served: u64,
+    /// Why it ended (set where reading stops).
+    pub reason: &'static str,
+}
+
+/// Who is at the other end of `sock`.
+fn describe_peer(sock: &OwnedFd) -> String {
+    let ip = rustix::net::getpeername(sock)
+        .ok()
+        .flatten()
+        .and_then(|a| std::net::SocketAddr::try_from(a).ok());
+    if let Some(ip) = ip {
+        return ip.to_string();
+    }
+    match rustix::net::sockopt::socket_peercred(sock) {
+        Ok(c) => format!(
+            "unix uid={} pid={}",
+            c.uid.as_raw(),
+            c.pid.as_raw_nonzero().get()
+        ),
+        Err(_) => "unknown peer".into(),
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        tracing::info!(
+            "audit: NBD client {} disconnected from {:?} after {:.1} s, {} requests: {}",
+            self.audit.who,
+            self.export.name,
+            self.audit.opened.elapsed().as_secs_f64(),
+            self.audit.served,
+            self.audit.reason
+        );
+    }
 }
 
 // SAFETY: the raw pointers in `iov`/`msg` point into this connection's own slots
@@ -213,6 +258,9 @@ unsafe impl Send for Conn {}
 impl Conn {
     /// A negotiated connection; `replies` is the framing the handshake agreed
     /// on ([`Replies::of`]).
+    // The negotiated facts, one argument each: the reactor's NewConn (a
+    // layer above) cannot be taken here.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         sock: OwnedFd,
         client: ClientRef,
@@ -221,6 +269,7 @@ impl Conn {
         meta_context: bool,
         peer: Peer,
         tls: Option<Box<TlsIo>>,
+        encrypted: bool,
     ) -> Conn {
         let export = Arc::clone(client.export());
         let (dev, epoch) = export.current();
@@ -232,6 +281,18 @@ impl Conn {
             meta_context,
         };
         tracing::debug!("new connection to {:?}: {replies:?} replies", dev.name);
+        let audit = ConnAudit {
+            who: describe_peer(&sock),
+            opened: std::time::Instant::now(),
+            served: 0,
+            reason: "closed",
+        };
+        tracing::info!(
+            "audit: NBD client {} connected to {:?}, tls {}",
+            audit.who,
+            export.name,
+            if encrypted { "yes" } else { "no" }
+        );
         // SAFETY: msghdr and iovec are plain C structs for which all-zero is valid.
         let msg: libc::msghdr = unsafe { std::mem::zeroed() };
         let iov = [libc::iovec {
@@ -270,6 +331,7 @@ impl Conn {
             active: false,
             moving: None,
             tls,
+            audit,
         }
     }
 
@@ -329,6 +391,9 @@ impl Conn {
 
     /// Stop reading requests; cancel the receive in flight.
     pub fn close_reading(&mut self, io: &mut Io, ci: u32) {
+        if !self.read_closed {
+            self.audit.reason = "closed by the server";
+        }
         self.read_closed = true;
         self.cancel_recv(io, ci);
     }

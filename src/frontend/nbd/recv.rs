@@ -185,8 +185,12 @@ impl Conn {
             }
             let hdr = &self.rbuf.as_slice()[self.rstart..self.rstart + hlen];
             let req = match wire::parse_header(hdr, self.view.extended) {
-                Ok(r) => r,
+                Ok(r) => {
+                    self.audit.served += 1;
+                    r
+                }
                 Err(e) => {
+                    self.audit.reason = "framing error";
                     self.export.leave();
                     tracing::warn!(
                         "closing a connection to {:?}: framing error: {e}",
@@ -254,6 +258,7 @@ impl Conn {
                 slot.req.started = None;
                 self.export.leave();
                 self.free_slots.push(si);
+                self.audit.reason = "client disconnected (NBD_CMD_DISC)";
                 self.read_closed = true;
                 return;
             };
@@ -311,6 +316,13 @@ impl Conn {
             }
         }
         if res <= 0 {
+            if !self.read_closed {
+                self.audit.reason = if res == 0 {
+                    "connection closed by the client"
+                } else {
+                    "receive failed"
+                };
+            }
             if res < 0 && res != -libc::ECANCELED && res != -libc::ECONNRESET {
                 tracing::debug!(
                     "receive failed on a connection to {:?}: errno {}",
