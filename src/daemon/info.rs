@@ -227,4 +227,8 @@ pub struct SetResult {
     pub changed: bool,
     /// How long this device's requests were held (0 when nothing was frozen).
     pub quiesced_us: u64,
+    /// The backing file's size.
+    pub file_size: u64,
+    /// The size limit makes the device smaller than the file (past its offset).
+    pub capped_by_size_limit: bool,
 }
