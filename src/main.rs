@@ -130,8 +130,8 @@ struct ListArgs {
 
 #[derive(clap::Args)]
 struct StatusArgs {
-    /// Device name.
-    name: String,
+    /// Device name (without one: every device, one row each).
+    name: Option<String>,
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
@@ -265,7 +265,13 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::List(a) => cli::print_list(&call(&a.ctl, &Request::List)?, a.json),
         Cmd::Status(a) => {
-            cli::print_status(&call(&a.ctl, &Request::Status { name: a.name })?, a.json)
+            let all = a.name.is_none();
+            let v = call(&a.ctl, &Request::Status { name: a.name })?;
+            if all {
+                cli::print_status_all(&v, a.json)
+            } else {
+                cli::print_status(&v, a.json)
+            }
         }
         Cmd::Set(a) => {
             let s = SetSpec {

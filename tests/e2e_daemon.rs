@@ -417,6 +417,32 @@ fn attach_list_status_detach() {
     drop(c);
     assert_file_filled(&img, MIB, 4096, 0xa5, "read-only device wrote nothing");
 
+    // status without a name: every device, in one call.
+    let all = srv.ctl_json(&["status"]);
+    let names: Vec<&str> = all.arr().iter().map(|d| d.at("name").str()).collect();
+    assert_eq!(names, vec!["disk1", "win"], "{all:?}");
+    for d in all.arr() {
+        let one = srv.ctl_json(&["status", d.at("name").str()]);
+        assert_eq!(d.at("image").str(), one.at("image").str());
+        assert!(d.at("requests").at("read").u64() <= one.at("requests").at("read").u64());
+    }
+    assert!(
+        all.arr()[0].at("requests").at("write").u64() >= 1,
+        "{all:?}"
+    );
+    assert!(all.arr()[1].at("requests").at("read").u64() >= 2, "{all:?}");
+    let table = srv.ctl_ok(&["status"]).stdout;
+    let rows: Vec<Vec<&str>> = table
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 3, "header + one row per device:\n{table}");
+    assert_eq!(rows[0][0], "NAME", "{table}");
+    assert_eq!(rows[0][4], "READS", "{table}");
+    assert_eq!((rows[1][0], rows[1][1]), ("disk1", "live"), "{table}");
+    assert_eq!(rows[2][0], "win", "{table}");
+    assert!(rows[2][4].parse::<u64>().unwrap_or(0) >= 2, "{table}");
+
     // Detach.
     let out = srv.ctl_ok(&["detach", "disk1"]);
     assert_eq!(out.stdout.trim(), "detached disk1");

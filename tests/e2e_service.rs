@@ -442,6 +442,17 @@ fn reload_command_prints_the_report() {
     assert_eq!(j.at("unchanged").arr()[0].str(), "b", "{out}");
     assert_eq!(j.at("tls").str(), "off");
 
+    // A device that cannot be attached: reported, and the command fails.
+    write_config(&cfg, &[("a.img", ""), ("b.img", ""), ("gone.img", "")]);
+    let out = ctl(&control, &["reload"]);
+    assert!(!out.success(), "{out}");
+    assert!(out.stdout.contains("failed: gone: cannot attach"), "{out}");
+    assert!(
+        out.stderr
+            .contains("the reload could not attach or change 1 device(s)"),
+        "{out}"
+    );
+
     std::fs::write(&cfg, "[[device]\nimage = ").unwrap();
     let out = ctl(&control, &["reload"]);
     assert!(!out.success(), "{out}");
@@ -690,4 +701,61 @@ fn socket_activation_tcp_and_abstract_notify() {
     let n = rx.recv(&mut buf).expect("READY=1 on the abstract socket");
     assert!(buf[..n].starts_with(b"READY=1\n"));
     p.stop();
+}
+
+/// Two servers on every default path (as an unprivileged user, whose defaults
+/// live under $XDG_RUNTIME_DIR and $XDG_STATE_HOME): the second is refused
+/// with the option to set, and the first keeps serving.
+#[test]
+fn default_path_clash_names_the_option() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempdir();
+    let uid = 65534u32; // nobody
+    let chown = |p: &Path| {
+        std::os::unix::fs::chown(p, Some(uid), Some(uid)).expect("chown to nobody");
+    };
+    chown(dir.path());
+    let runtime = dir.path().join("run");
+    let state = dir.path().join("state");
+    for d in [&runtime, &state] {
+        std::fs::create_dir(d).unwrap();
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700)).unwrap();
+        chown(d);
+    }
+    let img = dir.path().join("def.img");
+    create_sparse_image(&img, MIB);
+    chown(&img);
+    let serve = || {
+        let mut c = Command::new(require_tool("setpriv"));
+        c.args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--inh-caps=-all",
+        ])
+        .arg(loopd_bin())
+        .arg("serve")
+        .arg(&img)
+        .arg("--shared")
+        .env("XDG_RUNTIME_DIR", &runtime)
+        .env("XDG_STATE_HOME", &state);
+        Proc::spawn(c)
+    };
+    let mut a = serve();
+    let sock = runtime.join("loopd/loopd.sock");
+    assert_eq!(
+        a.wait_line("nbd+unix://"),
+        format!("nbd+unix:///def?socket={}", sock.display())
+    );
+    let mut b = serve();
+    assert!(!b.wait_exit().success());
+    let err = b.stderr();
+    assert!(
+        err.contains(&format!("{} is in use by another server", sock.display()))
+            && err.contains("pass --socket PATH (and --control/--state) to run a second one"),
+        "{err}"
+    );
+    assert_eq!(nbd_size(&unix_uri(&sock)), MIB);
+    a.stop();
+    assert!(!sock.exists());
 }

@@ -12,6 +12,7 @@ use loopd::backing::format::ImageFormat;
 use loopd::control::proto::DeviceSpec;
 use loopd::device::CacheMode;
 use loopd::device::spec::Blockdev;
+use loopd::device::stats::{COUNTERS, Group};
 use loopd::size::{parse_block_size, parse_size};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -356,19 +357,27 @@ pub fn print_status(v: &Value, json: bool) -> Result<()> {
         println!("tls_allow: {}", allow.join(" "));
     }
     println!("in_flight: {}", s(v, "in_flight"));
-    for group in ["requests", "bytes", "paths", "errors"] {
-        let parts: Vec<String> = v[group]
-            .as_object()
-            .into_iter()
-            .flatten()
-            .map(|(k, n)| format!("{k}={n}"))
+    // Counters in the order they are declared (the JSON objects are sorted).
+    for g in [Group::Requests, Group::Bytes, Group::Paths] {
+        let parts: Vec<String> = COUNTERS
+            .iter()
+            .filter(|c| c.group == g)
+            .map(|c| format!("{}={}", c.key, s(&v[g.name()], c.key)))
             .collect();
-        println!("{group}: {}", parts.join(" "));
+        println!("{}: {}", g.name(), parts.join(" "));
     }
-    println!("unaligned: {}", s(v, "unaligned"));
+    let errors: Vec<String> = v["errors"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .map(|(k, n)| format!("{k}={n}"))
+        .collect();
+    println!("errors: {}", errors.join(" "));
+    for c in COUNTERS.iter().filter(|c| c.group == Group::Single) {
+        println!("{}: {}", c.key, s(v, c.key));
+    }
     println!("bytes_read: {}", s(v, "bytes_read"));
     println!("bytes_written: {}", s(v, "bytes_written"));
-    println!("moves: {}", s(v, "moves"));
     let l = &v["latency"];
     println!(
         "latency_us: p50={} p99={} max={}",
@@ -377,6 +386,60 @@ pub fn print_status(v: &Value, json: bool) -> Result<()> {
         s(l, "max_us")
     );
     Ok(())
+}
+
+/// `status` without a name: one row per device (`--json`: the array of status
+/// objects).
+pub fn print_status_all(v: &Value, json: bool) -> Result<()> {
+    let devs = v["devices"].as_array().cloned().unwrap_or_default();
+    if json {
+        println!("{}", pretty(&Value::Array(devs))?);
+        return Ok(());
+    }
+    let header = [
+        "NAME", "STATE", "CLIENTS", "INFLIGHT", "READS", "WRITES", "RBYTES", "WBYTES", "ERRORS",
+        "P99US", "IMAGE",
+    ];
+    let mut rows: Vec<Vec<String>> = vec![header.iter().map(|h| h.to_string()).collect()];
+    for d in &devs {
+        let errors: u64 = d["errors"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter_map(|(_, n)| n.as_u64())
+            .sum();
+        rows.push(vec![
+            s(d, "name"),
+            s(d, "state"),
+            s(d, "clients"),
+            s(d, "in_flight"),
+            d["requests"]["read"].as_u64().unwrap_or(0).to_string(),
+            d["requests"]["write"].as_u64().unwrap_or(0).to_string(),
+            s(d, "bytes_read"),
+            s(d, "bytes_written"),
+            errors.to_string(),
+            s(&d["latency"], "p99_us"),
+            s(d, "image"),
+        ]);
+    }
+    print_table(&rows);
+    Ok(())
+}
+
+/// Left-aligned columns, one space apart.
+fn print_table(rows: &[Vec<String>]) {
+    let cols = rows.first().map(Vec::len).unwrap_or(0);
+    let widths: Vec<usize> = (0..cols)
+        .map(|i| rows.iter().map(|r| r[i].len()).max().unwrap_or(0))
+        .collect();
+    for r in rows {
+        let line: Vec<String> = r
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        println!("{}", line.join(" ").trim_end());
+    }
 }
 
 /// `set` / `resize`: what changed and how long the device was held.

@@ -1,15 +1,29 @@
 //! `loopd reload`: the report of a `reload` request (TLS certificates and the
-//! `--config` file re-read, as SIGHUP does), as text or JSON.
+//! `--config` file re-read, as SIGHUP does), as text or JSON; exits non-zero
+//! when a device could not be attached or changed.
 
 use anyhow::Result;
 use serde_json::Value;
 
-/// Print the daemon's reload report.
+/// Print the daemon's reload report; an error when a device could not be
+/// attached or changed (after the report).
 pub fn print(v: &Value, json: bool) -> Result<()> {
     if json {
         println!("{}", serde_json::to_string_pretty(v)?);
-        return Ok(());
+    } else {
+        print_text(v);
     }
+    let failed = v
+        .get("failed")
+        .and_then(Value::as_array)
+        .map_or(0, Vec::len);
+    if failed > 0 {
+        anyhow::bail!("the reload could not attach or change {failed} device(s)");
+    }
+    Ok(())
+}
+
+fn print_text(v: &Value) {
     let names = |k: &str| -> Vec<String> {
         v.get(k)
             .and_then(Value::as_array)
@@ -24,7 +38,7 @@ pub fn print(v: &Value, json: bool) -> Result<()> {
     println!("TLS certificates: {tls}");
     let Some(cfg) = v.get("config").and_then(Value::as_str) else {
         println!("config: none (the server runs without --config)");
-        return Ok(());
+        return;
     };
     println!("config: {cfg}");
     for (key, label) in [
@@ -48,5 +62,4 @@ pub fn print(v: &Value, json: bool) -> Result<()> {
             println!("{label}: {name}: {msg}");
         }
     }
-    Ok(())
 }

@@ -195,6 +195,14 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     // taken before anything else (and before any thread starts).
     let act = activation::take()?;
     let notifier = Arc::new(Notifier::from_env()?);
+    // A SIGHUP during start-up (`systemctl reload` racing the start) must not
+    // kill the daemon: its default action is replaced at once. The server
+    // reloads on SIGHUP once it runs; the files are read at start anyway.
+    signal_hook::flag::register(
+        signal_hook::consts::SIGHUP,
+        Arc::new(std::sync::atomic::AtomicBool::new(false)),
+    )
+    .context("cannot set up signal handling")?;
     if let Some(p) = &a.pid_file {
         pidfile::check(p)?;
     }
@@ -204,8 +212,13 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
         *ready_pipe.borrow_mut() = Some(daemonize::fork()?);
     }
     let r = start(a, act, Arc::clone(&notifier), Rc::clone(&ready_pipe));
-    if let (Err(e), Some(p)) = (&r, ready_pipe.borrow_mut().as_mut()) {
-        p.fail(&format!("{e:#}"));
+    if let Err(e) = &r {
+        let msg = format!("{e:#}");
+        // `systemctl status` shows it beside the exit code.
+        notifier.send(&format!("STATUS=failed: {}", msg.replace('\n', " ")));
+        if let Some(p) = ready_pipe.borrow_mut().as_mut() {
+            p.fail(&msg);
+        }
     }
     r
 }
@@ -344,7 +357,10 @@ fn start(
         }
     };
     let n = Arc::clone(&notifier);
+    let ready = Rc::new(std::cell::Cell::new(false));
+    let was_ready = Rc::clone(&ready);
     let on_ready = Box::new(move |d: &Daemon| {
+        was_ready.set(true);
         n.ready(&format!("serving {} devices", d.all().len()));
         if let Some(p) = ready_pipe.borrow_mut().as_mut() {
             p.ready();
@@ -363,9 +379,12 @@ fn start(
         on_sighup: Some(on_sighup),
         on_stopping: Some(Box::new(move || n.stopping())),
     };
-    server::run(d, bound, &opts, hooks)?;
+    let r = server::run(Arc::clone(&d), bound, &opts, hooks);
+    if r.is_err() && !ready.get() {
+        remove_created(&d);
+    }
     drop(pid_file);
-    Ok(())
+    Ok(r?)
 }
 
 /// Remove the images that attaches at start created (`create`), after a

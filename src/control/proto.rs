@@ -59,8 +59,10 @@ pub enum Request {
         force: bool,
     },
     List,
+    /// One device's status; without a name, every device's.
     Status {
-        name: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        name: Option<String>,
     },
     Set(SetSpec),
     Resize {
@@ -143,7 +145,9 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ErrorBody> {
     }
     // Requests without fields: serde accepts anything beside "op" for them, the
     // document does not.
-    if let Some(op @ ("list" | "version")) = obj.get("op").and_then(|o| o.as_str()) {
+    if let Some(op @ ("list" | "version" | "reload_tls" | "reload")) =
+        obj.get("op").and_then(|o| o.as_str())
+    {
         if let Some(k) = obj.keys().find(|k| *k != "op") {
             return Err(bad(format!(
                 "bad request: unknown field `{k}`: op {op} takes no fields"

@@ -1,14 +1,13 @@
 //! What `list`, `status`, `attach` and `set` report: serialisable snapshots.
 
 use super::Endpoints;
-use crate::block::Errno;
 use crate::control::proto::DeviceSpec;
 use crate::device::CacheMode;
 use crate::device::export::Export;
+use crate::device::stats::{Group, Snapshot};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering::Relaxed;
 
 /// Whether a device serves.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -141,51 +140,24 @@ pub struct DeviceStatus {
 }
 
 impl DeviceStatus {
+    /// Every counter from [`COUNTERS`](crate::device::stats::COUNTERS), by group.
     pub fn of(e: &Export, ep: &Endpoints) -> DeviceStatus {
-        let s = &e.stats;
-        let g = |a: &std::sync::atomic::AtomicU64| a.load(Relaxed);
-        let requests = [
-            ("read", g(&s.reads)),
-            ("write", g(&s.writes)),
-            ("flush", g(&s.flushes)),
-            ("trim", g(&s.trims)),
-            ("write_zeroes", g(&s.write_zeroes)),
-            ("cache", g(&s.caches)),
-            ("block_status", g(&s.block_status)),
-        ];
-        let paths = [
-            ("direct", g(&s.direct)),
-            ("bounced", g(&s.bounced)),
-            ("buffered", g(&s.buffered)),
-            ("inline_cached", g(&s.inline_cached)),
-            ("inline_written", g(&s.inline_written)),
-            ("spliced", g(&s.spliced)),
-        ];
-        let errors = Errno::ALL
-            .iter()
-            .map(|e| (e.name().to_string(), g(&s.errors[e.index()])))
-            .collect();
-        let (p50, p99, max) = s.latency.summary();
+        let snap = Snapshot::of(&e.stats);
+        let group = |g: Group| -> BTreeMap<String, u64> {
+            snap.group(g).map(|(k, v)| (k.to_string(), v)).collect()
+        };
+        let (p50, p99, max) = e.stats.latency.summary();
         DeviceStatus {
             info: DeviceInfo::of(e, ep),
             in_flight: e.in_flight(),
-            requests: requests.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
-            bytes: [
-                ("read", g(&s.bytes_read)),
-                ("write", g(&s.bytes_written)),
-                ("trim", g(&s.bytes_trimmed)),
-                ("write_zeroes", g(&s.bytes_zeroed)),
-                ("cache", g(&s.bytes_cached)),
-            ]
-            .iter()
-            .map(|(k, v)| (k.to_string(), *v))
-            .collect(),
-            bytes_read: g(&s.bytes_read),
-            bytes_written: g(&s.bytes_written),
-            unaligned: g(&s.unaligned),
-            paths: paths.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
-            moves: g(&s.moves),
-            errors,
+            requests: group(Group::Requests),
+            bytes: group(Group::Bytes),
+            bytes_read: snap.get(Group::Bytes, "read"),
+            bytes_written: snap.get(Group::Bytes, "write"),
+            unaligned: snap.get(Group::Single, "unaligned"),
+            paths: group(Group::Paths),
+            moves: snap.get(Group::Single, "moves"),
+            errors: snap.errors().map(|(k, v)| (k.to_string(), v)).collect(),
             latency: Latency {
                 p50_us: p50,
                 p99_us: p99,

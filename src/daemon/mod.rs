@@ -452,7 +452,10 @@ impl Daemon {
                 .detach(&name, force)
                 .map(|()| ok_reply(&serde_json::json!({ "name": name }))),
             Request::List => Ok(ok_reply(&serde_json::json!({ "devices": self.list() }))),
-            Request::Status { name } => self.status(&name).map(|s| ok_reply(&s)),
+            Request::Status { name: Some(name) } => self.status(&name).map(|s| ok_reply(&s)),
+            Request::Status { name: None } => Ok(ok_reply(
+                &serde_json::json!({ "devices": self.status_all() }),
+            )),
             Request::Set(s) => self.set(s).map(|r| ok_reply(&r)),
             Request::Resize { name } => self.resize(&name).map(|r| ok_reply(&r)),
             Request::Reload => self.reload().map(|r| ok_reply(&r)),
@@ -943,6 +946,13 @@ impl Daemon {
         let mut st = DeviceStatus::of(&e, &self.endpoints());
         st.info.blockdev = self.blockdev(name).map(|b| b.path());
         Ok(st)
+    }
+
+    /// Every device's status (live and missing), sorted by name.
+    pub fn status_all(&self) -> Vec<DeviceStatus> {
+        let names: Vec<String> = self.list().into_iter().map(|i| i.name).collect();
+        // A device detached meanwhile is left out.
+        names.iter().filter_map(|n| self.status(n).ok()).collect()
     }
 
     /// Live reconfiguration. See the module and `Export` docs for what freezes.

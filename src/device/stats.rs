@@ -109,48 +109,213 @@ impl Stats {
         self.errors[e.index()].fetch_add(1, Relaxed);
     }
 
-    /// One line for the log at exit.
+    /// One line for the log at exit, from [`COUNTERS`].
     pub fn summary(&self) -> String {
-        let g = |a: &AtomicU64| a.load(Relaxed);
-        let mut errs = String::new();
-        for e in Errno::ALL {
-            let n = g(&self.errors[e.index()]);
-            if n > 0 {
-                errs.push_str(&format!(" {}={n}", e.name()));
-            }
+        Snapshot::of(self).summary()
+    }
+}
+
+/// The groups counters are shown in (status JSON objects, metric families).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Group {
+    /// Requests served, by command.
+    Requests,
+    /// Bytes covered, by command.
+    Bytes,
+    /// How reads and writes reached the file.
+    Paths,
+    /// A counter of its own.
+    Single,
+}
+
+impl Group {
+    /// The status JSON field (and the exit summary's heading).
+    pub fn name(self) -> &'static str {
+        match self {
+            Group::Requests => "requests",
+            Group::Bytes => "bytes",
+            Group::Paths => "paths",
+            Group::Single => "",
         }
-        format!(
-            "reads={} writes={} flushes={} trims={} write_zeroes={} bytes_read={} bytes_written={} \
-             direct={} bounced={} buffered={} inline_cached={} inline_written={} spliced={} unaligned={} moves={} errors:{}",
-            g(&self.reads),
-            g(&self.writes),
-            g(&self.flushes),
-            g(&self.trims),
-            g(&self.write_zeroes),
-            g(&self.bytes_read),
-            g(&self.bytes_written),
-            g(&self.direct),
-            g(&self.bounced),
-            g(&self.buffered),
-            g(&self.inline_cached),
-            g(&self.inline_written),
-            g(&self.spliced),
-            g(&self.unaligned),
-            g(&self.moves),
-            if errs.is_empty() {
-                " none".to_string()
-            } else {
-                errs
+    }
+}
+
+/// One per-device counter: declared once here, rendered by `loopd status`, the
+/// exit summary and the metrics endpoint.
+pub struct Counter {
+    pub group: Group,
+    /// Key within its group (the command, the path) or, for [`Group::Single`],
+    /// the counter's own name.
+    pub key: &'static str,
+    pub help: &'static str,
+    pub read: fn(&Stats) -> u64,
+}
+
+macro_rules! counter {
+    ($g:ident, $k:literal, $f:ident, $h:literal) => {
+        Counter {
+            group: Group::$g,
+            key: $k,
+            help: $h,
+            read: |s| s.$f.load(Relaxed),
+        }
+    };
+}
+
+/// Every per-device counter but errors (by errno, see [`Errno::ALL`]) and latency.
+pub const COUNTERS: &[Counter] = &[
+    counter!(Requests, "read", reads, "Read requests served."),
+    counter!(Requests, "write", writes, "Write requests served."),
+    counter!(Requests, "flush", flushes, "Flush requests served."),
+    counter!(Requests, "trim", trims, "Trim requests served."),
+    counter!(
+        Requests,
+        "write_zeroes",
+        write_zeroes,
+        "Write-zeroes requests served."
+    ),
+    counter!(
+        Requests,
+        "cache",
+        caches,
+        "Cache (read-ahead) requests served."
+    ),
+    counter!(
+        Requests,
+        "block_status",
+        block_status,
+        "Allocation queries served."
+    ),
+    counter!(Bytes, "read", bytes_read, "Bytes read."),
+    counter!(Bytes, "write", bytes_written, "Bytes written."),
+    counter!(Bytes, "trim", bytes_trimmed, "Bytes trimmed."),
+    counter!(Bytes, "write_zeroes", bytes_zeroed, "Bytes zeroed."),
+    counter!(Bytes, "cache", bytes_cached, "Bytes asked to be cached."),
+    counter!(Paths, "direct", direct, "Requests through O_DIRECT."),
+    counter!(
+        Paths,
+        "bounced",
+        bounced,
+        "Requests through an aligned bounce buffer."
+    ),
+    counter!(
+        Paths,
+        "buffered",
+        buffered,
+        "Requests through the page cache."
+    ),
+    counter!(
+        Paths,
+        "inline_cached",
+        inline_cached,
+        "Reads served inline from the page cache."
+    ),
+    counter!(
+        Paths,
+        "inline_written",
+        inline_written,
+        "Small writes copied into the page cache inline."
+    ),
+    counter!(
+        Paths,
+        "spliced",
+        spliced,
+        "Reads spliced from the page cache to the socket."
+    ),
+    counter!(
+        Single,
+        "unaligned",
+        unaligned,
+        "Requests not aligned to the block size."
+    ),
+    counter!(
+        Single,
+        "moves",
+        moves,
+        "Connections moved to the reactor on their client's CPU."
+    ),
+];
+
+/// The counters' values at one moment (each read separately, relaxed).
+pub struct Snapshot {
+    /// In [`COUNTERS`] order.
+    pub values: Vec<u64>,
+    /// In [`Errno::ALL`] order.
+    pub errors: Vec<u64>,
+}
+
+impl Snapshot {
+    pub fn of(s: &Stats) -> Snapshot {
+        Snapshot {
+            values: COUNTERS.iter().map(|c| (c.read)(s)).collect(),
+            errors: Errno::ALL
+                .iter()
+                .map(|e| s.errors[e.index()].load(Relaxed))
+                .collect(),
+        }
+    }
+
+    /// Every counter with its value.
+    pub fn iter(&self) -> impl Iterator<Item = (&'static Counter, u64)> + '_ {
+        COUNTERS.iter().zip(self.values.iter().copied())
+    }
+
+    /// One group's `(key, value)` pairs.
+    pub fn group(&self, g: Group) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        self.iter()
+            .filter(move |(c, _)| c.group == g)
+            .map(|(c, v)| (c.key, v))
+    }
+
+    /// A counter by group and key (0 if there is none).
+    pub fn get(&self, g: Group, key: &str) -> u64 {
+        self.group(g)
+            .find(|(k, _)| *k == key)
+            .map(|(_, v)| v)
+            .unwrap_or(0)
+    }
+
+    /// Errors by errno name.
+    pub fn errors(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        Errno::ALL
+            .iter()
+            .zip(self.errors.iter().copied())
+            .map(|(e, v)| (e.name(), v))
+    }
+
+    /// `requests: read=1 … bytes: … paths: … unaligned=0 moves=0 errors: ENOSPC=1`
+    /// (errors that are 0 left out; `none` when all are).
+    pub fn summary(&self) -> String {
+        let mut parts: Vec<String> = Vec::new();
+        let mut last = None;
+        for (c, v) in self.iter() {
+            if last != Some(c.group) && c.group != Group::Single {
+                parts.push(format!("{}:", c.group.name()));
             }
-        )
+            last = Some(c.group);
+            parts.push(format!("{}={v}", c.key));
+        }
+        let mut out = parts.join(" ");
+        out.push_str(" errors:");
+        let mut any = false;
+        for (name, n) in self.errors().filter(|(_, n)| *n > 0) {
+            out.push_str(&format!(" {name}={n}"));
+            any = true;
+        }
+        if !any {
+            out.push_str(" none");
+        }
+        out
     }
 }
 
 /// A lock-free latency histogram: four buckets per power of two of nanoseconds
-/// (about 19% resolution), plus the exact maximum.
+/// (about 19% resolution), plus the exact maximum and the running sum (for
+/// the metrics endpoint's `_sum`: one more relaxed add per request).
 pub struct Histogram {
     buckets: [AtomicU64; 256],
     max_ns: AtomicU64,
+    sum_ns: AtomicU64,
 }
 
 impl Default for Histogram {
@@ -158,6 +323,7 @@ impl Default for Histogram {
         Histogram {
             buckets: std::array::from_fn(|_| AtomicU64::new(0)),
             max_ns: AtomicU64::new(0),
+            sum_ns: AtomicU64::new(0),
         }
     }
 }
@@ -191,6 +357,23 @@ impl Histogram {
     pub fn record(&self, ns: u64) {
         self.buckets[bucket_of(ns)].fetch_add(1, Relaxed);
         self.max_ns.fetch_max(ns, Relaxed);
+        self.sum_ns.fetch_add(ns, Relaxed);
+    }
+
+    /// Cumulative counts at powers of two of nanoseconds: `(2^k ns, requests
+    /// that took less)` for k in `lo..=hi`, then the total count and the sum of
+    /// all latencies in nanoseconds. Bucket edges fall on powers of two, so the
+    /// cumulative counts there are exact.
+    pub fn cumulative(&self, lo: u32, hi: u32) -> (Vec<(u64, u64)>, u64, u64) {
+        let counts: Vec<u64> = self.buckets.iter().map(|b| b.load(Relaxed)).collect();
+        let mut out = Vec::new();
+        for k in lo..=hi.min(63) {
+            // Buckets below index 4k hold latencies < 2^k (for k >= 2).
+            let upto = (4 * k as usize).min(counts.len());
+            out.push((1u64 << k, counts[..upto].iter().sum()));
+        }
+        let total = counts.iter().sum();
+        (out, total, self.sum_ns.load(Relaxed))
     }
 
     /// (p50, p99, max) in microseconds; zeros when nothing was recorded.
@@ -242,5 +425,53 @@ mod tests {
             last = b;
         }
         assert!(bucket_of(u64::MAX) < 256);
+    }
+
+    #[test]
+    fn cumulative_counts_are_exact_at_powers_of_two() {
+        let h = Histogram::default();
+        for ns in [1u64, 3, 4, 1000, 1023, 1024, 1025, 5000, 1 << 20] {
+            h.record(ns);
+        }
+        let (c, total, sum) = h.cumulative(2, 21);
+        assert_eq!(total, 9);
+        assert_eq!(
+            sum,
+            1 + 3 + 4 + 1000 + 1023 + 1024 + 1025 + 5000 + (1 << 20)
+        );
+        let at = |le: u64| c.iter().find(|(l, _)| *l == le).map(|(_, n)| *n);
+        assert_eq!(at(4), Some(2)); // 1, 3
+        assert_eq!(at(1024), Some(5)); // .. 1023
+        assert_eq!(at(2048), Some(7));
+        assert_eq!(at(1 << 20), Some(8));
+        assert_eq!(at(1 << 21), Some(9));
+        assert!(c.windows(2).all(|w| w[0].1 <= w[1].1), "cumulative");
+    }
+
+    #[test]
+    fn snapshot_reads_every_counter_once() {
+        let s = Stats::default();
+        s.op(Op::Read, 4096);
+        s.op(Op::Write, 512);
+        s.path(Path::Spliced);
+        s.error(Errno::ALL[0]);
+        let snap = Snapshot::of(&s);
+        assert_eq!(snap.get(Group::Requests, "read"), 1);
+        assert_eq!(snap.get(Group::Bytes, "read"), 4096);
+        assert_eq!(snap.get(Group::Bytes, "write"), 512);
+        assert_eq!(snap.get(Group::Paths, "spliced"), 1);
+        let line = snap.summary();
+        assert!(line.starts_with("requests: read=1 write=1 "), "{line}");
+        assert!(
+            line.contains(" spliced=1 unaligned=0 moves=0 errors: "),
+            "{line}"
+        );
+        assert!(
+            line.contains(&format!("{}=1", Errno::ALL[0].name())),
+            "{line}"
+        );
+        let names: std::collections::HashSet<(&str, &str)> =
+            COUNTERS.iter().map(|c| (c.group.name(), c.key)).collect();
+        assert_eq!(names.len(), COUNTERS.len(), "no counter declared twice");
     }
 }

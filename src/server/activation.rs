@@ -142,6 +142,15 @@ pub fn take() -> Result<Activated, ActivationError> {
     }
     let mut out = Activated::default();
     for (fd, name) in fds? {
+        // SAFETY: fcntl(F_GETFD) on any integer only reads the descriptor
+        // table; it tells whether `fd` is open before anything owns it.
+        if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+            return Err(ActivationError::NotListening {
+                fd,
+                name: name.unwrap_or_else(|| "unnamed".into()),
+                why: "the descriptor is not open".into(),
+            });
+        }
         // SAFETY: the service manager passed `fd` to this process for it to own
         // (LISTEN_PID is ours); nothing else in the process uses descriptors
         // from 3 up before this runs, and each is taken exactly once.

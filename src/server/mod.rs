@@ -1,6 +1,12 @@
 //! The server: listeners, the accept loop, signals, and the hand-off of negotiated
 //! connections to reactors.
 //!
+//! Start-up is two steps: [`bind`] reads the certificates and binds every socket
+//! (or takes those systemd passed, see [`activation`]) and starts no thread, so
+//! a caller may still fork; [`run`] starts the threads, tells its [`Hooks`] when
+//! it is ready, serves, and on the way out removes the socket files `bind` made
+//! (never activated ones).
+//!
 //! Threads: the caller's thread runs the accept loop, which also runs every
 //! pending handshake (see [`accept`]); reactors run the transmission phase; the
 //! control socket has its own threads. Stopping (SIGINT/SIGTERM): stop accepting,

@@ -149,10 +149,12 @@ fn request() -> impl Strategy<Value = Request> {
         device_spec().prop_map(Request::Attach),
         (name(), any::<bool>()).prop_map(|(name, force)| Request::Detach { name, force }),
         Just(Request::List),
-        name().prop_map(|name| Request::Status { name }),
+        proptest::option::of(name()).prop_map(|name| Request::Status { name }),
         set_spec().prop_map(Request::Set),
         name().prop_map(|name| Request::Resize { name }),
         Just(Request::Version),
+        Just(Request::ReloadTls),
+        Just(Request::Reload),
     ]
 }
 
