@@ -453,6 +453,11 @@ fn reload_command_prints_the_report() {
         "{out}"
     );
 
+    let out = ctl(&control, &["reload", "--json"]);
+    assert_eq!(out.status.code(), Some(1), "{out}");
+    let j = Json::parse(&out.stdout);
+    assert_eq!(j.at("failed").arr()[0].at("name").str(), "gone", "{out}");
+
     std::fs::write(&cfg, "[[device]\nimage = ").unwrap();
     let out = ctl(&control, &["reload"]);
     assert!(!out.success(), "{out}");

@@ -17,10 +17,18 @@ pub fn print(v: &Value, json: bool) -> Result<()> {
         .get("failed")
         .and_then(Value::as_array)
         .map_or(0, Vec::len);
-    if failed > 0 {
-        anyhow::bail!("the reload could not attach or change {failed} device(s)");
+    if failed == 0 {
+        return Ok(());
     }
-    Ok(())
+    let msg = format!("the reload could not attach or change {failed} device(s)");
+    if json {
+        // The report is the one JSON document on stdout; no error object after it.
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        eprintln!("loopd: error: {msg}");
+        std::process::exit(super::exit::OTHER.into());
+    }
+    anyhow::bail!("{msg}")
 }
 
 fn print_text(v: &Value) {

@@ -235,6 +235,9 @@ pub fn bind(opts: &ServeOptions, act: Activated) -> Result<Bound, ServerError> {
                 }
                 NbdSocket::Tcp(l) => {
                     if let Ok(a) = l.local_addr() {
+                        if let Some(w) = listen::exposure_warning(a, opts.tls == TlsMode::Require) {
+                            tracing::warn!("{w}");
+                        }
                         tcp.push(listen::uri_host(&a));
                     }
                     listeners.push(Listener::Tcp(l));
