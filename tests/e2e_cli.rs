@@ -331,3 +331,69 @@ fn set_rules_size_limit_none_and_cap_message() {
     conn.ok(r#"{"v":1,"op":"set","name":"c","size_limit":null}"#);
     assert_eq!(nbd_size(&u), 2 * MIB);
 }
+
+/// Unmounts a bind mount when dropped.
+struct Unmount(std::path::PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// An image that cannot be opened for writing (mode 0444 for a normal user;
+/// a read-only bind mount for root, whom modes do not stop) is served
+/// read-only with a notice, instead of failing with EACCES/EROFS.
+#[test]
+fn write_protected_image_gives_a_read_only_device() {
+    let dir = tempdir();
+    let img = dir.path().join("ro.img");
+    create_pattern_image(&img, MIB, 9);
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    let mut _mount = None;
+    let served = if root {
+        let mnt = dir.path().join("mnt");
+        std::fs::create_dir(&mnt).expect("mkdir");
+        run("mount", ["--bind", path_str(dir.path()), path_str(&mnt)]);
+        _mount = Some(Unmount(mnt.clone()));
+        run("mount", ["-o", "remount,ro,bind", path_str(&mnt)]);
+        mnt.join("ro.img")
+    } else {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&img, std::fs::Permissions::from_mode(0o444)).expect("chmod");
+        img.clone()
+    };
+    let srv = Server::daemon().start();
+    let out = srv.ctl_ok(&["attach", path_str(&served), "--name", "ro"]);
+    assert!(out.stderr.contains("write-protected"), "{out}");
+    let j = srv.ctl_json(&["status", "ro"]);
+    assert!(
+        j.at("read_only").bool() && j.at("write_protected").bool(),
+        "{j:?}"
+    );
+    let u = srv.uri_for_name("ro");
+    assert!(nbd_info(&u).at("is_read_only").bool());
+    let (mut c, _, _) = RawClient::handshake(srv.socket(), "ro");
+    assert_bytes_eq(&c.read(1, 0, 4096), &pattern_bytes(9, 0, 4096), 0, "read");
+    assert_eq!(
+        c.write(2, 0, &[0u8; 512]),
+        1,
+        "EPERM on a write-protected image"
+    );
+    drop(c);
+    // Asking for read-only is not "write-protected".
+    let j = srv.ctl_json(&[
+        "attach",
+        path_str(&served),
+        "--name",
+        "ro2",
+        "-r",
+        "--shared",
+    ]);
+    assert!(
+        j.at("read_only").bool() && !j.at("write_protected").bool(),
+        "{j:?}"
+    );
+    drop(srv);
+}

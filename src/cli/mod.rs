@@ -229,6 +229,12 @@ pub fn print_device(v: &Value, json: bool) -> Result<()> {
         println!("{}", pretty(v)?);
         return Ok(());
     }
+    if v["write_protected"].as_bool().unwrap_or(false) {
+        eprintln!(
+            "loopd: note: {} is write-protected: the device is read-only",
+            s(v, "image")
+        );
+    }
     println!("{}", s(v, "name"));
     if let Some(b) = v["blockdev"].as_str() {
         println!("{b}");
