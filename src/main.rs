@@ -142,24 +142,34 @@ struct StatusArgs {
 struct SetArgs {
     /// Device name.
     name: String,
-    /// New size of the window, in bytes (K/M/G/T).
-    #[arg(long, value_name = "BYTES", value_parser = loopd::size::parse_size)]
-    size_limit: Option<u64>,
+    /// New size of the window, in bytes (K/M/G/T), or `none` to remove the
+    /// limit (the window then reaches the end of the file). Shrinking the
+    /// device needs --force while clients are connected.
+    #[arg(long, visible_alias = "sizelimit", value_name = "BYTES|none", value_parser = cli::parse_limit)]
+    size_limit: Option<cli::Limit>,
     /// New start of the window in the file (clients cannot follow: needs --force
     /// while clients are connected).
-    #[arg(long, value_name = "BYTES", value_parser = loopd::size::parse_size)]
+    #[arg(long, short = 'o', value_name = "BYTES", value_parser = loopd::size::parse_size)]
     offset: Option<u64>,
     /// New logical block size (clients cannot follow: needs --force while
     /// clients are connected).
-    #[arg(long, value_name = "BYTES")]
+    #[arg(
+        long,
+        short = 'b',
+        visible_alias = "sector-size",
+        value_name = "BYTES",
+        value_parser = loopd::size::parse_block_size
+    )]
     block_size: Option<u32>,
     /// New cache mode.
     #[arg(long, value_enum)]
     cache: Option<Cache>,
-    /// Make the device read-only (true) or writable (false).
-    #[arg(long, value_name = "BOOL")]
+    /// Make the device read-only (true, or -r alone) or writable (false);
+    /// turning it on needs --force while clients are connected.
+    #[arg(long, short = 'r', value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
     read_only: Option<bool>,
-    /// Apply changes connected clients cannot follow.
+    /// Apply changes connected clients cannot follow (offset, block size, a
+    /// smaller size, read-only on).
     #[arg(long)]
     force: bool,
     /// Print the result as JSON.
@@ -257,7 +267,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Set(a) => {
             let s = SetSpec {
                 name: a.name,
-                size_limit: a.size_limit,
+                size_limit: a.size_limit.map(|l| l.0),
                 offset: a.offset,
                 block_size: a.block_size,
                 cache: a.cache.map(Into::into),

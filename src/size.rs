@@ -1,5 +1,10 @@
-//! Human sizes on the command line: `4096`, `64K`, `512M`, `1G`, `2T` (powers of
-//! 1024; a trailing `B` or `iB` is accepted).
+//! Human sizes on the command line and in config files: `4096`, `64K`, `512M`,
+//! `1G`, `2T`, `1.5G` (powers of 1024; a trailing `B` or `iB` is accepted; a
+//! decimal must come to a whole number of bytes: `1.5K` is 1536, `1.1K` and
+//! `1.5` are refused).
+//!
+//! Contract: pure functions; every string is either a byte count that is
+//! exactly what it says, or an error naming it.
 
 use thiserror::Error;
 
@@ -9,9 +14,11 @@ pub enum SizeError {
     Invalid(String),
     #[error("{0:?} is too large")]
     Overflow(String),
+    #[error("{0:?} is not a whole number of bytes")]
+    NotWhole(String),
 }
 
-/// Parse a size such as `1G` into bytes.
+/// Parse a size such as `1G` or `1.5M` into bytes.
 pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     let t = s.trim();
     let lower = t.to_ascii_lowercase();
@@ -22,7 +29,7 @@ pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     } else {
         t
     };
-    let (digits, shift) = match t.char_indices().last() {
+    let (number, shift) = match t.char_indices().last() {
         Some((i, c)) if c.is_ascii_alphabetic() => {
             let shift = match c.to_ascii_uppercase() {
                 'K' => 10,
@@ -35,14 +42,35 @@ pub fn parse_size(s: &str) -> Result<u64, SizeError> {
         }
         _ => (t, 0),
     };
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+    let (int, frac) = number.split_once('.').unwrap_or((number, ""));
+    let digits = |d: &str| d.bytes().all(|b| b.is_ascii_digit());
+    if int.is_empty() || !digits(int) || !digits(frac) || number.ends_with('.') {
         return Err(SizeError::Invalid(s.to_owned()));
     }
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| SizeError::Overflow(s.to_owned()))?;
-    n.checked_mul(1u64 << shift)
-        .ok_or_else(|| SizeError::Overflow(s.to_owned()))
+    let over = || SizeError::Overflow(s.to_owned());
+    let n: u64 = int.parse().map_err(|_| over())?;
+    let whole = n.checked_mul(1u64 << shift).ok_or_else(over)?;
+    // The fraction, exactly: frac / 10^len * 2^shift must be an integer.
+    let frac = frac.trim_end_matches('0');
+    if frac.is_empty() {
+        return Ok(whole);
+    }
+    if frac.len() > 19 {
+        return Err(SizeError::NotWhole(s.to_owned()));
+    }
+    let f: u128 = frac.parse().map_err(|_| over())?;
+    let scaled = f << shift;
+    let den = 10u128.pow(u32::try_from(frac.len()).map_err(|_| over())?);
+    if scaled % den != 0 {
+        return Err(SizeError::NotWhole(s.to_owned()));
+    }
+    let part = u64::try_from(scaled / den).map_err(|_| over())?;
+    whole.checked_add(part).ok_or_else(over)
+}
+
+/// Parse a block size (`512`, `4k`): a size that fits 32 bits.
+pub fn parse_block_size(s: &str) -> Result<u32, SizeError> {
+    u32::try_from(parse_size(s)?).map_err(|_| SizeError::Overflow(s.to_owned()))
 }
 
 #[cfg(test)]
@@ -60,12 +88,54 @@ mod tests {
 
     #[test]
     fn garbage_is_rejected() {
-        for bad in ["", "G", "1.5G", "-1", "10X", "1 G"] {
+        for bad in ["", "G", "-1", "10X", "1 G", ".5G", "1.G", "1..5G", "1.5.0K"] {
             assert!(parse_size(bad).is_err(), "{bad}");
         }
         assert!(matches!(
             parse_size("99999999999999T"),
             Err(SizeError::Overflow(_))
         ));
+        assert_eq!(parse_size("16777215.5T"), Ok(u64::MAX - (1 << 39) + 1));
+        assert!(matches!(
+            parse_size("16777216.5T"),
+            Err(SizeError::Overflow(_))
+        ));
+    }
+
+    #[test]
+    fn decimals_must_be_whole_bytes() {
+        assert_eq!(parse_size("1.5G"), Ok(3 << 29));
+        assert_eq!(parse_size("1.5K"), Ok(1536));
+        assert_eq!(parse_size("0.25M"), Ok(256 << 10));
+        assert_eq!(parse_size("2.0"), Ok(2));
+        assert_eq!(parse_size("1.50k"), Ok(1536));
+        for bad in ["1.5", "1.1K", "0.3M", "1.0000000000000000000001T"] {
+            assert_eq!(
+                parse_size(bad),
+                Err(SizeError::NotWhole(bad.into())),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn block_sizes_take_suffixes() {
+        assert_eq!(parse_block_size("4k"), Ok(4096));
+        assert_eq!(parse_block_size("512"), Ok(512));
+        assert!(parse_block_size("4G").is_err());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn whole_numbers_round_trip(n in 0u64..(1 << 40), shift in 0usize..5) {
+            let suffix = ["", "K", "M", "G", "T"][shift];
+            let v = n >> (10 * shift);
+            proptest::prop_assert_eq!(parse_size(&format!("{v}{suffix}")), Ok(v << (10 * shift)));
+        }
+
+        #[test]
+        fn never_panics(s in "[0-9.kKmMgGtTiIbB ]{0,24}") {
+            let _ = parse_size(&s);
+        }
     }
 }

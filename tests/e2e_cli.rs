@@ -218,3 +218,182 @@ fn uris_with_spaces_work() {
         format!("nbd+unix:///a%20b?socket={enc_sock}")
     );
 }
+
+/// losetup and qemu-nbd spellings and suffixed sizes: `-o`, `-r`, `-b 4k`,
+/// `-f raw`, `-x NAME`, `--sizelimit 1.5M`; `1.5` and `1.1K` bytes refused.
+#[test]
+fn short_options_and_sizes() {
+    let dir = tempdir();
+    let srv = Server::daemon().start();
+    let img = dir.path().join("s.img");
+    create_pattern_image(&img, 4 * MIB, 3);
+    let j = srv.ctl_json(&[
+        "attach",
+        path_str(&img),
+        "-x",
+        "short",
+        "-o",
+        "0.5M",
+        "--sizelimit",
+        "1.5M",
+        "-b",
+        "4k",
+        "-r",
+        "-f",
+        "raw",
+    ]);
+    assert_eq!(j.at("name").str(), "short");
+    assert_eq!(j.at("offset").u64(), MIB / 2);
+    assert_eq!(j.at("size").u64(), 3 * MIB / 2);
+    assert_eq!(j.at("block_size").u64(), 4096);
+    assert!(j.at("read_only").bool(), "{j:?}");
+    let u = srv.uri_for_name("short");
+    assert_eq!(nbd_size(&u), 3 * MIB / 2);
+    assert!(nbd_info(&u).at("is_read_only").bool());
+    // qemu-nbd's long spelling of -x.
+    let j = srv.ctl_json(&[
+        "attach",
+        path_str(&img),
+        "--export-name",
+        "long",
+        "--shared",
+        "-r",
+    ]);
+    assert_eq!(j.at("name").str(), "long");
+    for bad in ["1.5", "1.1K", "1.5X"] {
+        let out = srv.ctl(&["set", "short", "--size-limit", bad]);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {out}");
+        assert!(out.stderr.contains(bad), "{out}");
+    }
+    srv.ctl_json(&[
+        "set",
+        "short",
+        "--sector-size",
+        "512",
+        "--sizelimit",
+        "2.5M",
+    ]);
+    assert_eq!(nbd_size(&u), 5 * MIB / 2);
+}
+
+/// `set` rules: shrinking and read-only on need --force with a client
+/// connected (growing does not); `--size-limit none` removes the limit;
+/// `set` and `resize` say when the limit caps the file.
+#[test]
+fn set_rules_size_limit_none_and_cap_message() {
+    let dir = tempdir();
+    let srv = Server::daemon().start();
+    let img = dir.path().join("c.img");
+    create_sparse_image(&img, 2 * MIB);
+    srv.ctl_ok(&[
+        "attach",
+        path_str(&img),
+        "--name",
+        "c",
+        "--size-limit",
+        "1M",
+    ]);
+    let u = srv.uri_for_name("c");
+
+    // The limit caps the file: said in text and JSON.
+    let out = srv.ctl_ok(&["resize", "c"]);
+    assert!(
+        out.stdout
+            .contains("c: size limit 1 MiB caps the file's 2 MiB"),
+        "{out}"
+    );
+    let j = srv.ctl_json(&["resize", "c"]);
+    assert!(j.at("capped_by_size_limit").bool(), "{j:?}");
+    assert_eq!(j.at("file_size").u64(), 2 * MIB);
+
+    let (c, _, _) = RawClient::handshake(srv.socket(), "c");
+    srv.wait_clients("c", 1, Duration::from_secs(10));
+    let out = srv.ctl_err(&["set", "c", "--size-limit", "512K"], "busy");
+    assert!(out.stderr.contains("--force"), "{out}");
+    srv.ctl_err(&["set", "c", "-r"], "busy");
+    assert_eq!(nbd_size(&u), MIB, "refused changes changed nothing");
+    // Growing is safe: removing the limit gives the whole file.
+    let j = srv.ctl_json(&["set", "c", "--size-limit", "none"]);
+    assert!(j.at("changed").bool(), "{j:?}");
+    assert!(j.at("size_limit").is_null(), "{j:?}");
+    assert!(!j.at("capped_by_size_limit").bool(), "{j:?}");
+    assert_eq!(nbd_size(&u), 2 * MIB);
+    let out = srv.ctl_ok(&["set", "c", "--size-limit", "1M", "--force"]);
+    assert!(out.stdout.contains("caps the file's 2 MiB"), "{out}");
+    srv.ctl_ok(&["set", "c", "--read-only", "true", "--force"]);
+    assert!(nbd_info(&u).at("is_read_only").bool());
+    drop(c);
+
+    // The raw protocol: `"size_limit": null` removes the limit; absent keeps it.
+    let mut conn = ControlConn::connect(srv.control());
+    conn.ok(r#"{"v":1,"op":"set","name":"c","read_only":false}"#);
+    assert_eq!(nbd_size(&u), MIB);
+    conn.ok(r#"{"v":1,"op":"set","name":"c","size_limit":null}"#);
+    assert_eq!(nbd_size(&u), 2 * MIB);
+}
+
+/// Unmounts a bind mount when dropped.
+struct Unmount(std::path::PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// An image that cannot be opened for writing (mode 0444 for a normal user;
+/// a read-only bind mount for root, whom modes do not stop) is served
+/// read-only with a notice, instead of failing with EACCES/EROFS.
+#[test]
+fn write_protected_image_gives_a_read_only_device() {
+    let dir = tempdir();
+    let img = dir.path().join("ro.img");
+    create_pattern_image(&img, MIB, 9);
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    let mut _mount = None;
+    let served = if root {
+        let mnt = dir.path().join("mnt");
+        std::fs::create_dir(&mnt).expect("mkdir");
+        run("mount", ["--bind", path_str(dir.path()), path_str(&mnt)]);
+        _mount = Some(Unmount(mnt.clone()));
+        run("mount", ["-o", "remount,ro,bind", path_str(&mnt)]);
+        mnt.join("ro.img")
+    } else {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&img, std::fs::Permissions::from_mode(0o444)).expect("chmod");
+        img.clone()
+    };
+    let srv = Server::daemon().start();
+    let out = srv.ctl_ok(&["attach", path_str(&served), "--name", "ro"]);
+    assert!(out.stderr.contains("write-protected"), "{out}");
+    let j = srv.ctl_json(&["status", "ro"]);
+    assert!(
+        j.at("read_only").bool() && j.at("write_protected").bool(),
+        "{j:?}"
+    );
+    let u = srv.uri_for_name("ro");
+    assert!(nbd_info(&u).at("is_read_only").bool());
+    let (mut c, _, _) = RawClient::handshake(srv.socket(), "ro");
+    assert_bytes_eq(&c.read(1, 0, 4096), &pattern_bytes(9, 0, 4096), 0, "read");
+    assert_eq!(
+        c.write(2, 0, &[0u8; 512]),
+        1,
+        "EPERM on a write-protected image"
+    );
+    drop(c);
+    // Asking for read-only is not "write-protected".
+    let j = srv.ctl_json(&[
+        "attach",
+        path_str(&served),
+        "--name",
+        "ro2",
+        "-r",
+        "--shared",
+    ]);
+    assert!(
+        j.at("read_only").bool() && !j.at("write_protected").bool(),
+        "{j:?}"
+    );
+    drop(srv);
+}

@@ -895,9 +895,10 @@ impl Drop for ChildGuard {
 // ---------------------------------------------------------------------------
 
 /// `set`: no effective change → `changed: false`, nothing frozen; size limit
-/// on an idle device changes the size clients see; offset and block size are
-/// refused (busy) while a client is connected unless `--force`; read-only can
-/// be toggled; invalid values leave the device as it was.
+/// on an idle device changes the size clients see; offset, block size, a
+/// smaller size and read-only on are refused (busy) while a client is
+/// connected unless `--force`; read-only can be toggled; invalid values leave
+/// the device as it was.
 #[test]
 fn set_reconfigures_live() {
     let dir = tempdir();
@@ -973,8 +974,14 @@ fn set_reconfigures_live() {
         0,
         "client after refused set",
     );
-    // A size limit change is fine with a client connected.
-    let r = srv.ctl_json(&["set", "cfg", "--size-limit", "4M"]);
+    // Shrinking and read-only on break the client too; growing does not.
+    let out = srv.ctl_err(&["set", "cfg", "--size-limit", "4M"], "busy");
+    assert!(out.stderr.contains("a smaller size"), "{out}");
+    let out = srv.ctl_err(&["set", "cfg", "--read-only", "true"], "busy");
+    assert!(out.stderr.contains("read-only on"), "{out}");
+    let r = srv.ctl_json(&["set", "cfg", "--size-limit", "9M"]);
+    assert!(r.at("changed").bool());
+    let r = srv.ctl_json(&["set", "cfg", "--size-limit", "4M", "--force"]);
     assert!(r.at("changed").bool());
     assert_bytes_eq(
         &c.read(2, 4096, 4096),
@@ -1561,7 +1568,8 @@ fn set_on_one_device_does_not_stall_another() {
             2 => vec!["--size-limit".into(), "12M".into()],
             _ => vec!["--read-only".into(), "false".into()],
         };
-        let mut a = vec!["set", "other", "--json"];
+        // `other` has a reading client: shrinking and read-only on need --force.
+        let mut a = vec!["set", "other", "--json", "--force"];
         a.extend(args.iter().map(String::as_str));
         let t = Instant::now();
         let out = srv.ctl_ok(&a);

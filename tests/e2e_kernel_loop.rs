@@ -95,14 +95,16 @@ fn direct_read(dev: &Path, off: u64, len: usize) -> Vec<u8> {
     a.as_ref().to_vec()
 }
 
-/// `loopd kernel list --json`, only the entries backed by `image`.
+/// `loopd kernel list --json` (in `losetup -J`'s shape), only the entries
+/// backed by `image`.
 fn listed(image: &Path) -> Vec<Json> {
     let out = loopd_run(["kernel", "list", "--json"]).assert_success();
     let want = canon(image);
     Json::parse(&out.stdout)
+        .at("loopdevices")
         .arr()
         .iter()
-        .filter(|e| Path::new(e.at("backing_file").str()) == want)
+        .filter(|e| Path::new(e.at("back-file").str()) == want)
         .cloned()
         .collect()
 }
@@ -238,8 +240,8 @@ fn attach_block_size_4096() {
 
     let l = listed(&img);
     assert_eq!(l.len(), 1);
-    assert_eq!(l[0].at("block_size").u64(), 4096);
-    assert!(l[0].at("direct_io").bool());
+    assert_eq!(l[0].at("log-sec").u64(), 4096);
+    assert!(l[0].at("dio").bool());
 }
 
 /// `--offset` and `--size-limit`: the device is the window; writes land in
@@ -284,9 +286,9 @@ fn attach_offset_and_size_limit() {
 
     let l = listed(&img);
     assert_eq!(l.len(), 1);
-    assert_eq!(l[0].at("device").str(), path_str(&dev.dev));
+    assert_eq!(l[0].at("name").str(), path_str(&dev.dev));
     assert_eq!(l[0].at("offset").u64(), MIB);
-    assert_eq!(l[0].at("size_limit").u64(), 2 * MIB);
+    assert_eq!(l[0].at("sizelimit").u64(), 2 * MIB);
 }
 
 /// `--read-only`: sysfs `ro` is 1, opening for writing and `dd` fail, reads
@@ -343,7 +345,7 @@ fn attach_read_only_refuses_writes() {
     assert_file_pattern(&img, 0, 2 * MIB, 14, "read-only image unchanged");
     let l = listed(&img);
     assert_eq!(l.len(), 1);
-    assert!(l[0].at("read_only").bool());
+    assert!(l[0].at("ro").bool());
 }
 
 /// `kernel list` (table and JSON) shows each device with its settings;
@@ -396,13 +398,13 @@ fn list_direct_io_modes_and_detach() {
     }
     let l_on = listed(&on);
     assert_eq!(l_on.len(), 1);
-    assert_eq!(l_on[0].at("device").str(), path_str(&d_on.dev));
-    assert!(l_on[0].at("direct_io").bool());
-    assert!(!l_on[0].at("read_only").bool());
+    assert_eq!(l_on[0].at("name").str(), path_str(&d_on.dev));
+    assert!(l_on[0].at("dio").bool());
+    assert!(!l_on[0].at("ro").bool());
     assert!(!l_on[0].at("autoclear").bool());
     let l_off = listed(&off);
     assert_eq!(l_off.len(), 1);
-    assert!(!l_off[0].at("direct_io").bool());
+    assert!(!l_off[0].at("dio").bool());
 
     // Detach one: the other stays.
     let out = loopd_run(["kernel", "detach", path_str(&d_on.dev)]).assert_success();
@@ -433,7 +435,6 @@ fn attach_partscan_flag() {
     assert_eq!(dev.sysfs("loop/partscan").as_deref(), Some("1"));
     let l = listed(&img);
     assert_eq!(l.len(), 1);
-    assert!(l[0].at("partscan").bool());
     assert!(!l[0].at("autoclear").bool());
     let img2 = dir.path().join("kps2.img");
     create_sparse_image(&img2, 2 * MIB);
@@ -569,4 +570,105 @@ fn attach_and_detach_errors() {
     assert!(!out.success(), "{out}");
     assert!(out.stderr.contains("not a loop device"), "{out}");
     assert!(listed(&img).is_empty());
+}
+
+/// losetup's spellings: `kernel attach -f --show -r -o 1M --sizelimit 1M -b 4k`
+/// prints the device and sets it up as asked; `kernel list -J` equals real
+/// `losetup -J`'s entries for our devices (same fields, same values);
+/// `kernel detach DEV DEV` detaches several. (`kernel detach -D` detaches
+/// every loop device on the machine, as `losetup -D` does, so it is not run
+/// here: other users' devices would go too.)
+#[test]
+fn losetup_spellings_list_json_and_detach_several() {
+    require_root();
+    require_tool("losetup");
+    let dir = image_dir();
+    let a = dir.path().join("ka.img");
+    let b = dir.path().join("kb.img");
+    create_pattern_image(&a, 4 * MIB, 31);
+    create_sparse_image(&b, 2 * MIB);
+
+    let (da, out) = KernelLoop::attach(
+        &a,
+        &[
+            "-f",
+            "--show",
+            "-r",
+            "-o",
+            "1M",
+            "--sizelimit",
+            "1M",
+            "-b",
+            "4k",
+        ],
+    );
+    assert_eq!(out.stdout.trim(), path_str(&da.dev), "{out}");
+    assert_eq!(da.sysfs("ro").as_deref(), Some("1"));
+    assert_eq!(da.size(), MIB);
+    assert_eq!(
+        da.sysfs("queue/logical_block_size").as_deref(),
+        Some("4096")
+    );
+    let (db, _) = KernelLoop::attach(&b, &["-P"]);
+    assert_eq!(db.sysfs("loop/partscan").as_deref(), Some("1"));
+
+    // list -J against losetup -J, entry by entry for our two devices.
+    let ours = |j: &Json| -> Vec<Json> {
+        j.at("loopdevices")
+            .arr()
+            .iter()
+            .filter(|e| [path_str(&da.dev), path_str(&db.dev)].contains(&e.at("name").str()))
+            .cloned()
+            .collect()
+    };
+    let mine = Json::parse(&loopd_run(["kernel", "list", "-J"]).assert_success().stdout);
+    let real = Json::parse(&run("losetup", ["-J"]).stdout);
+    let (mut m, mut r) = (ours(&mine), ours(&real));
+    assert_eq!(m.len(), 2, "{mine:?}");
+    let key = |e: &Json| e.at("name").str().to_string();
+    m.sort_by_key(key);
+    r.sort_by_key(key);
+    for (m, r) in m.iter().zip(&r) {
+        for f in ["name", "back-file"] {
+            assert_eq!(m.at(f).str(), r.at(f).str(), "{f}: {m:?} vs {r:?}");
+        }
+        for f in ["sizelimit", "offset", "log-sec"] {
+            assert_eq!(m.at(f).u64(), r.at(f).u64(), "{f}: {m:?} vs {r:?}");
+        }
+        for f in ["autoclear", "ro", "dio"] {
+            assert_eq!(m.at(f).bool(), r.at(f).bool(), "{f}: {m:?} vs {r:?}");
+        }
+    }
+    let keys = |e: &Json| -> Vec<String> {
+        match e {
+            Json::Obj(m) => m.iter().map(|(k, _)| k.clone()).collect(),
+            other => panic!("not an object: {other:?}"),
+        }
+    };
+    assert_eq!(keys(&m[0]), keys(&r[0]), "same fields in the same order");
+
+    // Detach both in one command.
+    let out = loopd_run([
+        "kernel",
+        "detach",
+        path_str(&da.dev),
+        path_str(&db.dev),
+        "--json",
+    ]);
+    assert!(out.success(), "{out}");
+    assert_eq!(
+        Json::parse(&out.stdout).at("detached").arr().len(),
+        2,
+        "{out}"
+    );
+    assert!(da.wait_detached() && db.wait_detached(), "both detached");
+    // One bad device among good ones: the good ones are still detached.
+    let (dc, _) = KernelLoop::attach(&b, &[]);
+    let out = loopd_run(["kernel", "detach", "/dev/null", path_str(&dc.dev)]);
+    assert!(!out.success(), "{out}");
+    assert!(out.stderr.contains("not a loop device"), "{out}");
+    assert!(
+        dc.wait_detached(),
+        "the loop device after the bad one was detached"
+    );
 }

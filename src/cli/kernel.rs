@@ -3,7 +3,7 @@
 use anyhow::Result;
 use clap::{Subcommand, ValueEnum};
 use loopd::kernel_loop::{self, DirectIo, KernelParams};
-use loopd::size::parse_size;
+use loopd::size::{parse_block_size, parse_size};
 use std::path::PathBuf;
 
 #[derive(Subcommand)]
@@ -11,16 +11,17 @@ pub enum KernelCmd {
     /// Set up /dev/loopN for IMAGE with one LOOP_CONFIGURE; prints the device
     /// (with --partscan, then each partition's node, one per line).
     Attach(KernelAttach),
-    /// Detach a kernel loop device (LOOP_CLR_FD).
-    Detach {
-        /// The device, e.g. /dev/loop3.
-        device: PathBuf,
-    },
+    /// Detach kernel loop devices (LOOP_CLR_FD), like `losetup -d DEV...`;
+    /// `-D`/`--all` detaches every loop device with a backing file (`losetup -D`).
+    Detach(KernelDetach),
     /// List kernel loop devices with a backing file.
     List {
-        /// Print JSON instead of a table.
-        #[arg(long)]
+        /// Print JSON in `losetup -J`'s shape.
+        #[arg(long, short = 'J')]
         json: bool,
+        /// Every device (accepted for `losetup -a`; list always shows all).
+        #[arg(long, short = 'a')]
+        all: bool,
     },
 }
 
@@ -34,24 +35,49 @@ pub enum Dio {
 }
 
 #[derive(clap::Args)]
+pub struct KernelDetach {
+    /// The devices, e.g. /dev/loop3.
+    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    devices: Vec<PathBuf>,
+    /// Detach every loop device that has a backing file (`losetup -D`).
+    #[arg(long, short = 'D')]
+    all: bool,
+    /// Print the detached devices as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
 pub struct KernelAttach {
     /// The image file.
     image: PathBuf,
     /// Start of the window in the file, in bytes.
-    #[arg(long, value_name = "BYTES", value_parser = parse_size, default_value = "0")]
+    #[arg(long, short = 'o', value_name = "BYTES", value_parser = parse_size, default_value = "0")]
     offset: u64,
     /// Size of the window (0 = to the end of the file).
-    #[arg(long, value_name = "BYTES", value_parser = parse_size, default_value = "0")]
+    #[arg(
+        long,
+        visible_alias = "sizelimit",
+        value_name = "BYTES",
+        value_parser = parse_size,
+        default_value = "0"
+    )]
     size_limit: u64,
     /// Logical block size [default: the file's direct-I/O alignment, so that
     /// direct I/O is really on].
-    #[arg(long, value_name = "BYTES")]
+    #[arg(
+        long,
+        short = 'b',
+        visible_alias = "sector-size",
+        value_name = "BYTES",
+        value_parser = parse_block_size
+    )]
     block_size: Option<u32>,
     /// Direct I/O to the backing file.
     #[arg(long, value_enum, default_value = "auto")]
     direct_io: Dio,
     /// Read-only device.
-    #[arg(long)]
+    #[arg(long, short = 'r')]
     read_only: bool,
     /// Remove the device when its last user closes it.
     #[arg(long)]
@@ -59,8 +85,15 @@ pub struct KernelAttach {
     /// Scan the device for partitions: turned on after the device is
     /// configured, under a BSD lock (no udev race); returns once every
     /// partition node (/dev/loopNpK) exists.
-    #[arg(long)]
+    #[arg(long, short = 'P')]
     partscan: bool,
+    /// Accepted for `losetup -f --show`: loopd always takes the first free
+    /// device and prints it.
+    #[arg(long, short = 'f')]
+    find: bool,
+    /// Accepted for `losetup --show`: the device is always printed.
+    #[arg(long)]
+    show: bool,
     /// Print JSON (device, block size, direct I/O, partitions) instead of
     /// the device path.
     #[arg(long)]
@@ -102,14 +135,11 @@ pub fn run(cmd: KernelCmd) -> Result<()> {
             }
             Ok(())
         }
-        KernelCmd::Detach { device } => {
-            kernel_loop::detach(&device)?;
-            Ok(())
-        }
-        KernelCmd::List { json } => {
+        KernelCmd::Detach(d) => detach(d),
+        KernelCmd::List { json, all: _ } => {
             let l = kernel_loop::list();
             if json {
-                println!("{}", serde_json::to_string_pretty(&l)?);
+                println!("{}", serde_json::to_string_pretty(&losetup_json(&l))?);
                 return Ok(());
             }
             println!(
@@ -131,5 +161,70 @@ pub fn run(cmd: KernelCmd) -> Result<()> {
             }
             Ok(())
         }
+    }
+}
+
+/// `kernel detach DEV...` / `-D`: every device is tried; the first failure is
+/// the command's error (after the others were detached).
+fn detach(d: KernelDetach) -> Result<()> {
+    let devices = if d.all {
+        kernel_loop::list().into_iter().map(|e| e.device).collect()
+    } else {
+        d.devices
+    };
+    let mut done = Vec::new();
+    let mut first_err = None;
+    for dev in devices {
+        match kernel_loop::detach(&dev) {
+            Ok(()) => done.push(dev),
+            // The first failure is the command's error; later ones are told here.
+            Err(e) if first_err.is_none() => first_err = Some(e),
+            Err(e) => eprintln!("loopd: {}: {e}", dev.display()),
+        }
+    }
+    if d.json {
+        println!("{}", serde_json::json!({ "detached": done }));
+    }
+    match first_err {
+        Some(e) => Err(e.into()),
+        None => Ok(()),
+    }
+}
+
+/// One device in `losetup -J`'s shape (its field names, order and types).
+#[derive(serde::Serialize)]
+struct LosetupEntry {
+    name: PathBuf,
+    sizelimit: u64,
+    offset: u64,
+    autoclear: bool,
+    ro: bool,
+    #[serde(rename = "back-file")]
+    back_file: String,
+    dio: bool,
+    #[serde(rename = "log-sec")]
+    log_sec: u32,
+}
+
+#[derive(serde::Serialize)]
+struct LosetupList {
+    loopdevices: Vec<LosetupEntry>,
+}
+
+fn losetup_json(l: &[kernel_loop::LoopEntry]) -> LosetupList {
+    LosetupList {
+        loopdevices: l
+            .iter()
+            .map(|e| LosetupEntry {
+                name: e.device.clone(),
+                sizelimit: e.size_limit,
+                offset: e.offset,
+                autoclear: e.autoclear,
+                ro: e.read_only,
+                back_file: e.backing_file.clone(),
+                dio: e.direct_io,
+                log_sec: e.block_size,
+            })
+            .collect(),
     }
 }

@@ -14,7 +14,7 @@ use loopd::control::proto::DeviceSpec;
 use loopd::device::CacheMode;
 use loopd::device::spec::Blockdev;
 use loopd::device::stats::{COUNTERS, Group};
-use loopd::size::parse_size;
+use loopd::size::{parse_block_size, parse_size};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -43,23 +43,29 @@ impl From<Cache> for CacheMode {
 pub struct DeviceArgs {
     /// Export name [default: the image's file stem]; the empty name also selects
     /// the device given to `serve`.
-    #[arg(long)]
+    #[arg(long, short = 'x', visible_alias = "export-name")]
     pub name: Option<String>,
     /// Create a sparse image of this size (e.g. 1G; K/M/G/T) if IMAGE does not exist.
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub create: Option<u64>,
     /// Start of the exported window in the file, in bytes (like losetup --offset).
-    #[arg(long, value_name = "BYTES", value_parser = parse_size, default_value = "0")]
+    #[arg(long, short = 'o', value_name = "BYTES", value_parser = parse_size, default_value = "0")]
     pub offset: u64,
     /// Size of the exported window (like losetup --sizelimit); may reach past the
     /// end of the file, which then reads as zeros [default: to the end of the file].
-    #[arg(long, value_name = "BYTES", value_parser = parse_size)]
+    #[arg(long, visible_alias = "sizelimit", value_name = "BYTES", value_parser = parse_size)]
     pub size_limit: Option<u64>,
     /// Logical block size: 512, 1024, 2048 or 4096 [default: the file's direct-I/O
     /// alignment (statx), else the filesystem device's block size, else 512].
     /// NBD clients are told it is the preferred size; the minimum is 1 byte
     /// unless --strict-block-size.
-    #[arg(long, value_name = "BYTES")]
+    #[arg(
+        long,
+        short = 'b',
+        visible_alias = "sector-size",
+        value_name = "BYTES",
+        value_parser = parse_block_size
+    )]
     pub block_size: Option<u32>,
     /// Tell NBD clients the block size is also the smallest request they may
     /// send (the NBD minimum block size), so strict clients such as libnbd refuse
@@ -73,7 +79,7 @@ pub struct DeviceArgs {
     #[arg(long, value_enum, default_value = "auto")]
     pub cache: Cache,
     /// Refuse writes (EPERM) and advertise the export as read-only.
-    #[arg(long)]
+    #[arg(long, short = 'r')]
     pub read_only: bool,
     /// Serve the image even if another writer (QEMU, another device) has it open,
     /// and let others open it too (QEMU's force-share). Default: one writer.
@@ -81,7 +87,7 @@ pub struct DeviceArgs {
     pub shared: bool,
     /// Declare the image's format: `raw` serves its bytes as they are, even if they
     /// look like qcow2, vmdk, ... [default: probe and refuse non-raw images].
-    #[arg(long, value_enum, value_name = "FORMAT")]
+    #[arg(long, short = 'f', value_enum, value_name = "FORMAT")]
     pub format: Option<Format>,
     /// Also hand the device to the kernel as a block device: `ublk` gives
     /// /dev/ublkbN (Linux 6.0+, module ublk_drv); `nbd` connects the kernel's NBD
@@ -176,6 +182,18 @@ pub fn read_config(path: &Path) -> Result<Vec<DeviceSpec>> {
     Ok(loopd::daemon::config::read(path)?)
 }
 
+/// `set --size-limit`: a size, or `none` (no limit).
+#[derive(Clone, Copy)]
+pub struct Limit(pub Option<u64>);
+
+/// `set --size-limit`: a size, or `none` to remove the limit.
+pub fn parse_limit(s: &str) -> Result<Limit, loopd::size::SizeError> {
+    if s.eq_ignore_ascii_case("none") {
+        return Ok(Limit(None));
+    }
+    parse_size(s).map(|n| Limit(Some(n)))
+}
+
 fn s(v: &Value, k: &str) -> String {
     match &v[k] {
         Value::String(x) => x.clone(),
@@ -211,6 +229,12 @@ pub fn print_device(v: &Value, json: bool) -> Result<()> {
     if json {
         println!("{}", pretty(v)?);
         return Ok(());
+    }
+    if v["write_protected"].as_bool().unwrap_or(false) {
+        eprintln!(
+            "loopd: note: {} is write-protected: the device is read-only",
+            s(v, "image")
+        );
     }
     println!("{}", s(v, "name"));
     if let Some(b) = v["blockdev"].as_str() {
@@ -444,5 +468,24 @@ pub fn print_set(v: &Value, json: bool) -> Result<()> {
     } else {
         println!("{}: nothing to change", s(v, "name"));
     }
+    if v["capped_by_size_limit"].as_bool().unwrap_or(false) {
+        let n = |k: &str| v[k].as_u64().unwrap_or(0);
+        println!(
+            "{}: size limit {} caps the file's {}",
+            s(v, "name"),
+            human(n("size_limit")),
+            human(n("file_size").saturating_sub(n("offset")))
+        );
+    }
     Ok(())
+}
+
+/// `1073741824` → `1 GiB`; sizes that are not a whole unit stay in bytes.
+pub fn human(b: u64) -> String {
+    for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
+        if b >= 1 << shift && b % (1 << shift) == 0 {
+            return format!("{} {unit}", b >> shift);
+        }
+    }
+    format!("{b} bytes")
 }

@@ -19,8 +19,13 @@ pub const MAX_LINE: usize = 1 << 20;
 #[serde(deny_unknown_fields)]
 pub struct SetSpec {
     pub name: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub size_limit: Option<u64>,
+    /// Absent: unchanged; `null`: remove the limit; a number: the new limit.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "present"
+    )]
+    pub size_limit: Option<Option<u64>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub offset: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -32,6 +37,15 @@ pub struct SetSpec {
     /// Apply changes connected clients cannot follow (offset, block size).
     #[serde(default)]
     pub force: bool,
+}
+
+/// A field that is present (even as `null`): `Some` of its value.
+fn present<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    T::deserialize(d).map(Some)
 }
 
 /// What a client asks for.

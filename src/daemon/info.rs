@@ -38,6 +38,10 @@ pub struct DeviceInfo {
     /// Whether direct I/O is really in use.
     pub direct: bool,
     pub read_only: bool,
+    /// Read-only because the image cannot be written (a read-only mount, mode
+    /// 0444), not because it was asked.
+    #[serde(default)]
+    pub write_protected: bool,
     pub autoclear: bool,
     pub clients: u32,
     pub uris: Vec<String>,
@@ -72,6 +76,7 @@ impl DeviceInfo {
             cache: spec.cache,
             direct: d.direct,
             read_only: d.read_only,
+            write_protected: d.write_protected,
             autoclear: spec.autoclear,
             clients: e.clients(),
             uris: ep.uris(&e.name),
@@ -96,6 +101,7 @@ impl DeviceInfo {
             cache: spec.cache,
             direct: false,
             read_only: spec.read_only,
+            write_protected: false,
             autoclear: spec.autoclear,
             clients: 0,
             uris: Vec::new(),
@@ -199,4 +205,8 @@ pub struct SetResult {
     pub changed: bool,
     /// How long this device's requests were held (0 when nothing was frozen).
     pub quiesced_us: u64,
+    /// The backing file's size.
+    pub file_size: u64,
+    /// The size limit makes the device smaller than the file (past its offset).
+    pub capped_by_size_limit: bool,
 }

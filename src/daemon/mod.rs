@@ -26,6 +26,7 @@ pub mod config;
 pub mod control_socket;
 pub mod info;
 pub mod reload;
+pub mod set_rules;
 pub mod state;
 pub mod uri;
 
@@ -964,7 +965,7 @@ impl Daemon {
         let old = e.spec();
         let mut new = old.clone();
         if let Some(v) = s.size_limit {
-            new.size_limit = Some(v);
+            new.size_limit = v;
         }
         if let Some(v) = s.offset {
             new.offset = v;
@@ -981,7 +982,10 @@ impl Daemon {
         let (cur, _) = e.current();
         let unchanged = new == old
             || (new.offset == cur.offset
-                && new.size_limit.is_none_or(|l| l == cur.size)
+                && match new.size_limit {
+                    Some(l) => l == cur.size,
+                    None => old.size_limit.is_none(),
+                }
                 && new.block_size.is_none_or(|b| b == cur.block_size)
                 && new.read_only == cur.read_only
                 && new.cache == old.cache);
@@ -990,20 +994,28 @@ impl Daemon {
                 self.record_put(&e, &new)?;
             }
             e.set_spec(new);
-            return Ok(SetResult {
-                device: self.info(&e),
-                changed: false,
-                quiesced_us: 0,
-            });
+            return Ok(self.set_result(&e, false, 0));
         }
         let clients = e.clients();
-        let unfollowable =
-            new.offset != cur.offset || new.block_size.is_some_and(|b| b != cur.block_size);
-        if unfollowable && clients > 0 && !s.force {
-            return Err(CtlError::Busy(format!(
-                "device {:?} has {clients} connected client(s), which cannot follow a change of offset or \
-                 block size; disconnect them or use --force",
-                s.name
+        let geometry = |d: &Device, read_only| set_rules::Geometry {
+            offset: d.offset,
+            size: d.size,
+            block_size: d.block_size,
+            read_only,
+        };
+        // Cheap refusals first (before opening the file again).
+        let mut early = set_rules::breaking(
+            geometry(&cur, cur.read_only),
+            set_rules::Geometry {
+                offset: new.offset,
+                size: cur.size,
+                block_size: new.block_size.unwrap_or(cur.block_size),
+                read_only: new.read_only,
+            },
+        );
+        if clients > 0 && !s.force && !early.is_empty() {
+            return Err(CtlError::Busy(set_rules::busy_message(
+                &s.name, clients, &early,
             )));
         }
         let dev = Device::open_with_stats(&params_of(&new, &e.name), Arc::clone(&e.stats))
@@ -1011,17 +1023,37 @@ impl Daemon {
                 msg: format!("cannot reconfigure {:?}", s.name),
                 source,
             })?;
+        early = set_rules::breaking(geometry(&cur, cur.read_only), geometry(&dev, new.read_only));
+        if clients > 0 && !s.force && !early.is_empty() {
+            return Err(CtlError::Busy(set_rules::busy_message(
+                &s.name, clients, &early,
+            )));
+        }
         let kernel = self.kernel_follows(&e, &cur, &dev)?;
         self.record_put(&e, &new)?;
         let held = e.quiesce_and_swap(Some(dev));
         self.kernel_resize(&e, kernel);
         e.set_spec(new);
         let quiesced_us = u64::try_from(held.as_micros()).unwrap_or(u64::MAX);
-        Ok(SetResult {
-            device: self.info(&e),
-            changed: true,
+        Ok(self.set_result(&e, true, quiesced_us))
+    }
+
+    /// A `set`/`resize` result, with the file's size and whether the size
+    /// limit caps it.
+    fn set_result(&self, e: &Export, changed: bool, quiesced_us: u64) -> SetResult {
+        let (dev, _) = e.current();
+        let file_size = dev.file_size.load(std::sync::atomic::Ordering::Relaxed);
+        let capped = e
+            .spec()
+            .size_limit
+            .is_some_and(|l| file_size.saturating_sub(dev.offset) > l);
+        SetResult {
+            device: self.info(e),
+            changed,
             quiesced_us,
-        })
+            file_size,
+            capped_by_size_limit: capped,
+        }
     }
 
     /// Re-read the backing file's size (like `LOOP_SET_CAPACITY`).
@@ -1038,21 +1070,14 @@ impl Daemon {
                 source,
             })?;
         if dev.size == cur.size {
-            return Ok(SetResult {
-                device: self.info(&e),
-                changed: false,
-                quiesced_us: 0,
-            });
+            drop(dev);
+            return Ok(self.set_result(&e, false, 0));
         }
         let kernel = self.kernel_follows(&e, &cur, &dev)?;
         let held = e.quiesce_and_swap(Some(dev));
         self.kernel_resize(&e, kernel);
         let quiesced_us = u64::try_from(held.as_micros()).unwrap_or(u64::MAX);
-        Ok(SetResult {
-            device: self.info(&e),
-            changed: true,
-            quiesced_us,
-        })
+        Ok(self.set_result(&e, true, quiesced_us))
     }
 
     /// Durably record `spec` as `e`'s configuration (before it is applied).

@@ -185,7 +185,7 @@ impl Daemon {
                 if live != config::LiveChange::default() {
                     let s = SetSpec {
                         name: name.clone(),
-                        size_limit: live.size_limit,
+                        size_limit: live.size_limit.map(Some),
                         cache: live.cache,
                         read_only: live.read_only,
                         ..SetSpec::default()

@@ -163,6 +163,9 @@ pub struct Device {
     pub dio_align: u32,
     pub align: DioAlign,
     pub read_only: bool,
+    /// Read-only because the image could not be opened for writing (a
+    /// read-only mount, mode 0444), not because it was asked.
+    pub write_protected: bool,
     /// The data fd: `O_DIRECT` when `direct`.
     pub file: File,
     /// A buffered fd on the same file, for slow paths that need no alignment
@@ -218,6 +221,36 @@ fn on_local_disk(f: &File) -> bool {
 
 fn valid_block_size(bs: u32) -> bool {
     bs.is_power_of_two() && (512..=4096).contains(&bs)
+}
+
+/// Open the image for the device: read-write unless read-only was asked; an
+/// image the filesystem will not let us write (EROFS, EACCES, EPERM: a
+/// read-only mount, mode 0444) is opened read-only instead, with a notice, as
+/// losetup does. Returns the file and whether the device is read-only.
+fn open_plain(p: &DeviceParams) -> Result<(File, bool), DeviceError> {
+    let err = |source| DeviceError::Open {
+        path: p.path.clone(),
+        source,
+    };
+    match open_file(&p.path, p.read_only, false) {
+        Ok(f) => Ok((f, p.read_only)),
+        Err(e)
+            if !p.read_only
+                && matches!(
+                    e.raw_os_error(),
+                    Some(libc::EROFS | libc::EACCES | libc::EPERM)
+                ) =>
+        {
+            let why = e.to_string();
+            let f = open_file(&p.path, true, false).map_err(|_| err(e))?;
+            tracing::info!(
+                "{} is write-protected ({why}): serving it read-only",
+                p.path.display()
+            );
+            Ok((f, true))
+        }
+        Err(e) => Err(err(e)),
+    }
 }
 
 fn open_file(path: &Path, read_only: bool, direct: bool) -> std::io::Result<File> {
@@ -316,10 +349,8 @@ impl Device {
         stats: Arc<Stats>,
         created: bool,
     ) -> Result<Device, DeviceError> {
-        let plain = open_file(&p.path, p.read_only, false).map_err(|source| DeviceError::Open {
-            path: p.path.clone(),
-            source,
-        })?;
+        let (plain, read_only) = open_plain(p)?;
+        let write_protected = read_only && !p.read_only;
         let meta = plain.metadata().map_err(|source| DeviceError::Stat {
             path: p.path.clone(),
             source,
@@ -341,7 +372,7 @@ impl Device {
             });
         };
         let mode = Mode {
-            read_only: p.read_only,
+            read_only,
             shared: p.shared,
         };
         let image_lock = ImageLock::acquire(&p.path, &plain, &p.name, mode)?;
@@ -370,7 +401,7 @@ impl Device {
                         source: None,
                     });
                 }
-                let f = open_file(&p.path, p.read_only, true).map_err(|e| {
+                let f = open_file(&p.path, read_only, true).map_err(|e| {
                     DeviceError::DirectRefused {
                         path: p.path.clone(),
                         source: Some(e),
@@ -382,7 +413,7 @@ impl Device {
                     format!("direct I/O, alignment {} ({})", align.offset, align.source),
                 )
             }
-            CacheMode::Auto => match (align.supported, open_file(&p.path, p.read_only, true)) {
+            CacheMode::Auto => match (align.supported, open_file(&p.path, read_only, true)) {
                 (true, Ok(f)) => (
                     f,
                     true,
@@ -455,7 +486,8 @@ impl Device {
             direct,
             dio_align,
             align,
-            read_only: p.read_only,
+            read_only,
+            write_protected,
             file,
             plain,
             file_size: AtomicU64::new(file_size),

@@ -124,7 +124,7 @@ fn device_spec() -> impl Strategy<Value = DeviceSpec> {
 fn set_spec() -> impl Strategy<Value = SetSpec> {
     (
         name(),
-        proptest::option::of(any::<u64>()),
+        proptest::option::of(proptest::option::of(any::<u64>())),
         proptest::option::of(any::<u64>()),
         proptest::option::of(any::<u32>()),
         proptest::option::of(cache()),
@@ -221,5 +221,22 @@ fn list_and_version_with_fields_are_rejected() {
     assert_eq!(
         parse_request(br#"{"op":"version","v":1}"#),
         Ok(Request::Version)
+    );
+}
+
+#[test]
+fn set_size_limit_absent_null_or_number() {
+    let p = |l: &str| match parse_request(l.as_bytes()) {
+        Ok(Request::Set(s)) => s.size_limit,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(p(r#"{"v":1,"op":"set","name":"a"}"#), None);
+    assert_eq!(
+        p(r#"{"v":1,"op":"set","name":"a","size_limit":null}"#),
+        Some(None)
+    );
+    assert_eq!(
+        p(r#"{"v":1,"op":"set","name":"a","size_limit":4096}"#),
+        Some(Some(4096))
     );
 }
