@@ -48,8 +48,10 @@ pub fn line(req: &Request, caller: Caller, old_size: Option<u64>, reply: &str) -
         }
         Request::Set(s) => {
             let mut asked = Vec::new();
-            if let Some(x) = s.size_limit {
-                asked.push(format!("size_limit={x}"));
+            match s.size_limit {
+                Some(Some(x)) => asked.push(format!("size_limit={x}")),
+                Some(None) => asked.push("size_limit=none".into()),
+                None => {}
             }
             if let Some(x) = s.offset {
                 asked.push(format!("offset={x}"));
@@ -102,7 +104,7 @@ mod tests {
     fn changes_are_audited_with_who_asked() {
         let set = Request::Set(SetSpec {
             name: "a".into(),
-            size_limit: Some(4096),
+            size_limit: Some(Some(4096)),
             read_only: Some(true),
             ..SetSpec::default()
         });
