@@ -160,6 +160,13 @@ fn metrics_while_fio_runs() {
         get(&s, &format!("loopd_in_flight_requests{{device=\"{dev}\"}}")),
         0.0
     );
+    assert_eq!(
+        get(
+            &s,
+            &format!("loopd_device_frontend{{device=\"{dev}\",frontend=\"nbd\"}}")
+        ),
+        1.0
+    );
     assert!(get(&s, "loopd_start_time_seconds") > 1.6e9);
     assert!(get(&s, "loopd_reactors") >= 1.0);
     assert!(get(&s, "loopd_memory_budget_limit_bytes") > 0.0);

@@ -1,10 +1,11 @@
 //! What a scrape exposes: every device's counters (from
 //! [`COUNTERS`](crate::device::stats::COUNTERS)), gauges and latency histogram,
 //! and facts about the process. Reads atomics only (and the export table's read
-//! lock, which the data path does not take).
+//! lock and each export's spec lock, which the data path does not take).
 
 use super::expo::{Encoder, Kind};
 use crate::daemon::Daemon;
+use crate::device::spec::Blockdev;
 use crate::device::stats::{COUNTERS, Group, Snapshot};
 use crate::engine::budget;
 
@@ -102,6 +103,31 @@ pub fn render(daemon: &Daemon, p: &Process) -> String {
             &[("device", &e.name)],
             f64::from(e.clients()),
         );
+    }
+    enc.family(
+        "loopd_device_frontend",
+        Kind::Gauge,
+        "How the device is offered (value 1): nbd always, ublk or kernel_nbd when a block device is asked for.",
+    );
+    for e in &exports {
+        enc.sample(
+            "loopd_device_frontend",
+            &[("device", &e.name), ("frontend", "nbd")],
+            1.0,
+        );
+        // The spec's lock is the control plane's; the data path never takes it.
+        let kernel = match e.spec().blockdev {
+            Some(Blockdev::Ublk) => Some("ublk"),
+            Some(Blockdev::Nbd) => Some("kernel_nbd"),
+            None => None,
+        };
+        if let Some(k) = kernel {
+            enc.sample(
+                "loopd_device_frontend",
+                &[("device", &e.name), ("frontend", k)],
+                1.0,
+            );
+        }
     }
     let h = "loopd_request_duration_seconds";
     enc.family(
