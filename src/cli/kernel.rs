@@ -118,6 +118,13 @@ pub fn run(cmd: KernelCmd) -> Result<()> {
                 partscan: a.partscan,
             };
             let r = kernel_loop::attach(&p)?;
+            if r.write_protected {
+                eprintln!(
+                    "loopd: note: {} is write-protected: {} is read-only",
+                    p.image.display(),
+                    r.device.display()
+                );
+            }
             if a.json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {
