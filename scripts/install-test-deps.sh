@@ -8,10 +8,10 @@ set -euo pipefail
 # man-db and systemd: tests/e2e_install.rs (man -l, systemd-analyze verify) and
 # scripts/vm-systemd-test.sh (the host's systemd runs the units in the VM).
 PACKAGES=(qemu-utils fio nbdkit libnbd-bin python3-libnbd nbd-client e2fsprogs util-linux fdisk openssl
-    fuse3 man-db systemd)
+    fuse3 man-db systemd curl)
 TOOLS=(qemu-io qemu-img qemu-nbd fio nbdkit nbdinfo nbdcopy nbdsh nbd-client nbdfuse
     mkfs.ext4 e2fsck fstrim sfdisk openssl fusermount3 man systemd-analyze systemctl
-    systemd-socket-activate)
+    systemd-socket-activate curl)
 # fsx (asomers' fsx-rs, crates.io), pinned; installed into /usr/local/bin.
 FSX_VERSION=0.3.2
 
@@ -38,6 +38,30 @@ install_fsx() {
     fi
 }
 
+# promtool (tests/e2e_metrics.rs checks a scrape with `promtool check metrics`):
+# taken out of Debian's prometheus package without installing it (which would
+# start a Prometheus server), into /usr/local/bin.
+install_promtool() {
+    if command -v promtool >/dev/null 2>&1; then
+        return 0
+    fi
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "install-test-deps: ERROR: not root; install promtool first (from the" \
+            "prometheus package: apt-get download prometheus && dpkg-deb -x ...)" >&2
+        exit 1
+    fi
+    echo "install-test-deps: installing promtool (from the prometheus .deb)"
+    local tmp
+    tmp=$(mktemp -d)
+    (cd "$tmp" && apt-get download prometheus && dpkg-deb -x prometheus_*.deb x)
+    install -m 755 "$tmp/x/usr/bin/promtool" /usr/local/bin/promtool
+    rm -rf "$tmp"
+    command -v promtool >/dev/null 2>&1 || {
+        echo "install-test-deps: ERROR: promtool is not on PATH after install" >&2
+        exit 1
+    }
+}
+
 # /usr/bin first: nbdsh runs `python3`, which must be the system Python that
 # has the `nbd` module (not, say, a pyenv shim).
 export PATH="/usr/bin:/usr/sbin:/bin:/sbin:${PATH}"
@@ -55,6 +79,7 @@ fi
 
 if [ "${#missing[@]}" -eq 0 ]; then
     install_fsx
+    install_promtool
     echo "install-test-deps: all test tools present"
     exec "$(dirname "${BASH_SOURCE[0]}")/install-vm-deps.sh"
 fi
@@ -87,4 +112,5 @@ if [ "${#still[@]}" -ne 0 ]; then
 fi
 echo "install-test-deps: installed ${PACKAGES[*]}"
 install_fsx
+install_promtool
 exec "$(dirname "${BASH_SOURCE[0]}")/install-vm-deps.sh"

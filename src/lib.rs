@@ -15,6 +15,7 @@ pub mod engine;
 pub mod frontend;
 pub mod kernel_loop;
 pub mod kernel_nbd;
+pub mod metrics;
 pub mod reactor;
 pub mod ring;
 pub mod server;

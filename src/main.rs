@@ -8,7 +8,6 @@ use cli::{Cache, DeviceArgs};
 use loopd::control::client;
 use loopd::control::proto::{Request, SetSpec};
 use loopd::server;
-use std::io::IsTerminal;
 use std::path::PathBuf;
 
 /// A userspace loop device: serves disk-image files as block devices over NBD,
@@ -233,15 +232,7 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run(cli: Cli) -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("LOOPD_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
-        .with_target(false)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    cli::log::init();
     match cli.cmd {
         Cmd::Serve(a) => {
             cli::exit::ignore_sigpipe();

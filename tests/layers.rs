@@ -36,7 +36,9 @@ fn violations(layer: &str, forbidden: &[&str]) -> Vec<String> {
     bad
 }
 
-const ABOVE_ENGINE: &[&str] = &["frontend", "reactor", "daemon", "server", "control", "ring"];
+const ABOVE_ENGINE: &[&str] = &[
+    "frontend", "reactor", "daemon", "server", "control", "ring", "metrics",
+];
 
 #[test]
 fn engine_device_backing_block_never_import_a_layer_above() {
@@ -58,9 +60,24 @@ fn engine_device_backing_block_never_import_a_layer_above() {
 fn ring_and_frontends_never_import_the_reactor_or_the_daemon() {
     let mut bad = violations(
         "ring",
-        &["frontend", "reactor", "daemon", "server", "control"],
+        &[
+            "frontend", "reactor", "daemon", "server", "control", "metrics",
+        ],
     );
-    bad.extend(violations("frontend", &["reactor", "daemon", "server"]));
+    bad.extend(violations(
+        "frontend",
+        &["reactor", "daemon", "server", "metrics"],
+    ));
+    assert!(bad.is_empty(), "imports running up:\n{}", bad.join("\n"));
+}
+
+#[test]
+fn only_the_server_imports_metrics_and_metrics_never_imports_the_server() {
+    let mut bad = Vec::new();
+    for m in ["daemon", "reactor", "control", "tls"] {
+        bad.extend(violations(m, &["metrics"]));
+    }
+    bad.extend(violations("metrics", &["server"]));
     assert!(bad.is_empty(), "imports running up:\n{}", bad.join("\n"));
 }
 

@@ -3,6 +3,7 @@
 pub mod exit;
 pub mod generate;
 pub mod kernel;
+pub mod log;
 pub mod reload;
 pub mod serve;
 

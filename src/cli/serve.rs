@@ -86,6 +86,14 @@ pub struct ServeArgs {
     /// `control`, else beside the NBD socket, with extension .ctl].
     #[arg(long, value_name = "PATH")]
     control: Option<PathBuf>,
+    /// Serve Prometheus metrics (GET /metrics) on HOST:PORT, or on a Unix
+    /// socket at PATH (any value with a `/`, e.g. ./metrics.sock); see
+    /// docs/metrics.md.
+    #[arg(long, value_name = "ADDR|PATH")]
+    metrics: Option<String>,
+    /// Mode of the metrics Unix socket, in octal.
+    #[arg(long, value_name = "MODE", default_value = "600", value_parser = parse_mode)]
+    metrics_mode: u32,
     /// State file: devices attached over the control socket, restored at start;
     /// one daemon per state file [default: /var/lib/loopd/STEM.state for root,
     /// else $XDG_STATE_HOME/loopd/STEM.state (~/.local/state/loopd/), STEM being
@@ -285,6 +293,8 @@ fn start(
         memory_budget: a
             .memory_budget
             .map_or(0, |b| usize::try_from(b).unwrap_or(usize::MAX)),
+        metrics: a.metrics.clone(),
+        metrics_mode: a.metrics_mode,
     };
     if !act.nbd.is_empty() && (a.socket.is_some() || !a.listen.is_empty()) {
         bail!(

@@ -153,6 +153,8 @@ pub enum Hint {
     Socket,
     /// The control socket (`--control`).
     Control,
+    /// The metrics socket (`--metrics PATH`).
+    Metrics,
 }
 
 impl Hint {
@@ -162,6 +164,7 @@ impl Hint {
                 "stop it, or pass --socket PATH (and --control/--state) to run a second one"
             }
             Hint::Control => "stop it, or pass --control PATH (and --state) to run a second one",
+            Hint::Metrics => "stop it, or pass another --metrics PATH",
         }
     }
 }

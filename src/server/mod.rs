@@ -25,6 +25,7 @@ use crate::daemon::control_socket::{self as control, ControlError};
 use crate::daemon::{Daemon, Endpoints};
 use crate::engine::admit::Admission;
 use crate::frontend::nbd::handshake::{Policy, TlsMode};
+use crate::metrics::{self, MetricsError};
 use crate::reactor::{self, ReactorError, ReactorHandle};
 use crate::tls::{TlsContext, TlsError, TlsFiles};
 pub use accept::MAX_PENDING;
@@ -65,6 +66,8 @@ pub enum ServerError {
     Blockdev(String),
     #[error("TLS: {0}")]
     Tls(#[from] TlsError),
+    #[error(transparent)]
+    Metrics(#[from] crate::metrics::MetricsError),
     #[error("--tls {0} needs --tls-certs DIR (with ca-cert.pem, server-cert.pem, server-key.pem)")]
     TlsNoCerts(&'static str),
 }
@@ -110,6 +113,10 @@ pub struct ServeOptions {
     /// Bytes of request and reply buffers across the daemon (0 = the default,
     /// `engine::budget::DEFAULT_LIMIT`).
     pub memory_budget: usize,
+    /// Prometheus endpoint: TCP `HOST:PORT`, or a Unix socket path (with a `/`).
+    pub metrics: Option<String>,
+    /// Mode of the metrics Unix socket.
+    pub metrics_mode: u32,
 }
 
 impl Default for ServeOptions {
@@ -133,6 +140,8 @@ impl Default for ServeOptions {
             ktls: true,
             control_idle: control::IDLE_TIMEOUT,
             memory_budget: 0,
+            metrics: None,
+            metrics_mode: DEFAULT_SOCKET_MODE,
         }
     }
 }
@@ -195,6 +204,7 @@ pub struct Bound {
     control: Option<(UnixListener, Option<PathBuf>)>,
     endpoints: Endpoints,
     tls: Option<Arc<TlsContext>>,
+    metrics: Option<metrics::http::Listener>,
     files: SocketFiles,
 }
 
@@ -281,6 +291,18 @@ pub fn bind(opts: &ServeOptions, act: Activated) -> Result<Bound, ServerError> {
         }
         (None, None) => None,
     };
+    let metrics = match &opts.metrics {
+        Some(a) if a.contains('/') => {
+            let p = PathBuf::from(a);
+            let l = listen::bind_unix(&p, opts.metrics_mode, None, listen::Hint::Metrics)?;
+            files.0.push(p);
+            Some(metrics::http::Listener::Unix(l))
+        }
+        Some(a) => Some(metrics::http::Listener::Tcp(
+            TcpListener::bind(a).map_err(|e| MetricsError::BindTcp(a.clone(), e))?,
+        )),
+        None => None,
+    };
     for l in &listeners {
         let _ = match l {
             Listener::Unix(u) => u.set_nonblocking(true),
@@ -296,6 +318,7 @@ pub fn bind(opts: &ServeOptions, act: Activated) -> Result<Bound, ServerError> {
             tls: opts.tls != TlsMode::Off,
         },
         tls,
+        metrics,
         files,
     })
 }
@@ -338,6 +361,7 @@ pub fn run(
         control,
         endpoints,
         tls,
+        metrics,
         files,
     } = bound;
     daemon.set_endpoints(endpoints);
@@ -388,6 +412,15 @@ pub fn run(
         }
     }
     daemon.set_reactors(reactors.clone());
+    if let Some(l) = metrics {
+        let p = metrics::collect::Process {
+            start_time: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64()),
+            reactors: n,
+        };
+        metrics::http::spawn(l, Arc::clone(&daemon), p).map_err(MetricsError::Spawn)?;
+    }
     // Block devices need the reactors: those asked for at start are made now.
     let mut failed = None;
     let default = daemon.export("").map(|e| e.name.clone());

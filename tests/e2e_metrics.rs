@@ -1,0 +1,274 @@
+//! The Prometheus endpoint (`loopd serve --metrics`): scraped with curl while fio
+//! runs (values grow, histogram buckets are cumulative, `_count` matches the
+//! requests), checked by `promtool check metrics`, over TCP and a Unix socket; a
+//! stalled scraper does not block another; bad requests get 400, 404 and 405.
+
+mod common;
+
+use common::*;
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+/// A free loopback TCP port (bound and released).
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    l.local_addr().expect("local_addr").port()
+}
+
+/// `curl` a URL (with extra args); (HTTP status, body).
+fn curl(args: &[&str]) -> (u16, String) {
+    let mut c = tool("curl");
+    c.args(["-sS", "--max-time", "5", "-w", "\n%{http_code}"])
+        .args(args);
+    let out = run_cmd_timeout(c, Duration::from_secs(30));
+    assert!(out.success(), "curl {args:?} failed:\n{out}");
+    let (body, code) = out.stdout.rsplit_once('\n').unwrap_or(("", ""));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+/// Samples of a scrape: `name{labels}` → value.
+fn samples(text: &str) -> BTreeMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_string(), v.parse::<f64>().ok()?))
+        })
+        .collect()
+}
+
+fn get(s: &BTreeMap<String, f64>, key: &str) -> f64 {
+    *s.get(key)
+        .unwrap_or_else(|| panic!("no sample {key} in the scrape:\n{s:#?}"))
+}
+
+/// `le` buckets of the device's histogram, in order.
+fn buckets(s: &BTreeMap<String, f64>, dev: &str) -> Vec<f64> {
+    let prefix = format!("loopd_request_duration_seconds_bucket{{device=\"{dev}\",le=\"");
+    let mut v: Vec<(f64, f64)> = s
+        .iter()
+        .filter_map(|(k, n)| {
+            let le = k.strip_prefix(&prefix)?.strip_suffix("\"}")?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, *n))
+        })
+        .collect();
+    v.sort_by(|a, b| a.0.total_cmp(&b.0));
+    assert!(v.len() > 10, "histogram buckets for {dev}: {v:?}");
+    v.into_iter().map(|(_, n)| n).collect()
+}
+
+fn requests(s: &BTreeMap<String, f64>, dev: &str, op: &str) -> f64 {
+    get(
+        s,
+        &format!("loopd_requests_total{{device=\"{dev}\",op=\"{op}\"}}"),
+    )
+}
+
+#[test]
+fn metrics_while_fio_runs() {
+    require_tool("fio");
+    require_tool("promtool");
+    let dir = tempdir();
+    let img = dir.path().join("m.img");
+    create_sparse_image(&img, 64 * MIB);
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let url = format!("http://{addr}/metrics");
+    let srv = Server::builder(&img)
+        .args(["--metrics", addr.as_str()])
+        .start();
+    let dev = srv.name().to_string();
+    let dev = dev.as_str();
+
+    let mut fio = tool("fio");
+    fio.args([
+        "--name=metrics",
+        "--ioengine=nbd",
+        &format!("--uri={}", srv.uri()),
+        "--rw=randrw",
+        "--bs=4k",
+        "--iodepth=8",
+        "--size=32M",
+        "--time_based",
+        "--runtime=4",
+        "--output-format=json",
+    ])
+    .stdout(std::process::Stdio::null())
+    .stderr(std::process::Stdio::null());
+    let mut child = Reaped(fio.spawn().expect("start fio"));
+
+    // Scrape while it runs: the request counters only grow.
+    let mut last = 0.0;
+    let mut grew = 0;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.0.try_wait().expect("try_wait fio").is_none() {
+        assert!(Instant::now() < deadline, "fio did not finish in 30 s");
+        let (code, body) = curl(&[&url]);
+        assert_eq!(code, 200, "{body}");
+        let s = samples(&body);
+        let n = requests(&s, dev, "read") + requests(&s, dev, "write");
+        assert!(n >= last, "requests went down: {last} -> {n}");
+        if n > last {
+            grew += 1;
+        }
+        last = n;
+        let b = buckets(&s, dev);
+        assert!(
+            b.windows(2).all(|w| w[0] <= w[1]),
+            "buckets cumulative: {b:?}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert!(
+        grew >= 2,
+        "the counters grew between scrapes ({grew} times)"
+    );
+
+    // Idle now: the histogram's count is the data requests served.
+    let (_, body) = curl(&[&url]);
+    let s = samples(&body);
+    let served: f64 = ["read", "write", "flush", "trim", "write_zeroes", "cache"]
+        .iter()
+        .map(|op| requests(&s, dev, op))
+        .sum();
+    let count = get(
+        &s,
+        &format!("loopd_request_duration_seconds_count{{device=\"{dev}\"}}"),
+    );
+    assert!(served > 1000.0, "fio was served: {served}");
+    assert_eq!(count, served, "histogram _count = requests");
+    let b = buckets(&s, dev);
+    assert_eq!(b.last().copied(), Some(count), "+Inf bucket = _count");
+    let sum = get(
+        &s,
+        &format!("loopd_request_duration_seconds_sum{{device=\"{dev}\"}}"),
+    );
+    assert!(sum > 0.0 && sum < count * 10.0, "_sum {sum} s");
+    assert!(
+        get(
+            &s,
+            &format!("loopd_bytes_total{{device=\"{dev}\",op=\"read\"}}")
+        ) > 0.0
+    );
+    assert_eq!(
+        get(&s, &format!("loopd_in_flight_requests{{device=\"{dev}\"}}")),
+        0.0
+    );
+    assert!(get(&s, "loopd_start_time_seconds") > 1.6e9);
+    assert!(get(&s, "loopd_reactors") >= 1.0);
+    assert!(get(&s, "loopd_memory_budget_limit_bytes") > 0.0);
+    let info = format!(
+        "loopd_build_info{{version=\"{}\"}}",
+        env!("CARGO_PKG_VERSION")
+    );
+    assert_eq!(get(&s, &info), 1.0);
+
+    // promtool agrees it is well-formed exposition text.
+    let f = dir.path().join("scrape.txt");
+    std::fs::write(&f, &body).expect("write scrape");
+    let mut p = tool("promtool");
+    p.args(["check", "metrics"])
+        .stdin(std::fs::File::open(&f).expect("open scrape"));
+    let out = run_cmd_timeout(p, Duration::from_secs(30));
+    assert!(out.success(), "promtool check metrics:\n{out}\n{body}");
+}
+
+#[test]
+fn metrics_on_a_unix_socket_and_bad_requests() {
+    let dir = tempdir();
+    let img = dir.path().join("u.img");
+    create_sparse_image(&img, 8 * MIB);
+    let sock = dir.path().join("metrics.sock");
+    let sock_s = path_str(&sock).to_string();
+    let srv = Server::builder(&img)
+        .args(["--metrics", sock_s.as_str(), "--metrics-mode", "600"])
+        .start();
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(&sock)
+            .expect("metrics socket")
+            .permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o600, "--metrics-mode");
+    qemu_io(&srv.uri(), &["read 0 64k"]);
+    let (code, body) = curl(&["--unix-socket", &sock_s, "http://localhost/metrics"]);
+    assert_eq!(code, 200, "{body}");
+    let s = samples(&body);
+    assert!(requests(&s, srv.name(), "read") >= 1.0, "{body}");
+    let (code, _) = curl(&["--unix-socket", &sock_s, "http://localhost/nope"]);
+    assert_eq!(code, 404);
+    let (code, _) = curl(&[
+        "--unix-socket",
+        &sock_s,
+        "-X",
+        "POST",
+        "http://localhost/metrics",
+    ]);
+    assert_eq!(code, 405);
+
+    // A scraper that sends half a request and stalls holds no one up.
+    let mut stalled = std::os::unix::net::UnixStream::connect(&sock).expect("connect");
+    stalled.write_all(b"GET /metr").expect("send half");
+    let t = Instant::now();
+    let (code, _) = curl(&["--unix-socket", &sock_s, "http://localhost/metrics"]);
+    assert_eq!(code, 200);
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "scrape took {:?}",
+        t.elapsed()
+    );
+
+    // Malformed requests: 400, and the connection closes.
+    for bad in [
+        &b"garbage\r\n\r\n"[..],
+        b"GET /metrics HTTP/9\r\n\r\n",
+        b"\x16\x03\x01\0\x05hello\n",
+    ] {
+        let mut c = std::os::unix::net::UnixStream::connect(&sock).expect("connect");
+        c.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        c.write_all(bad).expect("send");
+        let mut reply = String::new();
+        let _ = c.read_to_string(&mut reply);
+        assert!(reply.starts_with("HTTP/1.1 400 "), "{bad:?} -> {reply:?}");
+    }
+    drop(stalled);
+    drop(srv);
+    assert!(!sock.exists(), "the metrics socket is removed at exit");
+}
+
+#[test]
+fn a_bad_metrics_address_fails_the_start() {
+    let dir = tempdir();
+    let img = dir.path().join("b.img");
+    create_sparse_image(&img, MIB);
+    let out = run_cmd_timeout(
+        {
+            let mut c = std::process::Command::new(loopd_bin());
+            c.args(["serve", path_str(&img), "--metrics", "256.0.0.1:1"])
+                .arg("--socket")
+                .arg(dir.path().join("b.sock"))
+                .arg("--state")
+                .arg(dir.path().join("b.state"));
+            c
+        },
+        Duration::from_secs(30),
+    );
+    assert!(!out.success(), "{out}");
+    assert!(out.stderr.contains("--metrics 256.0.0.1:1"), "{out}");
+}
+
+/// A child process killed (by its pid) and reaped when dropped.
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
