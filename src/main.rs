@@ -121,7 +121,7 @@ struct DetachArgs {
 #[derive(clap::Args)]
 struct ListArgs {
     /// Print JSON instead of a table.
-    #[arg(long)]
+    #[arg(long, short = 'J')]
     json: bool,
     #[command(flatten)]
     ctl: ControlArg,

@@ -672,3 +672,37 @@ fn losetup_spellings_list_json_and_detach_several() {
         "the loop device after the bad one was detached"
     );
 }
+
+/// Unmounts a bind mount when dropped.
+struct Unmount(PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// An image on a read-only mount is set up read-only with a notice (as
+/// losetup does) instead of failing with EROFS.
+#[test]
+fn write_protected_image_attaches_read_only() {
+    require_root();
+    let dir = image_dir();
+    let img = dir.path().join("kwp.img");
+    create_sparse_image(&img, MIB);
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).expect("mkdir");
+    run("mount", ["--bind", path_str(dir.path()), path_str(&mnt)]);
+    let _m = Unmount(mnt.clone());
+    run("mount", ["-o", "remount,ro,bind", path_str(&mnt)]);
+    let (dev, out) = KernelLoop::attach(&mnt.join("kwp.img"), &["--json"]);
+    assert!(out.stderr.contains("write-protected"), "{out}");
+    assert!(
+        Json::parse(&out.stdout).at("write_protected").bool(),
+        "{out}"
+    );
+    assert_eq!(dev.sysfs("ro").as_deref(), Some("1"));
+    let out = loopd_run(["kernel", "detach", path_str(&dev.dev)]);
+    assert!(out.success(), "{out}");
+    assert!(dev.wait_detached());
+}

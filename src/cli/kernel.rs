@@ -118,6 +118,13 @@ pub fn run(cmd: KernelCmd) -> Result<()> {
                 partscan: a.partscan,
             };
             let r = kernel_loop::attach(&p)?;
+            if r.write_protected {
+                eprintln!(
+                    "loopd: note: {} is write-protected: {} is read-only",
+                    p.image.display(),
+                    r.device.display()
+                );
+            }
             if a.json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {
@@ -226,5 +233,33 @@ fn losetup_json(l: &[kernel_loop::LoopEntry]) -> LosetupList {
                 log_sec: e.block_size,
             })
             .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(subcommand)]
+        k: KernelCmd,
+    }
+
+    /// `kernel detach -D` is not run by the e2e tests (it detaches every loop
+    /// device on the machine); its command line is checked here.
+    #[test]
+    fn detach_takes_devices_or_all() {
+        assert!(T::try_parse_from(["t", "detach", "-D"]).is_ok());
+        assert!(T::try_parse_from(["t", "detach", "--all"]).is_ok());
+        assert!(T::try_parse_from(["t", "detach"]).is_err());
+        assert!(T::try_parse_from(["t", "detach", "-D", "/dev/loop1"]).is_err());
+        match T::try_parse_from(["t", "detach", "/dev/loop1", "/dev/loop2"]).map(|t| t.k) {
+            Ok(KernelCmd::Detach(d)) => assert_eq!(d.devices.len(), 2),
+            _ => panic!("two devices"),
+        }
+        assert!(T::try_parse_from(["t", "list", "-J", "-a"]).is_ok());
+        assert!(T::try_parse_from(["t", "attach", "x.img", "-f", "--show", "-r", "-P"]).is_ok());
     }
 }

@@ -187,6 +187,8 @@ pub struct Attached {
     pub direct_io: bool,
     /// Attempts it took (more than 1 when another process raced us).
     pub attempts: u32,
+    /// Set up read-only because the image cannot be opened for writing.
+    pub write_protected: bool,
     /// With `partscan`: the partitions the kernel found, each with its `/dev`
     /// node in place (empty without `partscan`).
     pub partitions: Vec<Partition>,
@@ -216,19 +218,34 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
             return Err(KernelLoopError::BadBlockSize(bs));
         }
     }
-    let open = |direct: bool| {
+    let open = |direct: bool, read_only: bool| {
         let mut o = OpenOptions::new();
-        o.read(true).write(!p.read_only);
+        o.read(true).write(!read_only);
         if direct {
             o.custom_flags(libc::O_DIRECT);
         }
         o.open(&p.image)
     };
-    let plain = open(false).map_err(|e| KernelLoopError::Open(p.image.clone(), e))?;
+    // A write-protected image (read-only mount, mode 0444) is set up
+    // read-only, as losetup does; `write_protected` says so.
+    let (plain, read_only) = match open(false, p.read_only) {
+        Ok(f) => (f, p.read_only),
+        Err(e)
+            if !p.read_only
+                && matches!(
+                    e.raw_os_error(),
+                    Some(libc::EROFS | libc::EACCES | libc::EPERM)
+                ) =>
+        {
+            let f = open(false, true).map_err(|_| KernelLoopError::Open(p.image.clone(), e))?;
+            (f, true)
+        }
+        Err(e) => return Err(KernelLoopError::Open(p.image.clone(), e)),
+    };
     let a = align::probe(&plain);
     let want_dio = p.direct_io != DirectIo::Off && a.supported;
     let backing = if want_dio {
-        match open(true) {
+        match open(true, read_only) {
             Ok(f) => f,
             Err(e) if p.direct_io == DirectIo::On => {
                 return Err(KernelLoopError::Open(p.image.clone(), e));
@@ -243,7 +260,7 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
     if want_dio {
         flags |= LO_FLAGS_DIRECT_IO;
     }
-    if p.read_only {
+    if read_only {
         flags |= LO_FLAGS_READ_ONLY;
     }
     if p.autoclear {
@@ -386,6 +403,7 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
             block_size: lbs,
             direct_io,
             attempts: attempt,
+            write_protected: read_only && !p.read_only,
             partitions,
         });
     }
