@@ -279,3 +279,38 @@ impl Drop for Reaped {
         let _ = self.0.wait();
     }
 }
+
+/// The page-cache footprint of a buffered device's image: little of a fresh
+/// sparse image (the format probe's first pages), then at least what a client
+/// wrote through loopd (the writes land in the page cache), never more than the
+/// device's size.
+#[test]
+fn page_cache_footprint_follows_buffered_writes() {
+    let dir = tempdir();
+    let img = dir.path().join("pc.img");
+    create_sparse_image(&img, 16 * MIB);
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let url = format!("http://{addr}/metrics");
+    let srv = Server::builder(&img)
+        .args(["--metrics", addr.as_str(), "--cache", "buffered"])
+        .start();
+    let dev = srv.name().to_string();
+    let key = |state: &str| format!("loopd_page_cache_bytes{{device=\"{dev}\",state=\"{state}\"}}");
+
+    let (code, body) = curl(&[&url]);
+    assert_eq!(code, 200, "{body}");
+    let before = get(&samples(&body), &key("cached"));
+
+    qemu_io(&srv.uri(), &["write -P 0x3c 0 4M"]);
+    let (_, body) = curl(&[&url]);
+    let s = samples(&body);
+    let cached = get(&s, &key("cached"));
+    assert!(
+        cached >= (4 * MIB) as f64 && cached > before,
+        "4 MiB written through the page cache: cached {before} -> {cached}\n{body}"
+    );
+    assert!(cached <= (16 * MIB) as f64, "cached {cached} > the device");
+    assert!(get(&s, &key("dirty")) <= cached);
+    assert!(get(&s, &key("writeback")) <= cached);
+}

@@ -764,3 +764,50 @@ fn default_path_clash_names_the_option() {
     a.stop();
     assert!(!sock.exists());
 }
+
+/// A reload with a client connected: removing a size limit (growing the device)
+/// is applied live; read-only on is not (the client cannot follow it, and a
+/// reload never forces), is reported, and applies at the next reload once the
+/// client is gone.
+#[test]
+fn reload_with_a_client_connected() {
+    let dir = tempdir();
+    create_sparse_image(&dir.path().join("a.img"), 2 * MIB);
+    let cfg = dir.path().join("devices.toml");
+    write_config(&cfg, &[("a.img", "size_limit = \"1M\"")]);
+    let (mut p, control) = serve_with_config(dir.path(), &cfg);
+    let (client, size, _) = RawClient::handshake(&dir.path().join("cfg.sock"), "a");
+    assert_eq!(size, MIB);
+
+    write_config(&cfg, &[("a.img", "")]);
+    let out = ctl(&control, &["reload", "--json"]).assert_success();
+    let j = Json::parse(&out.stdout);
+    assert_eq!(j.at("changed").arr()[0].str(), "a", "{out}");
+    let st = ctl(&control, &["status", "a", "--json"]).assert_success();
+    assert_eq!(Json::parse(&st.stdout).at("size").u64(), 2 * MIB, "{st}");
+
+    write_config(&cfg, &[("a.img", "read_only = true")]);
+    let out = ctl(&control, &["reload", "--json"]).assert_success();
+    let j = Json::parse(&out.stdout);
+    let na = j.at("not_applied").arr();
+    assert_eq!(na.len(), 1, "{out}");
+    assert!(
+        na[0].at("message").str().contains("1 connected client(s)")
+            && na[0].at("message").str().contains("a reload never forces"),
+        "{out}"
+    );
+    let st = ctl(&control, &["status", "a", "--json"]).assert_success();
+    assert!(!Json::parse(&st.stdout).at("read_only").bool(), "{st}");
+
+    drop(client);
+    wait_for("the client to leave", || {
+        let st = ctl(&control, &["status", "a", "--json"]).assert_success();
+        Json::parse(&st.stdout).at("clients").u64() == 0
+    });
+    let out = ctl(&control, &["reload", "--json"]).assert_success();
+    let j = Json::parse(&out.stdout);
+    assert_eq!(j.at("changed").arr()[0].str(), "a", "{out}");
+    let st = ctl(&control, &["status", "a", "--json"]).assert_success();
+    assert!(Json::parse(&st.stdout).at("read_only").bool(), "{st}");
+    p.stop();
+}

@@ -53,7 +53,8 @@ pub fn read(path: &Path) -> Result<Vec<DeviceSpec>, ConfigError> {
 /// Changes a reload can apply while clients stay connected.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LiveChange {
-    pub size_limit: Option<u64>,
+    /// `Some(None)`: the limit was removed.
+    pub size_limit: Option<Option<u64>>,
     pub cache: Option<crate::device::CacheMode>,
     pub read_only: Option<bool>,
 }
@@ -104,9 +105,7 @@ pub fn plan_change(old: &[DeviceSpec], new: &[DeviceSpec]) -> Vec<Change> {
         let mut reattach = Vec::new();
         match (o.size_limit, n.size_limit) {
             (a, b) if a == b => {}
-            (_, Some(b)) => live.size_limit = Some(b),
-            (Some(_), None) => reattach.push("size_limit"),
-            (None, None) => {}
+            (_, b) => live.size_limit = Some(b),
         }
         if o.cache != n.cache {
             live.cache = Some(n.cache);
@@ -208,7 +207,7 @@ mod tests {
             vec![Change::Changed {
                 name: "a".into(),
                 live: LiveChange {
-                    size_limit: Some(1 << 20),
+                    size_limit: Some(Some(1 << 20)),
                     cache: Some(CacheMode::Buffered),
                     read_only: Some(true),
                 },
@@ -222,12 +221,13 @@ mod tests {
     }
 
     #[test]
-    fn removing_a_limit_needs_a_reattach() {
+    fn removing_a_limit_is_live() {
         let mut o = dev("a");
         o.size_limit = Some(4096);
         let plan = plan_change(&[o], &[dev("a")]);
         assert!(
-            matches!(&plan[0], Change::Changed { reattach, .. } if reattach == &vec!["size_limit"]),
+            matches!(&plan[0], Change::Changed { live, reattach, .. }
+                if live.size_limit == Some(None) && reattach.is_empty()),
             "{plan:?}"
         );
     }

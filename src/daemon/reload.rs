@@ -185,13 +185,19 @@ impl Daemon {
                 if live != config::LiveChange::default() {
                     let s = SetSpec {
                         name: name.clone(),
-                        size_limit: live.size_limit.map(Some),
+                        size_limit: live.size_limit,
                         cache: live.cache,
                         read_only: live.read_only,
                         ..SetSpec::default()
                     };
                     match self.set(s) {
                         Ok(_) => done = true,
+                        // A smaller size or read-only on with clients connected:
+                        // `set` wants --force, which a reload never gives.
+                        Err(CtlError::Busy(why)) => r.not_applied.push(Problem {
+                            name: name.clone(),
+                            message: format!("{why} (a reload never forces; reload again later)"),
+                        }),
                         Err(e) => {
                             failed = true;
                             r.failed.push(fail(&name, e));

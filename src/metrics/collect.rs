@@ -4,6 +4,7 @@
 //! lock and each export's spec lock, which the data path does not take).
 
 use super::expo::{Encoder, Kind};
+use crate::backing::cache;
 use crate::daemon::Daemon;
 use crate::device::spec::Blockdev;
 use crate::device::stats::{COUNTERS, Group, Snapshot};
@@ -127,6 +128,33 @@ pub fn render(daemon: &Daemon, p: &Process) -> String {
                 &[("device", &e.name), ("frontend", k)],
                 1.0,
             );
+        }
+    }
+    enc.family(
+        "loopd_page_cache_bytes",
+        Kind::Gauge,
+        "Bytes of the device's window of its image in the page cache, by state (cachestat(2); absent on kernels before 6.5).",
+    );
+    for e in &exports {
+        // A reference to the current configuration (no lock held during the
+        // call); a 0-byte window holds nothing (and len 0 means "to the end").
+        let (dev, _) = e.current();
+        let stat = match dev.size {
+            0 => Ok(Some(cache::CacheStat::default())),
+            n => cache::stat(&dev.plain, dev.offset, n),
+        };
+        if let Ok(Some(c)) = stat {
+            for (state, v) in [
+                ("cached", c.cached),
+                ("dirty", c.dirty),
+                ("writeback", c.writeback),
+            ] {
+                enc.sample(
+                    "loopd_page_cache_bytes",
+                    &[("device", &e.name), ("state", state)],
+                    v as f64,
+                );
+            }
         }
     }
     let h = "loopd_request_duration_seconds";
