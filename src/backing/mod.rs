@@ -11,3 +11,13 @@ pub mod cache;
 pub mod create;
 pub mod format;
 pub mod lock;
+
+/// Whether opening an image for writing failed because it is write-protected
+/// (a read-only mount, mode 0444, an immutable file): such an image is opened
+/// read-only instead, with a notice, as losetup does.
+pub fn write_protected(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EROFS | libc::EACCES | libc::EPERM)
+    )
+}

@@ -309,17 +309,7 @@ pub fn print_list(v: &Value, json: bool) -> Result<()> {
             s(d, "image"),
         ]);
     }
-    let widths: Vec<usize> = (0..header.len())
-        .map(|i| rows.iter().map(|r| r[i].len()).max().unwrap_or(0))
-        .collect();
-    for r in rows {
-        let line: Vec<String> = r
-            .iter()
-            .zip(&widths)
-            .map(|(c, w)| format!("{c:<w$}"))
-            .collect();
-        println!("{}", line.join(" ").trim_end());
-    }
+    print_table(&rows);
     Ok(())
 }
 

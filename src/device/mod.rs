@@ -234,13 +234,7 @@ fn open_plain(p: &DeviceParams) -> Result<(File, bool), DeviceError> {
     };
     match open_file(&p.path, p.read_only, false) {
         Ok(f) => Ok((f, p.read_only)),
-        Err(e)
-            if !p.read_only
-                && matches!(
-                    e.raw_os_error(),
-                    Some(libc::EROFS | libc::EACCES | libc::EPERM)
-                ) =>
-        {
+        Err(e) if !p.read_only && crate::backing::write_protected(&e) => {
             let why = e.to_string();
             let f = open_file(&p.path, true, false).map_err(|_| err(e))?;
             tracing::info!(

@@ -230,13 +230,7 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
     // read-only, as losetup does; `write_protected` says so.
     let (plain, read_only) = match open(false, p.read_only) {
         Ok(f) => (f, p.read_only),
-        Err(e)
-            if !p.read_only
-                && matches!(
-                    e.raw_os_error(),
-                    Some(libc::EROFS | libc::EACCES | libc::EPERM)
-                ) =>
-        {
+        Err(e) if !p.read_only && crate::backing::write_protected(&e) => {
             let f = open(false, true).map_err(|_| KernelLoopError::Open(p.image.clone(), e))?;
             (f, true)
         }
