@@ -41,7 +41,7 @@ pub fn line(req: &Request, caller: Caller, old_size: Option<u64>, reply: &str) -
             let name = r["name"]
                 .as_str()
                 .map_or_else(|| s.name.clone().unwrap_or_default(), str::to_owned);
-            format!("attach {name:?} image={}", s.image.display())
+            format!("attach {name:?} image={:?}", s.image)
         }
         Request::Detach { name, force } => {
             format!("detach {name:?}{}", if *force { " force" } else { "" })
