@@ -206,7 +206,7 @@ pub fn render(daemon: &Daemon, p: &Process) -> String {
     enc.family(
         "loopd_memory_budget_used_bytes",
         Kind::Gauge,
-        "Bytes of request and reply buffers held now.",
+        "Bytes of request and reply buffers held now: in use by requests or idle in the reactors' pools (released when another reactor waits for budget).",
     );
     enc.sample("loopd_memory_budget_used_bytes", &[], b.used() as f64);
     enc.family(
