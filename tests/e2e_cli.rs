@@ -332,15 +332,6 @@ fn set_rules_size_limit_none_and_cap_message() {
     assert_eq!(nbd_size(&u), 2 * MIB);
 }
 
-/// Unmounts a bind mount when dropped.
-struct Unmount(std::path::PathBuf);
-
-impl Drop for Unmount {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.0).status();
-    }
-}
-
 /// An image that cannot be opened for writing (mode 0444 for a normal user;
 /// a read-only bind mount for root, whom modes do not stop) is served
 /// read-only with a notice, instead of failing with EACCES/EROFS.
@@ -353,11 +344,8 @@ fn write_protected_image_gives_a_read_only_device() {
     let root = unsafe { libc::geteuid() } == 0;
     let mut _mount = None;
     let served = if root {
-        let mnt = dir.path().join("mnt");
-        std::fs::create_dir(&mnt).expect("mkdir");
-        run("mount", ["--bind", path_str(dir.path()), path_str(&mnt)]);
-        _mount = Some(Unmount(mnt.clone()));
-        run("mount", ["-o", "remount,ro,bind", path_str(&mnt)]);
+        let (mnt, guard) = read_only_bind(dir.path());
+        _mount = Some(guard);
         mnt.join("ro.img")
     } else {
         use std::os::unix::fs::PermissionsExt;

@@ -673,15 +673,6 @@ fn losetup_spellings_list_json_and_detach_several() {
     );
 }
 
-/// Unmounts a bind mount when dropped.
-struct Unmount(PathBuf);
-
-impl Drop for Unmount {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount").arg(&self.0).status();
-    }
-}
-
 /// An image on a read-only mount is set up read-only with a notice (as
 /// losetup does) instead of failing with EROFS.
 #[test]
@@ -690,11 +681,7 @@ fn write_protected_image_attaches_read_only() {
     let dir = image_dir();
     let img = dir.path().join("kwp.img");
     create_sparse_image(&img, MIB);
-    let mnt = dir.path().join("mnt");
-    std::fs::create_dir(&mnt).expect("mkdir");
-    run("mount", ["--bind", path_str(dir.path()), path_str(&mnt)]);
-    let _m = Unmount(mnt.clone());
-    run("mount", ["-o", "remount,ro,bind", path_str(&mnt)]);
+    let (mnt, _m) = read_only_bind(dir.path());
     let (dev, out) = KernelLoop::attach(&mnt.join("kwp.img"), &["--json"]);
     assert!(out.stderr.contains("write-protected"), "{out}");
     assert!(

@@ -10,10 +10,16 @@ use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
-/// A free loopback TCP port (bound and released).
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
-    l.local_addr().expect("local_addr").port()
+/// `loopd serve IMAGE --metrics 127.0.0.1:PORT EXTRA…`; the server and the
+/// metrics URL.
+fn serve_with_metrics(img: &std::path::Path, extra: &[&str]) -> (Server, String) {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let url = format!("http://{addr}/metrics");
+    let srv = Server::builder(img)
+        .args(["--metrics", addr.as_str()])
+        .args(extra)
+        .start();
+    (srv, url)
 }
 
 /// `curl` a URL (with extra args); (HTTP status, body).
@@ -77,12 +83,7 @@ fn metrics_while_fio_runs() {
     let dir = tempdir();
     let img = dir.path().join("m.img");
     create_sparse_image(&img, 64 * MIB);
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
-    let url = format!("http://{addr}/metrics");
-    let srv = Server::builder(&img)
-        .args(["--metrics", addr.as_str()])
-        .start();
+    let (srv, url) = serve_with_metrics(&img, &[]);
     let dev = srv.name().to_string();
     let dev = dev.as_str();
 
@@ -289,12 +290,7 @@ fn page_cache_footprint_follows_buffered_writes() {
     let dir = tempdir();
     let img = dir.path().join("pc.img");
     create_sparse_image(&img, 16 * MIB);
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
-    let url = format!("http://{addr}/metrics");
-    let srv = Server::builder(&img)
-        .args(["--metrics", addr.as_str(), "--cache", "buffered"])
-        .start();
+    let (srv, url) = serve_with_metrics(&img, &["--cache", "buffered"]);
     let dev = srv.name().to_string();
     let key = |state: &str| format!("loopd_page_cache_bytes{{device=\"{dev}\",state=\"{state}\"}}");
 

@@ -262,18 +262,6 @@ fn missing_image_waits_and_comes_back() {
     assert_eq!(state_names(&state), vec!["late", "other"]);
 }
 
-/// Unmounts a test's tmpfs when dropped (also when the test fails).
-struct Mount(PathBuf);
-
-impl Drop for Mount {
-    fn drop(&mut self) {
-        let out = run_status("umount", [self.0.as_os_str()]);
-        if !out.success() {
-            eprintln!("umount {} failed:\n{out}", self.0.display());
-        }
-    }
-}
-
 /// Fills the file system holding `dir` (a file `dir/filler`).
 fn fill(dir: &Path) {
     use std::io::Write;
@@ -301,7 +289,7 @@ fn full_disk_fails_the_attach_and_leaves_no_trace() {
         "mount",
         ["-t", "tmpfs", "-o", "size=256k", "tmpfs", path_str(&st)],
     );
-    let _mount = Mount(st.clone());
+    let _mount = Unmount(st.clone());
     let state = st.join("s.state");
     let sock = dir.path().join("s.sock");
     let a = dir.path().join("a.img");

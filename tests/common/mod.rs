@@ -1531,6 +1531,31 @@ pub fn path_str(path: &Path) -> &str {
     path.to_str().expect("utf-8 path")
 }
 
+/// Unmounts a test's mount when dropped (also when the test fails); a failed
+/// umount is reported on stderr.
+pub struct Unmount(pub PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let out = run_status("umount", [self.0.as_os_str()]);
+        if !out.success() {
+            eprintln!("umount {} failed:\n{out}", self.0.display());
+        }
+    }
+}
+
+/// A read-only bind mount of `dir` at `dir/mnt` (needs root): a file under
+/// it cannot be opened for writing, whatever its mode. Unmounted when the
+/// guard drops.
+pub fn read_only_bind(dir: &Path) -> (PathBuf, Unmount) {
+    let mnt = dir.join("mnt");
+    fs::create_dir(&mnt).expect("mkdir mnt");
+    run("mount", ["--bind", path_str(dir), path_str(&mnt)]);
+    let guard = Unmount(mnt.clone());
+    run("mount", ["-o", "remount,ro,bind", path_str(&mnt)]);
+    (mnt, guard)
+}
+
 pub fn tempdir() -> tempfile::TempDir {
     tempfile::Builder::new()
         .prefix("loopd-e2e")
