@@ -18,9 +18,6 @@ pub struct CacheStat {
     pub dirty: u64,
     /// Bytes being written back now.
     pub writeback: u64,
-    /// Bytes evicted from the cache since the file was opened by anyone
-    /// (the kernel's shadow entries; approximate).
-    pub evicted: u64,
 }
 
 /// The kernel's `struct cachestat_range`.
@@ -30,7 +27,8 @@ struct Range {
     len: u64,
 }
 
-/// The kernel's `struct cachestat`: counts of pages.
+/// The kernel's `struct cachestat`: counts of pages (the eviction counts are
+/// not shown, but the kernel writes the whole struct).
 #[repr(C)]
 #[derive(Default)]
 struct Raw {
@@ -75,7 +73,6 @@ pub fn stat(file: &File, off: u64, len: u64) -> std::io::Result<Option<CacheStat
         cached: raw.nr_cache.saturating_mul(page),
         dirty: raw.nr_dirty.saturating_mul(page),
         writeback: raw.nr_writeback.saturating_mul(page),
-        evicted: raw.nr_evicted.saturating_mul(page),
     }))
 }
 

@@ -103,9 +103,8 @@ pub fn plan_change(old: &[DeviceSpec], new: &[DeviceSpec]) -> Vec<Change> {
         let mut live = LiveChange::default();
         let mut idle = IdleChange::default();
         let mut reattach = Vec::new();
-        match (o.size_limit, n.size_limit) {
-            (a, b) if a == b => {}
-            (_, b) => live.size_limit = Some(b),
+        if o.size_limit != n.size_limit {
+            live.size_limit = Some(n.size_limit);
         }
         if o.cache != n.cache {
             live.cache = Some(n.cache);
