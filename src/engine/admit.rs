@@ -178,6 +178,27 @@ pub fn victim(all: &[Standing], now: Instant, stall: Duration) -> Option<usize> 
         .map(|(i, _)| i)
 }
 
+/// [`victim`], except that a client whose bytes have arrived but not been
+/// read yet (`waiting(i)`: a caller's zero-timeout poll) has spoken: it is
+/// marked heard at `now` in `all` and the choice made again. A client that
+/// talked while the caller was busy accepting is thus not taken for a silent
+/// one. If every client has bytes waiting, the choice among them stands.
+pub fn victim_checked(
+    all: &mut [Standing],
+    now: Instant,
+    stall: Duration,
+    mut waiting: impl FnMut(usize) -> bool,
+) -> Option<usize> {
+    for _ in 0..all.len() {
+        let i = victim(all, now, stall)?;
+        if all[i].heard.is_some_and(|h| h >= now) || !waiting(i) {
+            return Some(i);
+        }
+        all[i].heard = Some(now);
+    }
+    victim(all, now, stall)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -244,6 +265,22 @@ mod tests {
         ];
         assert_eq!(victim(&all, now, STALL), Some(3));
         assert_eq!(victim(&[], now, STALL), None);
+    }
+
+    #[test]
+    fn a_client_whose_bytes_wait_unread_is_not_taken_for_silent() {
+        let now = Instant::now() + Duration::from_secs(60);
+        let mut all = [
+            at(A, now, 3_000, None),
+            at(A, now, 2_000, None),
+            at(B, now, 10, Some(5)),
+        ];
+        // The oldest silent one has sent its first bytes meanwhile.
+        assert_eq!(victim_checked(&mut all, now, STALL, |i| i == 0), Some(1));
+        assert_eq!(all[0].heard, Some(now));
+        // Everyone has: the choice among them stands, and ends.
+        let mut all = [at(A, now, 3_000, None), at(B, now, 2_000, None)];
+        assert!(victim_checked(&mut all, now, STALL, |_| true).is_some());
     }
 
     #[test]

@@ -19,7 +19,7 @@
 //!   counted by a [`Permit`] that stays with the connection), the process's
 //!   descriptors, and [`HANDSHAKE_MEMORY`] for the buffers of all handshakes.
 //!   When one is reached, the handshake that shows least sign of life is
-//!   closed ([`victim`]): one silent since it connected for longer than the
+//!   closed ([`victim_checked`]): one silent since it connected for longer than the
 //!   stall time (a quarter of `--handshake-timeout`, at most 2 s; a real client
 //!   answers the greeting at once) first, then one that spoke and went quiet,
 //!   then one silent but younger, and a client that is talking last; among
@@ -41,7 +41,7 @@ use super::Listener;
 use super::pending::{Fate, Pending, Who, step};
 use super::quiet::Lines;
 use crate::daemon::Daemon;
-use crate::engine::admit::{Admission, PeerKey, victim};
+use crate::engine::admit::{Admission, PeerKey, victim_checked};
 use crate::frontend::nbd::affinity::Peer;
 use crate::frontend::nbd::handshake::{Handshake, Policy};
 use crate::frontend::nbd::tls::TlsIo;
@@ -274,8 +274,18 @@ impl<'a> AcceptLoop<'a> {
     /// reached; false if there is none.
     fn evict(&mut self, limit: Limit) -> bool {
         let now = Instant::now();
-        let standings: Vec<_> = self.pending.iter().map(Pending::standing).collect();
-        let Some(i) = victim(&standings, now, self.stall()) else {
+        let mut standings: Vec<_> = self.pending.iter().map(Pending::standing).collect();
+        let stall = self.stall();
+        let pending = &mut self.pending;
+        let found = victim_checked(&mut standings, now, stall, |i| {
+            let waiting = has_input(&pending[i].sock);
+            if waiting {
+                // Its bytes arrived while the loop was accepting: it spoke.
+                pending[i].heard = Some(now);
+            }
+            waiting
+        });
+        let Some(i) = found else {
             return false;
         };
         let p = self.remove(i);
@@ -508,6 +518,16 @@ fn pick_reactor(reactors: &[Arc<ReactorHandle>]) -> Option<&Arc<ReactorHandle>> 
         let load = r.load.load(std::sync::atomic::Ordering::Relaxed);
         (!r.making_progress(), load)
     })
+}
+
+/// Whether bytes (or the end of the stream) wait to be read on `sock`.
+pub(super) fn has_input(sock: &OwnedFd) -> bool {
+    let mut fds = [PollFd::new(sock, PollFlags::IN)];
+    let zero = rustix::event::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    matches!(poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
 }
 
 /// A spare descriptor (see [`AcceptLoop::refuse_without_fds`]).

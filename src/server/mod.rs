@@ -44,8 +44,8 @@ use thiserror::Error;
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 /// Default for `--handshake-timeout`.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Listen backlog of the NBD sockets loopd binds: as deep as the kernel
-/// allows (`listen(2)` caps it at `net.core.somaxconn`).
+/// Listen backlog of the NBD and metrics sockets loopd binds: as deep as the
+/// kernel allows (`listen(2)` caps it at `net.core.somaxconn`).
 const BACKLOG: i32 = i32::MAX;
 /// Default mode of the NBD Unix socket (owner only; see `--socket-mode`).
 pub const DEFAULT_SOCKET_MODE: u32 = 0o600;
@@ -307,6 +307,16 @@ pub fn bind(opts: &ServeOptions, act: Activated) -> Result<Bound, ServerError> {
         )),
         None => None,
     };
+    // A deep backlog for the metrics endpoint too (see BACKLOG).
+    match &metrics {
+        Some(metrics::http::Listener::Tcp(t)) => {
+            let _ = rustix::net::listen(t, BACKLOG);
+        }
+        Some(metrics::http::Listener::Unix(u)) => {
+            let _ = rustix::net::listen(u, BACKLOG);
+        }
+        None => {}
+    }
     for l in &listeners {
         let _ = match l {
             Listener::Unix(u) => u.set_nonblocking(true),
