@@ -209,7 +209,7 @@ fn export_listings_are_audited() {
 /// full once per connection (328 KB per connection before).
 #[test]
 fn failed_handshakes_cannot_flood_the_log() {
-    use std::io::{Read, Write};
+    use std::io::Read;
     use std::time::{Duration, Instant};
     let dir = tempdir();
     let img = dir.path().join("f.img");

@@ -17,9 +17,8 @@ use super::quiet::Lines;
 use crate::daemon::Daemon;
 use crate::device::export::ClientRef;
 use crate::engine::admit::{PeerKey, Permit, Standing};
-use crate::frontend::nbd::handshake::{
-    Handshake, HandshakeError, Negotiated, Notice, Step, option_name,
-};
+use crate::frontend::nbd::handshake::{Handshake, HandshakeError, Negotiated, Notice, Step};
+use crate::frontend::nbd::proto::option_name;
 use crate::tls::TlsContext;
 use crate::tls::record::RecordBoundary;
 use rustls::ServerConnection;

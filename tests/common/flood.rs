@@ -21,7 +21,7 @@ pub enum Target {
 
 impl Target {
     fn connect(&self) -> Option<OwnedFd> {
-        let fd = match self {
+        match self {
             Target::Unix(p) => UnixStream::connect(p).ok().map(|s| {
                 let _ = s.set_nonblocking(true);
                 OwnedFd::from(s)
@@ -32,8 +32,7 @@ impl Target {
                     let _ = s.set_nonblocking(true);
                     OwnedFd::from(s)
                 }),
-        };
-        fd
+        }
     }
 }
 
