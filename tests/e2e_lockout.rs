@@ -5,7 +5,9 @@
 //! `--max-connections` and the server has to choose whom to close. Each
 //! legitimate connection is a full one (handshake and a read, or `nbdinfo`
 //! over TLS with a client certificate) and must finish within
-//! [`PER_CLIENT`]; the log must not claim a limit that was not reached.
+//! [`PER_CLIENT`]; the log must not claim a limit that was not reached. Also:
+//! the peer holding the most handshakes gives one up first, and handshakes
+//! holding more than 64 MiB of buffers make room rather than lock out.
 
 mod common;
 
@@ -261,4 +263,137 @@ fn silent_sockets_do_not_lock_out_tls_clients() {
         served_under_attack(&what, flood, 10, || nbdinfo_client(&uri));
         no_false_limit(&srv.stderr_text(), max.unwrap_or(1024));
     }
+}
+
+/// A TCP connection to `to` from the loopback address `from` (the whole of
+/// 127/8 is loopback: a second peer on one machine).
+fn connect_from(from: std::net::Ipv4Addr, to: std::net::SocketAddr) -> std::net::TcpStream {
+    use rustix::net::{AddressFamily, SocketType, bind, connect, socket};
+    let fd = socket(AddressFamily::INET, SocketType::STREAM, None).expect("socket");
+    bind(&fd, &std::net::SocketAddr::from((from, 0))).expect("bind the source address");
+    connect(&fd, &to).expect("connect");
+    let s = std::net::TcpStream::from(fd);
+    s.set_read_timeout(Some(PER_CLIENT)).unwrap();
+    s
+}
+
+/// Read the greeting and send the client flags: the client has spoken.
+fn greet_and_speak(s: &mut std::net::TcpStream) {
+    let mut hello = [0u8; 18];
+    s.read_exact(&mut hello).expect("greeting");
+    assert_eq!(hello[..8], NBDMAGIC.to_be_bytes());
+    s.write_all(&3u32.to_be_bytes()).expect("flags");
+}
+
+/// Point 9, per peer: when room is needed, the peer holding the most
+/// handshakes gives one up, even if another peer's handshake has been quiet
+/// longer. 127.0.0.1 holds one stalled handshake (the oldest), 127.0.0.2
+/// nine; at `--max-connections 10` a newcomer from 127.0.0.2 takes the place
+/// of one of its own, and 127.0.0.1's handshake goes on to a read.
+#[test]
+fn the_peer_holding_most_handshakes_gives_one_up() {
+    let dir = tempdir();
+    let img = dir.path().join("q.img");
+    create_pattern_image(&img, MIB, 3);
+    let srv = Server::builder(&img)
+        .tcp()
+        .args(["--max-connections", "10"])
+        .start();
+    let to: std::net::SocketAddr = format!("127.0.0.1:{}", srv.port()).parse().unwrap();
+    let (one, two) = ([127, 0, 0, 1].into(), [127, 0, 0, 2].into());
+    let mut lone = connect_from(one, to);
+    greet_and_speak(&mut lone);
+    std::thread::sleep(Duration::from_millis(300));
+    let mut many: Vec<_> = (0..9).map(|_| connect_from(two, to)).collect();
+    for s in &mut many {
+        greet_and_speak(s);
+    }
+    // All have spoken and are quiet past the stall time (2 s).
+    std::thread::sleep(Duration::from_millis(2500));
+    let mut newcomer = connect_from(two, to);
+    greet_and_speak(&mut newcomer);
+    // One of 127.0.0.2's nine was closed…
+    let mut closed = 0;
+    for s in &mut many {
+        s.set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        let mut b = [0u8; 1];
+        let gone = match s.read(&mut b) {
+            Ok(0) => true,
+            Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+            Ok(_) => false,
+        };
+        if gone {
+            closed += 1;
+        }
+    }
+    assert_eq!(closed, 1, "one of the heavy peer's handshakes makes room");
+    // …and the lone peer's handshake, the oldest, goes on.
+    let mut out = IHAVEOPT.to_be_bytes().to_vec();
+    out.extend_from_slice(&NBD_OPT_EXPORT_NAME.to_be_bytes());
+    out.extend_from_slice(&1u32.to_be_bytes());
+    out.extend_from_slice(b"q");
+    out.extend_from_slice(&RawClient::request_bytes(
+        REQUEST_MAGIC,
+        0,
+        NBD_CMD_READ,
+        1,
+        0,
+        512,
+    ));
+    lone.write_all(&out).unwrap();
+    let mut reply = vec![0u8; 10 + 16 + 512];
+    lone.read_exact(&mut reply)
+        .expect("the lone peer's handshake was closed instead");
+    assert_eq!(reply[26..], read_range(&img, 0, 512)[..]);
+    let log = srv.stderr_text();
+    assert!(
+        log.contains("closing the NBD handshake of 127.0.0.2:"),
+        "the closed handshake is named:\n{log}"
+    );
+}
+
+/// Point 9, memory: 1,100 clients each sending 63 KiB of a 64 KiB option and
+/// then stalling hold about 69 MiB of handshake buffers, past the 64 MiB
+/// limit: the stalled ones make room, a client is served meanwhile, and
+/// loopd's peak memory stays bounded.
+#[test]
+fn handshake_buffers_are_bounded_and_no_lockout() {
+    raise_nofile(3_000);
+    let dir = tempdir();
+    let img = dir.path().join("m.img");
+    create_pattern_image(&img, MIB, 4);
+    let expect = read_range(&img, 0, 4096);
+    let srv = Server::builder(&img)
+        .args(["--max-connections", "2000"])
+        .start();
+    let mut part = 3u32.to_be_bytes().to_vec();
+    part.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    part.extend_from_slice(&99u32.to_be_bytes());
+    part.extend_from_slice(&(64u32 << 10).to_be_bytes());
+    part.resize(part.len() + (63 << 10), 0x61);
+    let mut held = Vec::new();
+    for _ in 0..1_100 {
+        let mut s = UnixStream::connect(srv.socket()).unwrap();
+        s.set_write_timeout(Some(PER_CLIENT)).unwrap();
+        let mut hello = [0u8; 18];
+        s.set_read_timeout(Some(PER_CLIENT)).unwrap();
+        if s.read_exact(&mut hello).is_ok() && s.write_all(&part).is_ok() {
+            held.push(s);
+        }
+    }
+    plain_client(srv.socket(), srv.name(), &expect).expect("a client under the flood");
+    let log = srv.stderr_text();
+    assert!(
+        log.contains("to make room: handshakes hold 64 MiB of buffers"),
+        "the memory limit was not reached:\n{log}"
+    );
+    let status = std::fs::read_to_string(format!("/proc/{}/status", srv.pid())).unwrap();
+    let hwm: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .expect("VmHWM");
+    assert!(hwm < 200 * 1024, "peak RSS {hwm} kB");
+    drop(held);
 }
