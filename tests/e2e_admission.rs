@@ -300,6 +300,13 @@ fn a_silent_handshake_makes_room_and_a_refusal_names_its_limit() {
     // All four places are connections past their handshake: refused.
     let mut sixth = UnixStream::connect(srv.socket()).unwrap();
     assert!(!greeted(&mut sixth), "a fifth connection got a place");
+    // The line reaches this process's copy of loopd's stderr a moment later.
+    let t = Instant::now();
+    while !srv.stderr_text().contains("refusing new NBD clients")
+        && t.elapsed() < Duration::from_secs(5)
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let log = srv.stderr_text();
     let refusal = log
         .lines()
