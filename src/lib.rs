@@ -12,6 +12,7 @@ pub mod control;
 pub mod daemon;
 pub mod device;
 pub mod engine;
+pub mod escape;
 pub mod frontend;
 pub mod kernel_loop;
 pub mod kernel_nbd;

@@ -76,3 +76,221 @@ fn tcp_clients_are_audited_with_their_address() {
         "{log}"
     );
 }
+
+/// `nbdinfo ARGS…` (60 s at most), whatever its exit status.
+fn nbdinfo(args: &[&str]) -> Out {
+    run_status_timeout(std::time::Duration::from_secs(60), "nbdinfo", args)
+}
+
+/// The first line of `log` with every one of `needles`, or a panic showing
+/// the log.
+#[track_caller]
+fn line_with<'a>(log: &'a str, needles: &[&str]) -> &'a str {
+    log.lines()
+        .find(|l| needles.iter().all(|n| l.contains(n)))
+        .unwrap_or_else(|| panic!("no line with {needles:?} in:\n{log}"))
+}
+
+/// The peer a line names after `audit: NBD client `.
+fn peer_of(line: &str) -> &str {
+    line.split("audit: NBD client ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .unwrap_or("")
+}
+
+/// Issue 22, point 7: a plaintext client refused by `--tls require` leaves
+/// an audit line naming it (address and port); so does a client refused
+/// by `--tls-verify-peer` for having no certificate, or one of another CA.
+#[test]
+fn tls_refusals_are_audited_with_the_peer() {
+    use common::pki::Pki;
+    let dir = tempdir();
+    let pki = Pki::new(dir.path().join("pki"));
+    let other = Pki::new(dir.path().join("other"));
+    let certs = pki.server_dir("server");
+    let trust = pki.trust_dir("trust");
+    let foreign = other.client_dir("mallory");
+    pki.install_ca(&foreign);
+    let img = dir.path().join("s.img");
+    create_sparse_image(&img, MIB);
+    let mut srv = Server::builder(&img)
+        .tcp()
+        .with_control()
+        .args([
+            "--tls",
+            "require",
+            "--tls-certs",
+            path_str(&certs),
+            "--tls-verify-peer",
+        ])
+        .start();
+    let port = srv.port();
+    let plain = nbdinfo(&[&format!("nbd://127.0.0.1:{port}/s")]);
+    assert!(!plain.success(), "a plaintext client got in:\n{plain}");
+    let tls_uri = |creds: &std::path::Path| {
+        format!(
+            "nbds://127.0.0.1:{port}/s?tls-certificates={}",
+            creds.display()
+        )
+    };
+    let none = nbdinfo(&[&tls_uri(&trust)]);
+    assert!(
+        !none.success(),
+        "a client without a certificate got in:\n{none}"
+    );
+    let bad = nbdinfo(&[&tls_uri(&foreign)]);
+    assert!(!bad.success(), "another CA's certificate got in:\n{bad}");
+    srv.stop_ok();
+    let log = srv.stderr_text();
+    let clear = line_with(&log, &["audit: NBD client", "refused: TLS is required"]);
+    assert!(clear.contains("in the clear"), "{clear}");
+    let failed: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("audit: NBD client") && l.contains("refused: TLS handshake failed"))
+        .collect();
+    assert_eq!(failed.len(), 2, "one line per refused certificate:\n{log}");
+    for l in [clear].iter().chain(&failed) {
+        let peer = peer_of(l);
+        let (ip, p) = peer.rsplit_once(':').unwrap_or_default();
+        assert!(
+            ip == "127.0.0.1" && p.parse::<u16>().is_ok_and(|p| p != port),
+            "the peer (client address and port) is named: {l}"
+        );
+    }
+    assert!(
+        failed.iter().any(|l| l.contains("certificate")),
+        "the reason names the certificate: {failed:?}"
+    );
+}
+
+/// Issue 22, point 7: `NBD_OPT_LIST` is audited, answered (how many names
+/// were shown) or refused by `--no-list`, naming the client (uid and pid of
+/// a Unix-socket client).
+#[test]
+fn export_listings_are_audited() {
+    let dir = tempdir();
+    let img = dir.path().join("l.img");
+    create_sparse_image(&img, MIB);
+    let uid = rustix::process::getuid().as_raw();
+    for no_list in [false, true] {
+        let mut b = Server::builder(&img);
+        if no_list {
+            b = b.arg("--no-list");
+        }
+        let mut srv = b.start();
+        let uri = format!("nbd+unix:///?socket={}", path_str(srv.socket()));
+        let out = nbdinfo(&["--list", &uri]);
+        assert_eq!(out.success(), !no_list, "{out}");
+        srv.stop_ok();
+        let log = srv.stderr_text();
+        let l = if no_list {
+            line_with(
+                &log,
+                &[
+                    "audit: NBD client",
+                    "refused: listing exports is turned off",
+                ],
+            )
+        } else {
+            line_with(&log, &["audit: NBD client", "listed the exports (1 shown)"])
+        };
+        assert!(
+            l.contains(&format!("audit: NBD client unix uid={uid} pid=")),
+            "the client is named: {l}"
+        );
+    }
+}
+
+/// Issue 22, point 8: a client that keeps failing `NBD_OPT_EXPORT_NAME` with
+/// 8 KiB names (after a refused `NBD_OPT_LIST` and a `GO` for an unknown
+/// 4 KiB name) makes loopd write a few lines (names cut to 64 characters,
+/// with their length), then one count per 10 s window — not the name in
+/// full once per connection (328 KB per connection before).
+#[test]
+fn failed_handshakes_cannot_flood_the_log() {
+    use std::io::Read;
+    use std::time::{Duration, Instant};
+    let dir = tempdir();
+    let img = dir.path().join("f.img");
+    create_sparse_image(&img, MIB);
+    let srv = Server::builder(&img).arg("--no-list").start();
+    let before = srv.stderr_text().len();
+    let opt = |o: u32, data: &[u8]| {
+        let mut b = IHAVEOPT.to_be_bytes().to_vec();
+        b.extend_from_slice(&o.to_be_bytes());
+        b.extend_from_slice(&u32::try_from(data.len()).unwrap().to_be_bytes());
+        b.extend_from_slice(data);
+        b
+    };
+    let mut script = 3u32.to_be_bytes().to_vec();
+    script.extend(opt(3, &[])); // LIST, refused
+    let mut go = 4096u32.to_be_bytes().to_vec();
+    go.extend(std::iter::repeat_n(b'g', 4096));
+    go.extend_from_slice(&0u16.to_be_bytes());
+    script.extend(opt(7, &go)); // GO, unknown
+    let mut name = b"x\naudit: detach \"prod\" by uid=0 pid=1: ok\n".to_vec();
+    name.resize(8192, b'n');
+    script.extend(opt(NBD_OPT_EXPORT_NAME, &name)); // unknown: closes
+    let t = Instant::now();
+    let mut n = 0u64;
+    while t.elapsed() < Duration::from_secs(4) {
+        let mut c = RawClient::connect(srv.socket());
+        c.greeting();
+        c.send(&script);
+        let mut sink = Vec::new();
+        c.s.read_to_end(&mut sink).expect("read until loopd closes");
+        n += 1;
+    }
+    // The counts come when the window ends (10 s after the first line).
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let summary = |log: &str, what: &str| -> Option<u64> {
+        log.lines()
+            .find(|l| l.contains(what) && l.contains("in the last 10 s"))
+            .and_then(|l| l.split("audit: ").nth(1)?.split(' ').next()?.parse().ok())
+    };
+    let log = loop {
+        let log = srv.stderr_text();
+        if summary(&log, "more NBD clients refused an export").is_some()
+            && summary(&log, "more NBD export listings").is_some()
+        {
+            break log;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no count of the refusals 15 s after {n} clients:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let grew = log.len() - before;
+    eprintln!("{n} clients (3 refusals each) made loopd write {grew} bytes of log");
+    assert!(n >= 200, "only {n} clients in 4 s");
+    assert!(
+        grew < 8 * 1024,
+        "{n} failing clients made loopd write {grew} bytes:\n{log}"
+    );
+    // Two refusals of an export per client (GO, then EXPORT_NAME), three of
+    // them logged, the rest counted; one listing each.
+    let first = u64::from(3u8);
+    assert_eq!(
+        summary(&log, "more NBD clients refused an export"),
+        Some(2 * n - first),
+        "{log}"
+    );
+    assert_eq!(
+        summary(&log, "more NBD export listings"),
+        Some(n - first),
+        "{log}"
+    );
+    let l = line_with(&log, &["refused: no export", "NBD_OPT_GO"]);
+    assert!(l.contains("…\" (4096 bytes)"), "the name is cut: {l}");
+    let l = line_with(&log, &["refused: client asked for unknown export"]);
+    assert!(
+        l.contains("(8192 bytes)") && l.contains("\\naudit: detach"),
+        "the name is cut and escaped: {l}"
+    );
+    assert!(
+        !log.lines().any(|l| l.starts_with("audit: detach")),
+        "a forged line:\n{log}"
+    );
+}

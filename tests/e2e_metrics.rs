@@ -310,3 +310,89 @@ fn page_cache_footprint_follows_buffered_writes() {
     assert!(get(&s, &key("dirty")) <= cached);
     assert!(get(&s, &key("writeback")) <= cached);
 }
+
+/// Issue 22, point 12: slow and silent connections cannot silence the
+/// endpoint. 300 connections sending a request head one byte every 500 ms
+/// and 2,000 that send nothing, each reconnected as soon as loopd closes it,
+/// while a scraper (curl) scrapes every second for 12 s: every scrape is
+/// answered, 200, within 5 s (Prometheus' default timeout is 10 s). This
+/// process holds 2,300 sockets and loopd as many again: the test raises its
+/// own open-file limit to the hard limit and needs 5,000 (loopd raises its
+/// own at start).
+#[test]
+fn slow_and_silent_connections_do_not_silence_the_endpoint() {
+    use common::flood::{Behaviour, Flood, Target, raise_nofile};
+    const BOUND: Duration = Duration::from_secs(5);
+    raise_nofile(5_000);
+    let dir = tempdir();
+    let img = dir.path().join("s.img");
+    create_sparse_image(&img, MIB);
+    let (srv, url) = serve_with_metrics(&img, &[]);
+    let addr: std::net::SocketAddr = url
+        .trim_start_matches("http://")
+        .trim_end_matches("/metrics")
+        .parse()
+        .expect("metrics address");
+    let attack = Duration::from_secs(15);
+    let slow = Flood::start(
+        Target::Tcp(addr),
+        300,
+        Behaviour::Trickle {
+            bytes: b"GET /metrics HTTP/1.1\r\nHost: loopd\r\nUser-Agent: slow\r\n\r\n".to_vec(),
+            every: Duration::from_millis(500),
+        },
+        attack,
+    );
+    let silent = Flood::start(Target::Tcp(addr), 2_000, Behaviour::Silent, attack);
+    std::thread::sleep(Duration::from_secs(2));
+    let mut took = Vec::new();
+    let mut failed = Vec::new();
+    let end = Instant::now() + Duration::from_secs(12);
+    while Instant::now() < end {
+        let t = Instant::now();
+        let mut c = tool("curl");
+        c.args([
+            "-sS",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "--max-time",
+            "5",
+            &url,
+        ]);
+        let out = run_cmd_timeout(c, Duration::from_secs(30));
+        let d = t.elapsed();
+        if out.success() && out.stdout.trim() == "200" && d < BOUND {
+            took.push(d);
+        } else {
+            failed.push(format!(
+                "after {d:.1?}: {} {}",
+                out.stdout,
+                out.stderr.trim()
+            ));
+        }
+        std::thread::sleep(Duration::from_secs(1).saturating_sub(t.elapsed()));
+    }
+    let (slow, silent) = (slow.finish(), silent.finish());
+    took.sort();
+    let worst = took.last().copied().unwrap_or_default();
+    eprintln!(
+        "{} of {} scrapes answered within {BOUND:?}, worst {worst:.1?}; slow: {slow:?}; \
+         silent: {silent:?}",
+        took.len(),
+        took.len() + failed.len()
+    );
+    assert!(
+        failed.is_empty(),
+        "{} of {} scrapes failed or took {BOUND:?} or more: {failed:?}",
+        failed.len(),
+        took.len() + failed.len()
+    );
+    assert!(took.len() >= 8, "only {} scrapes in 12 s", took.len());
+    assert!(
+        silent.connects >= 2_000 && slow.connects >= 300,
+        "the attack never got going: {slow:?} {silent:?}"
+    );
+    drop(srv);
+}

@@ -63,12 +63,16 @@ pub struct ServeArgs {
     /// without TLS.
     #[arg(long)]
     no_ktls: bool,
-    /// NBD connections at most, handshakes included; past it new clients are
-    /// closed at once. Lowered to what the open-file limit allows.
+    /// NBD connections at most, handshakes included. At it a newcomer takes
+    /// the place of the handshake that shows least sign of life (silent
+    /// longest, from the peer holding most); only when every place is held by
+    /// a connection past its handshake is it closed at once. Lowered to what
+    /// the open-file limit allows.
     #[arg(long, value_name = "N", default_value_t = server::DEFAULT_MAX_CONNECTIONS)]
     max_connections: usize,
     /// Seconds a client has for its whole handshake (from connecting until it
-    /// selects an export).
+    /// selects an export). One silent a quarter of it (at most 2 s) after
+    /// connecting is the first to go when room is needed.
     #[arg(long, value_name = "SECS", default_value_t = server::DEFAULT_HANDSHAKE_TIMEOUT.as_secs_f64())]
     handshake_timeout: f64,
     /// Refuse NBD_OPT_LIST: clients cannot list the export names.

@@ -1,11 +1,22 @@
 //! The metrics server: one thread, `poll(2)` over the listener and at most
-//! [`MAX_SCRAPERS`] connections, each with a [`DEADLINE`] for its whole
-//! exchange, so a stalled scraper holds neither the thread nor a slot for long.
-//! One request per connection (`Connection: close`).
+//! [`MAX_SCRAPERS`] connections. One request per connection (`Connection:
+//! close`).
+//!
+//! Nobody can keep a scrape out (issue 22): a scraper sends its request head
+//! at once, so a connection has [`HEAD_DEADLINE`] for it and [`DEADLINE`] for
+//! the whole exchange. The listener is always served: when the table is full a
+//! newcomer takes the place of the connection that shows least sign of life
+//! (`engine::admit::victim_checked`: silent since it connected first, then quiet the
+//! longest, from the peer — IPv4 address, IPv6 /64, Unix uid — holding the most
+//! places), so slow or silent connections, however many, churn among
+//! themselves while a real scrape, which talks at once, is answered. Each turn
+//! serves the connections that are ready before it accepts at most
+//! [`ACCEPT_BATCH`] newcomers.
 
 use super::collect::{self, Process};
 use super::request::{self, Parsed};
 use crate::daemon::Daemon;
+use crate::engine::admit::{PeerKey, Standing, victim_checked};
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpListener;
@@ -14,10 +25,17 @@ use std::os::unix::net::UnixListener;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Connections served at once; more wait in the listen backlog.
-pub const MAX_SCRAPERS: usize = 64;
+/// Connections held at once; a newcomer past it takes the place of the one
+/// with least sign of life.
+pub const MAX_SCRAPERS: usize = 512;
 /// How long one connection may take, from accept to the last byte sent.
 pub const DEADLINE: Duration = Duration::from_secs(10);
+/// How long a connection may take to send its whole request head.
+pub const HEAD_DEADLINE: Duration = Duration::from_secs(2);
+/// Newcomers accepted per turn of the loop.
+const ACCEPT_BATCH: usize = 64;
+/// How long a connection may stay silent before it is the first to go.
+const STALL: Duration = Duration::from_millis(500);
 
 /// A bound metrics listener.
 pub enum Listener {
@@ -58,21 +76,34 @@ impl Listener {
             Listener::Unix(l) => l.as_fd(),
         }
     }
-    fn accept(&self) -> std::io::Result<Stream> {
-        let s = match self {
-            Listener::Tcp(l) => Stream::Tcp(l.accept()?.0),
-            Listener::Unix(l) => Stream::Unix(l.accept()?.0),
+    /// A new connection and the peer limits count it under.
+    fn accept(&self) -> std::io::Result<(Stream, PeerKey)> {
+        let (s, peer) = match self {
+            Listener::Tcp(l) => {
+                let (s, a) = l.accept()?;
+                (Stream::Tcp(s), PeerKey::of_ip(a.ip()))
+            }
+            Listener::Unix(l) => {
+                let s = l.accept()?.0;
+                let peer = rustix::net::sockopt::socket_peercred(&s)
+                    .map_or(PeerKey::Unknown, |c| PeerKey::Uid(c.uid.as_raw()));
+                (Stream::Unix(s), peer)
+            }
         };
         match &s {
             Stream::Tcp(t) => t.set_nonblocking(true)?,
             Stream::Unix(u) => u.set_nonblocking(true)?,
         }
-        Ok(s)
+        Ok((s, peer))
     }
 }
 
 struct Conn {
     sock: Stream,
+    peer: PeerKey,
+    opened: Instant,
+    /// When bytes last moved, either way (`None`: none yet).
+    heard: Option<Instant>,
     deadline: Instant,
     inbuf: Vec<u8>,
     /// The reply, once the request is read; `sent` bytes of it are out.
@@ -95,28 +126,31 @@ pub fn spawn(
         .spawn(move || serve(&l, &daemon, &process))
 }
 
+impl Conn {
+    /// When it must be done with, or at least have sent its request head.
+    fn due(&self) -> Instant {
+        if self.reply.is_some() {
+            self.deadline
+        } else {
+            self.deadline.min(self.opened + HEAD_DEADLINE)
+        }
+    }
+}
+
 fn serve(l: &Listener, daemon: &Daemon, process: &Process) {
     let mut conns: Vec<Conn> = Vec::new();
+    let mut accept_warned: Option<Instant> = None;
     loop {
         let now = Instant::now();
-        conns.retain(|c| c.deadline > now);
+        conns.retain(|c| c.due() > now);
         let timeout = conns
             .iter()
-            .map(|c| c.deadline.saturating_duration_since(now))
+            .map(|c| c.due().saturating_duration_since(now))
             .min()
             .map(|d| d.max(Duration::from_millis(1)));
         let (listener_ready, ready) = {
             let mut fds = Vec::with_capacity(conns.len() + 1);
-            // A full table stops accepting; the backlog holds the rest.
-            let accepting = conns.len() < MAX_SCRAPERS;
-            fds.push(PollFd::from_borrowed_fd(
-                l.fd(),
-                if accepting {
-                    PollFlags::IN
-                } else {
-                    PollFlags::empty()
-                },
-            ));
+            fds.push(PollFd::from_borrowed_fd(l.fd(), PollFlags::IN));
             for c in &conns {
                 let ev = if c.reply.is_some() {
                     PollFlags::OUT
@@ -143,7 +177,7 @@ fn serve(l: &Listener, daemon: &Daemon, process: &Process) {
                 .filter(|(_, f)| !f.revents().is_empty())
                 .map(|(i, _)| i)
                 .collect();
-            (accepting && !fds[0].revents().is_empty(), ready)
+            (!fds[0].revents().is_empty(), ready)
         };
         // Highest index first, so swap_remove never moves one still to visit.
         for &i in ready.iter().rev() {
@@ -152,26 +186,84 @@ fn serve(l: &Listener, daemon: &Daemon, process: &Process) {
             }
         }
         if listener_ready {
-            while conns.len() < MAX_SCRAPERS {
-                match l.accept() {
-                    Ok(sock) => conns.push(Conn {
-                        sock,
-                        deadline: Instant::now() + DEADLINE,
-                        inbuf: Vec::new(),
-                        reply: None,
-                        sent: 0,
-                    }),
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                    Err(e) => {
-                        // EMFILE and the like: try again on the next round.
-                        tracing::warn!("metrics: accept failed: {e}");
-                        std::thread::sleep(Duration::from_millis(100));
-                        break;
-                    }
+            accept_some(l, &mut conns, &mut accept_warned);
+        }
+    }
+}
+
+/// Accept up to [`ACCEPT_BATCH`] newcomers; at [`MAX_SCRAPERS`], or out of
+/// descriptors, each takes the place of the connection with least sign of
+/// life.
+fn accept_some(l: &Listener, conns: &mut Vec<Conn>, warned: &mut Option<Instant>) {
+    let mut batch = 0;
+    while batch < ACCEPT_BATCH {
+        if conns.len() >= MAX_SCRAPERS {
+            make_room(conns);
+        }
+        match l.accept() {
+            Ok((sock, peer)) => {
+                batch += 1;
+                let now = Instant::now();
+                conns.push(Conn {
+                    sock,
+                    peer,
+                    opened: now,
+                    heard: None,
+                    deadline: now + DEADLINE,
+                    inbuf: Vec::new(),
+                    reply: None,
+                    sent: 0,
+                });
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => {
+                // Out of descriptors: a connection's makes room, else wait.
+                if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) && make_room(conns)
+                {
+                    continue;
                 }
+                if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+                    tracing::warn!("metrics: accept failed: {e}");
+                    *warned = Some(Instant::now());
+                }
+                std::thread::sleep(Duration::from_millis(100));
+                return;
             }
         }
+    }
+}
+
+/// Close the connection with least sign of life; false if there is none.
+fn make_room(conns: &mut Vec<Conn>) -> bool {
+    let now = Instant::now();
+    let mut standings: Vec<Standing> = conns
+        .iter()
+        .map(|c| Standing {
+            peer: c.peer,
+            opened: c.opened,
+            heard: c.heard,
+        })
+        .collect();
+    let found = victim_checked(&mut standings, now, STALL, |i| {
+        let mut fds = [PollFd::from_borrowed_fd(conns[i].sock.fd(), PollFlags::IN)];
+        let zero = Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        let waiting = matches!(poll(&mut fds, Some(&zero)), Ok(n) if n > 0);
+        if waiting {
+            // Its request arrived while the loop was accepting.
+            conns[i].heard = Some(now);
+        }
+        waiting
+    });
+    match found {
+        Some(i) => {
+            conns.swap_remove(i);
+            true
+        }
+        None => false,
     }
 }
 
@@ -182,6 +274,7 @@ fn service(c: &mut Conn, daemon: &Daemon, process: &Process) -> bool {
             match c.sock.write(&reply[c.sent..]) {
                 Ok(0) => return false,
                 Ok(n) => {
+                    c.heard = Some(Instant::now());
                     c.sent += n;
                     if c.sent == reply.len() {
                         return false;
@@ -197,7 +290,10 @@ fn service(c: &mut Conn, daemon: &Daemon, process: &Process) -> bool {
     loop {
         match c.sock.read(&mut buf) {
             Ok(0) => return false,
-            Ok(n) => c.inbuf.extend_from_slice(&buf[..n]),
+            Ok(n) => {
+                c.heard = Some(Instant::now());
+                c.inbuf.extend_from_slice(&buf[..n]);
+            }
             Err(e) if e.kind() == ErrorKind::WouldBlock => break,
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
             Err(_) => return false,

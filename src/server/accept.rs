@@ -5,26 +5,43 @@
 //! - Sockets are non-blocking here; one `poll` covers the listeners, the signal
 //!   pipe, a kick pipe (a detach wants pending connections of its export gone)
 //!   and every pending handshake. A handshake costs its socket and buffers (at
-//!   most one option's data, 64 KiB), never a thread, and never blocks the loop:
-//!   replies are sent as the client takes them, and no request is read while a
-//!   reply waits.
+//!   most one option's data, 64 KiB, and a TLS session), never a thread, and
+//!   never blocks the loop: replies are sent as the client takes them, and no
+//!   request is read while a reply waits. Each turn services the handshakes
+//!   that are ready before it accepts at most [`ACCEPT_BATCH`] clients per
+//!   listener, so a flood of connections cannot starve handshakes under way.
 //! - Each handshake has one deadline for the whole exchange
 //!   (`--handshake-timeout`), not per read: a client that trickles bytes is
 //!   dropped when it runs out.
-//! - Limits: at most [`MAX_PENDING`] handshakes at once, and `--max-connections`
-//!   connections in all (handshakes included, counted by a [`Permit`] that stays
-//!   with the connection). Past either, a new client is accepted and closed at
-//!   once (it sees the connection closed, not a hang) and the first refusal of a
-//!   burst is logged. When the process is out of descriptors, one kept in reserve
-//!   is given up to accept and close the client, so the listener never spins and
-//!   the control plane keeps the descriptors it needs.
+//! - Limits, and who pays for them. There is no fixed count of handshakes: a
+//!   newcomer is never turned away while a handshake can make room. The real
+//!   limits are `--max-connections` (connections in all, handshakes included,
+//!   counted by a [`Permit`] that stays with the connection), the process's
+//!   descriptors, and [`HANDSHAKE_MEMORY`] for the buffers of all handshakes.
+//!   When one is reached, the handshake that shows least sign of life is
+//!   closed ([`victim_checked`]): one silent since it connected for longer than the
+//!   stall time (a quarter of `--handshake-timeout`, at most 2 s; a real client
+//!   answers the greeting at once) first, then one that spoke and went quiet,
+//!   then one silent but younger, and a client that is talking last; among
+//!   equals, from the peer (IPv4 address, IPv6 /64, Unix uid) holding the most
+//!   handshakes, so one peer's flood takes places from itself. Only when every
+//!   place is held by a connection past its handshake is a newcomer refused
+//!   (accepted and closed at once: it sees the connection closed, not a hang),
+//!   and the line says which limit. When the process is out of descriptors with
+//!   no handshake to close, one descriptor kept in reserve is given up to accept
+//!   and close the client, so the listener never spins and the control plane
+//!   keeps the descriptors it needs.
+//! - Log lines clients can cause (refusals, evictions, timeouts, listings) go
+//!   through [`Lines`]: each names the peer, and at most a few of each kind are
+//!   written per window, the rest counted (see [`super::quiet`]).
 //! - What may block: nothing but `poll`. Choosing the export takes the daemon's
 //!   table lock for a lookup only.
 
 use super::Listener;
-use super::pending::{Fate, Pending, step};
+use super::pending::{Fate, Pending, Who, step};
+use super::quiet::Lines;
 use crate::daemon::Daemon;
-use crate::engine::admit::Admission;
+use crate::engine::admit::{Admission, PeerKey, victim_checked};
 use crate::frontend::nbd::affinity::Peer;
 use crate::frontend::nbd::handshake::{Handshake, Policy};
 use crate::frontend::nbd::tls::TlsIo;
@@ -41,10 +58,16 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Handshakes in progress at most.
-pub const MAX_PENDING: usize = 256;
 /// Receive scratch per read (an option's data arrives in pieces of at most this).
 const SCRATCH: usize = 64 << 10;
+/// Clients accepted per listener per turn of the loop.
+pub const ACCEPT_BATCH: usize = 64;
+/// Memory all handshakes together may hold in buffers and TLS sessions; past
+/// it, the handshake with least sign of life is closed.
+pub const HANDSHAKE_MEMORY: usize = 64 << 20;
+/// The longest a client may stay silent after the greeting before it is the
+/// first to go when room is needed.
+const MAX_STALL: Duration = Duration::from_secs(2);
 
 /// How the loop treats clients.
 pub struct AcceptConfig {
@@ -57,49 +80,24 @@ pub struct AcceptConfig {
     pub ktls: bool,
 }
 
-/// Logs the first event of a burst and counts the rest, so a flood of refused
-/// or timed-out clients cannot flood the log.
-struct Quiet {
-    what: &'static str,
-    since: Option<Instant>,
-    count: u64,
+/// Which limit made room necessary.
+#[derive(Debug, Clone, Copy)]
+enum Limit {
+    Connections(usize),
+    Descriptors,
+    Memory,
 }
 
-impl Quiet {
-    const WINDOW: Duration = Duration::from_secs(10);
-
-    fn new(what: &'static str) -> Quiet {
-        Quiet {
-            what,
-            since: None,
-            count: 0,
-        }
-    }
-
-    fn hit(&mut self, detail: impl FnOnce() -> String) {
-        self.count += 1;
-        if self.since.is_none() {
-            tracing::warn!("{} ({}); further ones are counted", self.what, detail());
-            self.since = Some(Instant::now());
-            self.count = 0;
-        }
-    }
-
-    /// Report the count of a burst once its window has passed.
-    fn tick(&mut self, now: Instant) {
-        if let Some(t) = self.since {
-            if now.duration_since(t) >= Self::WINDOW {
-                if self.count > 0 {
-                    tracing::warn!(
-                        "{}: {} more in the last {:?}",
-                        self.what,
-                        self.count,
-                        Self::WINDOW
-                    );
-                }
-                self.since = None;
-                self.count = 0;
-            }
+impl std::fmt::Display for Limit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Limit::Connections(max) => write!(f, "--max-connections {max} reached"),
+            Limit::Descriptors => f.write_str("out of file descriptors"),
+            Limit::Memory => write!(
+                f,
+                "handshakes hold {} MiB of buffers",
+                HANDSHAKE_MEMORY >> 20
+            ),
         }
     }
 }
@@ -113,12 +111,12 @@ pub struct AcceptLoop<'a> {
     reactors: &'a [Arc<ReactorHandle>],
     cfg: AcceptConfig,
     pending: Vec<Pending>,
+    /// Memory the pending handshakes hold (the sum of their `counted`).
+    held: usize,
     scratch: Vec<u8>,
     /// A descriptor given up to accept (and close) a client when out of them.
     reserve: Option<OwnedFd>,
-    refused: Quiet,
-    timed_out: Quiet,
-    no_fds: Quiet,
+    lines: Lines,
     /// Said once that TLS runs in userspace (no kTLS).
     ktls_noted: bool,
 }
@@ -140,16 +138,17 @@ impl<'a> AcceptLoop<'a> {
             reactors,
             cfg,
             pending: Vec::new(),
+            held: 0,
             scratch: vec![0u8; SCRATCH],
             reserve: open_reserve(),
-            refused: Quiet::new("refusing new NBD clients: the connection limit is reached"),
-            timed_out: Quiet::new("dropping clients that did not finish the handshake in time"),
+            lines: Lines::new(),
             ktls_noted: false,
-            no_fds: Quiet::new(
-                "refusing new NBD clients: out of file descriptors (raise the open-file limit, \
-                 e.g. LimitNOFILE=, or lower --max-connections)",
-            ),
         }
+    }
+
+    /// How long a client may be silent before it is the first to go.
+    fn stall(&self) -> Duration {
+        (self.cfg.handshake_timeout / 4).min(MAX_STALL)
     }
 
     /// Run until SIGINT/SIGTERM.
@@ -157,15 +156,19 @@ impl<'a> AcceptLoop<'a> {
         loop {
             let now = Instant::now();
             self.expire(now);
-            self.refused.tick(now);
-            self.timed_out.tick(now);
-            self.no_fds.tick(now);
+            self.lines.tick(now);
+            // Wake for the next handshake deadline, and to write the count
+            // of a burst of log lines when its window ends.
             let timeout = self
                 .pending
                 .iter()
-                .map(|p| p.deadline.saturating_duration_since(now))
+                .map(|p| p.deadline)
+                .chain(self.lines.due())
                 .min()
-                .map(|d| d.max(Duration::from_millis(1)));
+                .map(|t| {
+                    t.saturating_duration_since(now)
+                        .max(Duration::from_millis(1))
+                });
             let (ready, sig, kick, ready_pending) = {
                 let mut fds: Vec<PollFd<'_>> =
                     Vec::with_capacity(self.listeners.len() + 2 + self.pending.len());
@@ -212,47 +215,119 @@ impl<'a> AcceptLoop<'a> {
             for &i in ready_pending.iter().rev() {
                 self.service(i);
             }
+            self.fit_memory();
             if kick {
                 let mut b = [0u8; 64];
                 while matches!((&mut &*self.kick_rx).read(&mut b), Ok(n) if n > 0) {}
                 self.drop_closed();
             }
             for (i, _) in ready.iter().enumerate().filter(|(_, r)| **r) {
-                self.accept_all(i);
+                self.accept_some(i);
             }
         }
     }
 
+    /// Remove handshake `i` (closing its socket), keeping the memory count.
+    fn remove(&mut self, i: usize) -> Pending {
+        let p = self.pending.swap_remove(i);
+        self.held -= p.counted;
+        p
+    }
+
     /// Drop handshakes past their deadline.
     fn expire(&mut self, now: Instant) {
-        let before = self.pending.len();
-        self.pending.retain(|p| p.deadline > now);
-        for _ in self.pending.len()..before {
-            let t = self.cfg.handshake_timeout;
-            self.timed_out.hit(|| format!("deadline {t:?}"));
+        let t = self.cfg.handshake_timeout;
+        let mut i = 0;
+        while i < self.pending.len() {
+            if self.pending[i].deadline > now {
+                i += 1;
+                continue;
+            }
+            let p = self.remove(i);
+            self.lines.timed_out.hit(now, p.who.key, || {
+                format!(
+                    "dropping NBD client {}: its handshake did not finish within {t:?} \
+                     (--handshake-timeout)",
+                    p.who.name
+                )
+            });
         }
     }
 
     /// Drop pending connections whose export closed under them (a detach).
     fn drop_closed(&mut self) {
-        self.pending
-            .retain(|p| p.done.as_ref().is_none_or(|n| !n.client.export().closing()));
+        let mut i = 0;
+        while i < self.pending.len() {
+            let closing = self.pending[i]
+                .done
+                .as_ref()
+                .is_some_and(|n| n.client.export().closing());
+            if closing {
+                self.remove(i);
+            } else {
+                i += 1;
+            }
+        }
     }
 
-    fn accept_all(&mut self, li: usize) {
-        loop {
+    /// Close the handshake that shows least sign of life, because `limit` is
+    /// reached; false if there is none.
+    fn evict(&mut self, limit: Limit) -> bool {
+        let now = Instant::now();
+        let mut standings: Vec<_> = self.pending.iter().map(Pending::standing).collect();
+        let stall = self.stall();
+        let pending = &mut self.pending;
+        let found = victim_checked(&mut standings, now, stall, |i| {
+            let waiting = has_input(&pending[i].sock);
+            if waiting {
+                // Its bytes arrived while the loop was accepting: it spoke.
+                pending[i].heard = Some(now);
+            }
+            waiting
+        });
+        let Some(i) = found else {
+            return false;
+        };
+        let p = self.remove(i);
+        let quiet = now.saturating_duration_since(p.heard.unwrap_or(p.opened));
+        let how = if p.heard.is_some() {
+            "quiet"
+        } else {
+            "silent since it connected"
+        };
+        self.lines.evicted.hit(now, p.who.key, || {
+            format!(
+                "closing the NBD handshake of {}, {how} for {:.1} s, to make room: {limit}",
+                p.who.name,
+                quiet.as_secs_f64()
+            )
+        });
+        true
+    }
+
+    /// Accept up to [`ACCEPT_BATCH`] clients waiting on listener `li`.
+    fn accept_some(&mut self, li: usize) {
+        for _ in 0..ACCEPT_BATCH {
             let r = match &self.listeners[li] {
-                Listener::Unix(u) => u.accept().map(|(s, _)| OwnedFd::from(s)),
-                Listener::Tcp(t) => t.accept().map(|(s, _)| {
+                Listener::Unix(u) => u.accept().map(|(s, _)| {
+                    let s = OwnedFd::from(s);
+                    let who = Who::unix(&s);
+                    (s, who)
+                }),
+                Listener::Tcp(t) => t.accept().map(|(s, addr)| {
                     let _ = s.set_nodelay(true);
-                    OwnedFd::from(s)
+                    (OwnedFd::from(s), Who::tcp(addr))
                 }),
             };
-            let sock = match r {
+            let (sock, who) = match r {
                 Ok(s) => s,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+                    // A handshake's descriptor makes room; else refuse.
+                    if self.evict(Limit::Descriptors) {
+                        continue;
+                    }
                     self.refuse_without_fds(li);
                     return;
                 }
@@ -262,15 +337,22 @@ impl<'a> AcceptLoop<'a> {
                     return;
                 }
             };
-            self.admit(sock);
+            self.admit(sock, who);
         }
     }
 
-    /// Out of descriptors: use the reserve one to take the client off the
-    /// queue and close it, so it is refused rather than left hanging.
+    /// Out of descriptors with no handshake to close: use the reserve one to
+    /// take the client off the queue and close it, so it is refused rather
+    /// than left hanging.
     fn refuse_without_fds(&mut self, li: usize) {
-        self.no_fds
-            .hit(|| format!("{} open", self.cfg.admission.open()));
+        let open = self.cfg.admission.open();
+        self.lines.no_fds.hit(Instant::now(), PeerKey::Unknown, || {
+            format!(
+                "refusing new NBD clients: out of file descriptors with {open} connections \
+                 open, none in its handshake (raise the open-file limit, e.g. LimitNOFILE=, \
+                 or lower --max-connections)"
+            )
+        });
         drop(self.reserve.take());
         let _ = match &self.listeners[li] {
             Listener::Unix(u) => u.accept().map(|_| ()),
@@ -279,17 +361,23 @@ impl<'a> AcceptLoop<'a> {
         self.reserve = open_reserve();
     }
 
-    fn admit(&mut self, sock: OwnedFd) {
-        let permit = if self.pending.len() < MAX_PENDING {
-            self.cfg.admission.try_admit()
-        } else {
-            None
-        };
+    fn admit(&mut self, sock: OwnedFd, who: Who) {
+        let max = self.cfg.admission.max();
+        let mut permit = self.cfg.admission.try_admit();
+        // At --max-connections a handshake makes room (its permit goes with
+        // it); a connection past its handshake never does.
+        while permit.is_none() && self.evict(Limit::Connections(max)) {
+            permit = self.cfg.admission.try_admit();
+        }
         let Some(permit) = permit else {
-            let (open, max) = (self.cfg.admission.open(), self.cfg.admission.max());
-            let pending = self.pending.len();
-            self.refused
-                .hit(|| format!("{open} of {max} connections, {pending} in handshake"));
+            let open = self.cfg.admission.open();
+            self.lines.refused.hit(Instant::now(), who.key, || {
+                format!(
+                    "refusing new NBD clients: --max-connections {max} reached, {open} \
+                     connections open and none in its handshake; {} closed",
+                    who.name
+                )
+            });
             return; // dropping the socket closes it
         };
         if rustix::io::ioctl_fionbio(&sock, true).is_err() {
@@ -297,6 +385,7 @@ impl<'a> AcceptLoop<'a> {
         }
         self.pending.push(Pending::new(
             sock,
+            who,
             Handshake::new(self.cfg.policy),
             Instant::now() + self.cfg.handshake_timeout,
             permit,
@@ -304,24 +393,37 @@ impl<'a> AcceptLoop<'a> {
         // Send the greeting now.
         let i = self.pending.len() - 1;
         self.service(i);
+        self.fit_memory();
+    }
+
+    /// Close handshakes until their memory is within [`HANDSHAKE_MEMORY`].
+    fn fit_memory(&mut self) {
+        while self.held > HANDSHAKE_MEMORY && self.evict(Limit::Memory) {}
     }
 
     /// Move handshake `i` on as far as its socket allows; hand it to a reactor
-    /// once negotiated, drop it on error or EOF.
+    /// once negotiated, drop it on error or EOF. Counts the memory it holds
+    /// (see [`AcceptLoop::fit_memory`]).
     fn service(&mut self, i: usize) {
         let fate = step(
             &mut self.pending[i],
             &mut self.scratch,
             self.daemon,
             self.cfg.tls.as_deref(),
+            &mut self.lines,
         );
         match fate {
-            Fate::Waiting => {}
+            Fate::Waiting => {
+                let p = &mut self.pending[i];
+                let now = p.held();
+                self.held = self.held - p.counted + now;
+                p.counted = now;
+            }
             Fate::Dropped => {
-                self.pending.swap_remove(i);
+                self.remove(i);
             }
             Fate::Negotiated => {
-                let p = self.pending.swap_remove(i);
+                let p = self.remove(i);
                 self.hand_over(p);
             }
         }
@@ -416,6 +518,16 @@ fn pick_reactor(reactors: &[Arc<ReactorHandle>]) -> Option<&Arc<ReactorHandle>> 
         let load = r.load.load(std::sync::atomic::Ordering::Relaxed);
         (!r.making_progress(), load)
     })
+}
+
+/// Whether bytes (or the end of the stream) wait to be read on `sock`.
+pub(super) fn has_input(sock: &OwnedFd) -> bool {
+    let mut fds = [PollFd::new(sock, PollFlags::IN)];
+    let zero = rustix::event::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    matches!(poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
 }
 
 /// A spare descriptor (see [`AcceptLoop::refuse_without_fds`]).

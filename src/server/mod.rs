@@ -20,6 +20,7 @@ pub mod listen;
 pub mod notify;
 mod pending;
 pub mod pidfile;
+mod quiet;
 
 use crate::daemon::control_socket::{self as control, ControlError};
 use crate::daemon::{Daemon, Endpoints};
@@ -28,7 +29,6 @@ use crate::frontend::nbd::handshake::{Policy, TlsMode};
 use crate::metrics::{self, MetricsError};
 use crate::reactor::{self, ReactorError, ReactorHandle};
 use crate::tls::{TlsContext, TlsError, TlsFiles};
-pub use accept::MAX_PENDING;
 use activation::{Activated, NbdSocket};
 pub use listen::{ListenError, default_socket_dir};
 use std::io::Write;
@@ -44,6 +44,9 @@ use thiserror::Error;
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 /// Default for `--handshake-timeout`.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Listen backlog of the NBD and metrics sockets loopd binds: as deep as the
+/// kernel allows (`listen(2)` caps it at `net.core.somaxconn`).
+const BACKLOG: i32 = i32::MAX;
 /// Default mode of the NBD Unix socket (owner only; see `--socket-mode`).
 pub const DEFAULT_SOCKET_MODE: u32 = 0o600;
 /// Mode of the control socket: owner only, always (`docs/control.md` says how
@@ -236,6 +239,7 @@ pub fn bind(opts: &ServeOptions, act: Activated) -> Result<Bound, ServerError> {
     let mut listeners = Vec::new();
     let mut tcp = Vec::new();
     let mut unix = None;
+    let activated_nbd = act.nbd.len();
     if !act.nbd.is_empty() {
         for s in act.nbd {
             match s {
@@ -303,11 +307,31 @@ pub fn bind(opts: &ServeOptions, act: Activated) -> Result<Bound, ServerError> {
         )),
         None => None,
     };
+    // A deep backlog for the metrics endpoint too (see BACKLOG).
+    match &metrics {
+        Some(metrics::http::Listener::Tcp(t)) => {
+            let _ = rustix::net::listen(t, BACKLOG);
+        }
+        Some(metrics::http::Listener::Unix(u)) => {
+            let _ = rustix::net::listen(u, BACKLOG);
+        }
+        None => {}
+    }
     for l in &listeners {
         let _ = match l {
             Listener::Unix(u) => u.set_nonblocking(true),
             Listener::Tcp(t) => t.set_nonblocking(true),
         };
+    }
+    if activated_nbd == 0 {
+        // The standard library listens with a backlog of 128: a burst of
+        // reconnects (a flood the accept loop is closing) would fill it and
+        // make the kernel drop a real client's SYN, which it then resends
+        // only after a second. Listen again with the kernel's maximum
+        // (`net.core.somaxconn`). Activated sockets keep the unit's Backlog=.
+        for l in &listeners {
+            let _ = rustix::net::listen(l.as_fd(), BACKLOG);
+        }
     }
     Ok(Bound {
         listeners,

@@ -6,11 +6,19 @@
 //! waiting. TLS records are read only while the handshake wants bytes, and the
 //! plaintext rustls decrypts past what the handshake takes stays in the session
 //! (handed to the reactor with it). Nothing here blocks.
+//!
+//! A pending handshake knows who its client is ([`Who`]: the peer named in log
+//! lines, and the key limits count it under), when it connected and when its
+//! last bytes arrived (what the accept loop weighs when it must close one), and
+//! roughly how much memory it holds. [`step`] writes the audit line of every
+//! refusal, naming the peer, through the accept loop's rate-limited [`Lines`].
 
+use super::quiet::Lines;
 use crate::daemon::Daemon;
 use crate::device::export::ClientRef;
-use crate::engine::admit::Permit;
-use crate::frontend::nbd::handshake::{Handshake, HandshakeError, Negotiated, Step};
+use crate::engine::admit::{PeerKey, Permit, Standing};
+use crate::frontend::nbd::handshake::{Handshake, HandshakeError, Negotiated, Notice, Step};
+use crate::frontend::nbd::proto::option_name;
 use crate::tls::TlsContext;
 use crate::tls::record::RecordBoundary;
 use rustls::ServerConnection;
@@ -18,9 +26,60 @@ use std::io::{ErrorKind, Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::Instant;
 
+/// What a TLS session holds while it is set up, roughly: rustls's buffers for
+/// a record each way and the handshake's state. Counted against the memory
+/// limit on handshakes (an estimate: rustls does not report it).
+const TLS_SESSION: usize = 40 << 10;
+
+/// Who a client is.
+#[derive(Debug, Clone)]
+pub(super) struct Who {
+    /// For log lines: `ADDR:PORT`, or `unix uid=U pid=P` (as the audit lines
+    /// of connected clients name them).
+    pub name: String,
+    /// What limits count it under.
+    pub key: PeerKey,
+}
+
+impl Who {
+    /// A TCP client.
+    pub fn tcp(addr: std::net::SocketAddr) -> Who {
+        Who {
+            name: addr.to_string(),
+            key: PeerKey::of_ip(addr.ip()),
+        }
+    }
+
+    /// A Unix-socket client, as `SO_PEERCRED` names it.
+    pub fn unix(sock: &OwnedFd) -> Who {
+        match rustix::net::sockopt::socket_peercred(sock) {
+            Ok(c) => Who {
+                name: format!(
+                    "unix uid={} pid={}",
+                    c.uid.as_raw(),
+                    c.pid.as_raw_nonzero().get()
+                ),
+                key: PeerKey::Uid(c.uid.as_raw()),
+            },
+            Err(_) => Who {
+                name: "unix peer (credentials unknown)".into(),
+                key: PeerKey::Unknown,
+            },
+        }
+    }
+}
+
 /// One client in its handshake.
 pub(super) struct Pending {
     pub sock: OwnedFd,
+    pub who: Who,
+    /// When it connected.
+    pub opened: Instant,
+    /// When its last bytes arrived (`None`: it has sent nothing).
+    pub heard: Option<Instant>,
+    /// Memory it held when last serviced ([`Pending::held`]), as the accept
+    /// loop's total counts it.
+    pub counted: usize,
     pub hs: Handshake,
     /// Bytes of `hs.out` already sent (plaintext only; with TLS, `hs.out`
     /// goes into the session whole).
@@ -49,9 +108,20 @@ pub(super) enum Fate {
 }
 
 impl Pending {
-    pub fn new(sock: OwnedFd, hs: Handshake, deadline: Instant, permit: Permit) -> Pending {
+    pub fn new(
+        sock: OwnedFd,
+        who: Who,
+        hs: Handshake,
+        deadline: Instant,
+        permit: Permit,
+    ) -> Pending {
+        let opened = Instant::now();
         Pending {
             sock,
+            who,
+            opened,
+            heard: None,
+            counted: 0,
             hs,
             sent: 0,
             done: None,
@@ -62,6 +132,21 @@ impl Pending {
             tls_up: false,
             boundary: RecordBoundary::new(),
         }
+    }
+
+    /// What the choice of whom to close knows of it.
+    pub fn standing(&self) -> Standing {
+        Standing {
+            peer: self.who.key,
+            opened: self.opened,
+            heard: self.heard,
+        }
+    }
+
+    /// Memory it holds: the handshake's buffers and its TLS session (an
+    /// estimate), not counting the socket's own kernel buffers.
+    pub fn held(&self) -> usize {
+        self.hs.held() + if self.tls.is_some() { TLS_SESSION } else { 0 }
     }
 
     /// Whether the socket must become writable before this moves on.
@@ -79,6 +164,8 @@ enum Io {
     WouldBlock,
     Eof,
     Failed(String),
+    /// The TLS handshake failed (no or a bad client certificate, …).
+    TlsFailed(rustls::Error),
 }
 
 /// A `Write` view of the non-blocking socket, for rustls.
@@ -157,7 +244,10 @@ fn read(p: &mut Pending, buf: &mut [u8]) -> Io {
     let Some(t) = p.tls.as_mut() else {
         return match rustix::io::read(&p.sock, buf) {
             Ok(0) => Io::Eof,
-            Ok(n) => Io::Done(n),
+            Ok(n) => {
+                p.heard = Some(Instant::now());
+                Io::Done(n)
+            }
             Err(rustix::io::Errno::AGAIN) => Io::WouldBlock,
             Err(rustix::io::Errno::INTR) => Io::Done(0),
             Err(e) => Io::Failed(e.to_string()),
@@ -178,7 +268,7 @@ fn read(p: &mut Pending, buf: &mut [u8]) -> Io {
         };
         match t.read_tls(&mut r) {
             Ok(0) => return Io::Eof,
-            Ok(_) => {}
+            Ok(_) => p.heard = Some(Instant::now()),
             Err(e) if e.kind() == ErrorKind::WouldBlock => return Io::WouldBlock,
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
             Err(e) => return Io::Failed(e.to_string()),
@@ -187,7 +277,7 @@ fn read(p: &mut Pending, buf: &mut [u8]) -> Io {
         if let Err(e) = t.process_new_packets() {
             // Tell the client why (an alert), if the socket takes it now.
             let _ = t.write_tls(&mut SockW(&p.sock));
-            return Io::Failed(format!("TLS: {e}"));
+            return Io::TlsFailed(e);
         }
         if t.wants_write() || (was_handshaking && !t.is_handshaking()) {
             // The session is up (the handshake learns who the client is before
@@ -199,12 +289,14 @@ fn read(p: &mut Pending, buf: &mut [u8]) -> Io {
 }
 
 /// Service one pending handshake: send what waits, read what the handshake
-/// wants, repeat until the socket would block.
+/// wants, repeat until the socket would block. Refusals and listings are
+/// recorded in `lines`, naming the client.
 pub(super) fn step(
     p: &mut Pending,
     scratch: &mut [u8],
     daemon: &Daemon,
     tls: Option<&TlsContext>,
+    lines: &mut Lines,
 ) -> Fate {
     loop {
         match flush(p) {
@@ -213,6 +305,10 @@ pub(super) fn step(
             Io::Eof => return Fate::Dropped,
             Io::Failed(e) => {
                 tracing::debug!("handshake: send failed: {e}");
+                return Fate::Dropped;
+            }
+            Io::TlsFailed(e) => {
+                tracing::debug!("handshake: TLS send failed: {e}");
                 return Fate::Dropped;
             }
         }
@@ -258,11 +354,23 @@ pub(super) fn step(
                 return Fate::Dropped;
             }
             Io::Failed(e) => {
-                tracing::info!("handshake failed: {e}");
+                tracing::debug!("handshake: receive failed: {e}");
+                return Fate::Dropped;
+            }
+            Io::TlsFailed(e) => {
+                let why = crate::escape::clip(e.to_string().as_bytes(), 160);
+                lines.tls.hit(Instant::now(), p.who.key, || {
+                    format!(
+                        "NBD client {} refused: TLS handshake failed: {why}",
+                        p.who.name
+                    )
+                });
                 return Fate::Dropped;
             }
         };
-        match p.hs.feed(&scratch[..n], daemon) {
+        let fed = p.hs.feed(&scratch[..n], daemon);
+        record(p, lines);
+        match fed {
             Ok(Step::More) => {}
             Ok(Step::StartTls) => p.start_tls = true,
             Ok(Step::Done(Some(neg))) => p.done = Some(neg),
@@ -272,9 +380,62 @@ pub(super) fn step(
                 return Fate::Dropped;
             }
             Err(e) => {
-                tracing::info!("handshake failed: {e}");
+                refused(p, &e, lines);
                 return Fate::Dropped;
             }
         }
+    }
+}
+
+/// Write the audit lines of what the handshake noticed.
+fn record(p: &mut Pending, lines: &mut Lines) {
+    let now = Instant::now();
+    let who = &p.who;
+    for n in p.hs.notices.drain(..) {
+        match n {
+            Notice::TlsRequired { option } => lines.tls.hit(now, who.key, || {
+                format!(
+                    "NBD client {} refused: TLS is required and it sent {} in the clear",
+                    who.name,
+                    option_name(option)
+                )
+            }),
+            Notice::Listed(n) => lines.listed.hit(now, who.key, || {
+                format!("NBD client {} listed the exports ({n} shown)", who.name)
+            }),
+            Notice::ListRefused => lines.listed.hit(now, who.key, || {
+                format!(
+                    "NBD client {} refused: listing exports is turned off (--no-list)",
+                    who.name
+                )
+            }),
+            Notice::UnknownExport { option, name } => lines.unknown.hit(now, who.key, || {
+                format!(
+                    "NBD client {} refused: no export {name} it may use ({})",
+                    who.name,
+                    option_name(option)
+                )
+            }),
+        }
+    }
+}
+
+/// Write the audit line of a handshake that ends in an error.
+fn refused(p: &Pending, e: &HandshakeError, lines: &mut Lines) {
+    let now = Instant::now();
+    let who = &p.who;
+    let line = || format!("NBD client {} refused: {e}", who.name);
+    match e {
+        HandshakeError::UnknownExport(_) => lines.unknown.hit(now, who.key, line),
+        HandshakeError::TlsRequired => lines.tls.hit(now, who.key, line),
+        HandshakeError::Io(_) | HandshakeError::Truncated => {
+            tracing::debug!("handshake with {} failed: {e}", who.name);
+        }
+        HandshakeError::ClientFlags(_)
+        | HandshakeError::Wire(_)
+        | HandshakeError::TooManyOptions(_)
+        | HandshakeError::ExportNameExtended
+        | HandshakeError::TlsNotStarted
+        | HandshakeError::NoTls => lines.protocol.hit(now, who.key, line),
     }
 }

@@ -9,6 +9,7 @@
 
 #![allow(dead_code)]
 
+pub mod flood;
 pub mod gpt;
 #[cfg(feature = "vm-tests")]
 pub mod kernel;

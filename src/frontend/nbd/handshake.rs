@@ -13,6 +13,12 @@
 //! `EXPORT_NAME` selects it: [`Exports::join`] hands back the registration
 //! (`Exports::Client`), which travels with the connection.
 //!
+//! What the server must record about a client (an option refused because TLS
+//! is required, an export list given or refused, an export asked for that the
+//! client may not see) is left in [`Handshake::notices`] for the driver, which
+//! knows who the client is; names in notices and errors are already cut and
+//! escaped for a log line ([`crate::escape::untrusted`]).
+//!
 //! TLS: no cryptography happens here. With [`Policy::tls`] on, `STARTTLS` is
 //! acknowledged and [`Handshake::feed`] returns [`Step::StartTls`]; the driver
 //! sends [`Handshake::out`], runs the TLS handshake on the socket, and calls
@@ -58,7 +64,8 @@ pub enum HandshakeError {
     ClientFlags(u32),
     #[error("bad option from client: {0}")]
     Wire(#[from] WireError),
-    #[error("client asked for unknown export {0:?} with NBD_OPT_EXPORT_NAME")]
+    /// The name as a log line may show it ([`crate::escape::untrusted`]).
+    #[error("client asked for unknown export {0} with NBD_OPT_EXPORT_NAME")]
     UnknownExport(String),
     #[error("client sent more than {0} options")]
     TooManyOptions(usize),
@@ -88,6 +95,21 @@ pub struct Negotiated<C> {
     pub tls: bool,
     /// What the client's certificate proved (empty without one).
     pub identities: Vec<String>,
+}
+
+/// Something a client did during its handshake that the server records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Notice {
+    /// An option refused with `NBD_REP_ERR_TLS_REQD` (the first one of the
+    /// connection only).
+    TlsRequired { option: u32 },
+    /// `NBD_OPT_LIST` answered with this many names.
+    Listed(usize),
+    /// `NBD_OPT_LIST` refused (`--no-list`).
+    ListRefused,
+    /// `GO` or `INFO` asked for an export that does not exist or that the
+    /// client may not see; the name cut and escaped for a log line.
+    UnknownExport { option: u32, name: String },
 }
 
 /// Whether the server offers TLS (`NBD_OPT_STARTTLS`).
@@ -216,6 +238,11 @@ pub struct Handshake {
     tls: Tls,
     identities: Vec<String>,
     options: usize,
+    /// What the server should record; the driver drains it after each
+    /// [`Handshake::feed`] (at most one per option).
+    pub notices: Vec<Notice>,
+    /// A TLS refusal was noticed already.
+    tls_noticed: bool,
 }
 
 impl Handshake {
@@ -235,7 +262,15 @@ impl Handshake {
             tls: Tls::None,
             identities: Vec::new(),
             options: 0,
+            notices: Vec::new(),
+            tls_noticed: false,
         }
+    }
+
+    /// Bytes of buffers this handshake holds (for the server's memory limit
+    /// on handshakes).
+    pub fn held(&self) -> usize {
+        self.buf.capacity() + self.out.capacity()
     }
 
     /// The TLS handshake the driver ran after [`Step::StartTls`] succeeded;
@@ -365,6 +400,10 @@ impl Handshake {
             if option == OPT_EXPORT_NAME {
                 return Err(HandshakeError::TlsRequired);
             }
+            if !self.tls_noticed {
+                self.tls_noticed = true;
+                self.notices.push(Notice::TlsRequired { option });
+            }
             self.reply(option, REP_ERR_TLS_REQD, b"this server requires TLS");
             return Ok(Step::More);
         }
@@ -377,7 +416,9 @@ impl Handshake {
                     .map_err(|_| WireError::Malformed("export name is not UTF-8"))?;
                 // This option has no error reply: an unknown export closes.
                 let Some((dev, client)) = exports.join(name, &self.identities) else {
-                    return Err(HandshakeError::UnknownExport(name.to_owned()));
+                    return Err(HandshakeError::UnknownExport(crate::escape::untrusted(
+                        name,
+                    )));
                 };
                 let flags = transmission_flags(&dev, self.haggled.structured);
                 self.out.extend_from_slice(&dev.size.to_be_bytes());
@@ -395,9 +436,12 @@ impl Handshake {
                 if !data.is_empty() {
                     self.reply(option, REP_ERR_INVALID, b"LIST takes no data");
                 } else if !self.policy.list {
+                    self.notices.push(Notice::ListRefused);
                     self.reply(option, REP_ERR_POLICY, b"listing exports is turned off");
                 } else {
-                    for name in exports.names(&self.identities) {
+                    let names = exports.names(&self.identities);
+                    self.notices.push(Notice::Listed(names.len()));
+                    for name in names {
                         self.reply(option, REP_SERVER, &wire::rep_server(&name));
                     }
                     self.reply(option, REP_ACK, &[]);
@@ -522,6 +566,10 @@ impl Handshake {
     }
 
     fn unknown<C>(&mut self, option: u32, name: &str) -> Result<Step<C>, HandshakeError> {
+        self.notices.push(Notice::UnknownExport {
+            option,
+            name: crate::escape::untrusted(name),
+        });
         let msg = format!("no export named {name:?}");
         self.reply(option, REP_ERR_UNKNOWN, msg.as_bytes());
         Ok(Step::More)

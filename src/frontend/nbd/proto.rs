@@ -117,3 +117,20 @@ pub const EXTENDED_REPLY_LEN: usize = 32;
 pub const SIMPLE_REPLY_LEN: usize = 16;
 /// Size of a structured reply chunk header.
 pub const CHUNK_HEADER_LEN: usize = 20;
+
+/// An option's name for a log line.
+pub fn option_name(option: u32) -> &'static str {
+    match option {
+        OPT_EXPORT_NAME => "NBD_OPT_EXPORT_NAME",
+        OPT_ABORT => "NBD_OPT_ABORT",
+        OPT_LIST => "NBD_OPT_LIST",
+        OPT_STARTTLS => "NBD_OPT_STARTTLS",
+        OPT_INFO => "NBD_OPT_INFO",
+        OPT_GO => "NBD_OPT_GO",
+        OPT_STRUCTURED_REPLY => "NBD_OPT_STRUCTURED_REPLY",
+        OPT_LIST_META_CONTEXT => "NBD_OPT_LIST_META_CONTEXT",
+        OPT_SET_META_CONTEXT => "NBD_OPT_SET_META_CONTEXT",
+        OPT_EXTENDED_HEADERS => "NBD_OPT_EXTENDED_HEADERS",
+        _ => "an unknown option",
+    }
+}

@@ -504,10 +504,29 @@ fn export_name_for_unknown_export_is_an_error() {
     c.option(OPT_EXPORT_NAME, b"nope");
     let (r, _) = c.finish();
     assert!(
-        matches!(r, Err(HandshakeError::UnknownExport(ref n)) if n == "nope"),
+        matches!(r, Err(HandshakeError::UnknownExport(ref n)) if n == "\"nope\""),
         "{:?}",
         r.err()
     );
+}
+
+/// Issue 22, point 8: a failed `NBD_OPT_EXPORT_NAME` with a long name that
+/// forges a line says a bounded, escaped amount (not 328 KB per connection).
+#[test]
+fn an_unknown_export_error_shows_a_cut_escaped_name() {
+    let ex = exports();
+    let mut c = Client::fixed(&ex);
+    let mut name = b"x\naudit: detach \"prod\" by uid=0: ok\n".to_vec();
+    name.resize(60_000, b'a');
+    c.option(OPT_EXPORT_NAME, &name);
+    let (r, _) = c.finish();
+    let Err(e @ HandshakeError::UnknownExport(_)) = r else {
+        panic!("{:?}", r.err());
+    };
+    let line = e.to_string();
+    assert!(line.len() < 300, "{} bytes: {line}", line.len());
+    assert!(!line.contains('\n'), "{line}");
+    assert!(line.contains("(60000 bytes)"), "{line}");
 }
 
 // ---------------------------------------------------------------------------

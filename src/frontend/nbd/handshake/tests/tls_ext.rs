@@ -365,3 +365,48 @@ fn without_extended_headers_go_negotiates_compact_headers() {
     let n = go(&mut h, &*ex, "");
     assert!(n.structured && !n.extended);
 }
+
+/// Issue 22, point 7: LIST (given or refused), an export the client may not
+/// see and an option refused for want of TLS are left as notices for the
+/// server to record: one per option, and one TLS refusal per connection.
+#[test]
+fn refusals_and_listings_leave_notices() {
+    let ex = Gated(exports());
+    let go = |name: &[u8]| {
+        let mut d = u32::try_from(name.len()).unwrap().to_be_bytes().to_vec();
+        d.extend_from_slice(name);
+        d.extend_from_slice(&0u16.to_be_bytes());
+        opt(OPT_GO, &d)
+    };
+    let mut h = started(TlsMode::Off);
+    let mut input = opt(OPT_LIST, &[]);
+    input.extend(go(b"second"));
+    assert!(matches!(drive(&mut h, &ex, &input), Ok(Step::More)));
+    assert_eq!(
+        h.notices,
+        vec![
+            Notice::Listed(1),
+            Notice::UnknownExport {
+                option: OPT_GO,
+                name: "\"second\"".into()
+            }
+        ]
+    );
+
+    let mut h = started(TlsMode::Require);
+    let mut input = opt(OPT_LIST, &[]);
+    input.extend(opt(OPT_STRUCTURED_REPLY, &[]));
+    assert!(matches!(drive(&mut h, &ex, &input), Ok(Step::More)));
+    assert_eq!(h.notices, vec![Notice::TlsRequired { option: OPT_LIST }]);
+
+    let mut h = Handshake::new(Policy {
+        list: false,
+        tls: TlsMode::Off,
+    });
+    let mut input = (CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES)
+        .to_be_bytes()
+        .to_vec();
+    input.extend(opt(OPT_LIST, &[]));
+    assert!(matches!(drive(&mut h, &ex, &input), Ok(Step::More)));
+    assert_eq!(h.notices, vec![Notice::ListRefused]);
+}
