@@ -6,6 +6,7 @@ pub mod kernel;
 pub mod log;
 pub mod reload;
 pub mod serve;
+pub mod syslog;
 
 use anyhow::Result;
 use clap::ValueEnum;
