@@ -498,7 +498,10 @@ pub fn run(
         let (dev, _) = e.current();
         if !dev.read_only {
             if let Err(err) = rustix::fs::fdatasync(&dev.file) {
-                tracing::error!("flushing {} failed: {err}", dev.path.display());
+                tracing::error!(
+                    "flushing {} failed: {err}",
+                    crate::text::quoted_path(&dev.path)
+                );
             }
         }
         tracing::info!("device {:?}: {}", e.name, e.stats.summary());

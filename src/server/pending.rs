@@ -258,7 +258,15 @@ pub(super) fn step(
                 return Fate::Dropped;
             }
             Io::Failed(e) => {
-                tracing::info!("handshake failed: {e}");
+                match e.strip_prefix("TLS: ") {
+                    // A certificate refused (missing, of another CA, revoked…):
+                    // name the client.
+                    Some(why) => tracing::info!(
+                        "NBD client {} refused: TLS handshake failed: {why}",
+                        crate::frontend::nbd::conn::describe_peer(&p.sock)
+                    ),
+                    None => tracing::info!("handshake failed: {e}"),
+                }
                 return Fate::Dropped;
             }
         };
