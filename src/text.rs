@@ -97,12 +97,8 @@ fn clean(s: &str, backslash: bool) -> bool {
     {
         return true;
     }
-    let mut first = false;
-    s.chars().all(|c| {
-        let ok = !(c == '\\' && backslash) && !must_escape(c, first);
-        first = false;
-        ok
-    })
+    !s.chars()
+        .any(|c| (backslash && c == '\\') || must_escape(c, false))
 }
 
 /// `s` with every character of the module doc escaped, without quotes: for

@@ -52,8 +52,9 @@ pub struct ServeArgs {
     tls: Option<TlsArg>,
     /// Directory of the server's certificates, in the layout of nbdkit and QEMU:
     /// ca-cert.pem (the CA clients' certificates must chain to, with
-    /// --tls-verify-peer), server-cert.pem, server-key.pem. Re-read on SIGHUP
-    /// and `loopd reload-tls`.
+    /// --tls-verify-peer), server-cert.pem, server-key.pem, and optionally
+    /// ca-crl.pem (revoked client certificates, with --tls-verify-peer). Re-read
+    /// on SIGHUP and `loopd reload-tls`.
     #[arg(long, value_name = "DIR")]
     tls_certs: Option<PathBuf>,
     /// Require a client certificate that chains to ca-cert.pem; its identities
