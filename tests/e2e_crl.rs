@@ -76,12 +76,10 @@ fn revoked_client_certificates_are_refused_and_reload_picks_up_new_revocations()
     let img = dir.path().join("c.img");
     create_pattern_image(&img, MIB, 3);
     let mut srv = verifying_server(&img, &certs);
-    assert!(
+    wait_for("the CRL reported at start", || {
         srv.stderr_text()
-            .contains("1 revoked certificate(s) of CN=loopd test CA pki,O=loopd tests"),
-        "the CRL is not reported at start:\n{}",
-        srv.stderr_text()
-    );
+            .contains("1 revoked certificate(s) of CN=loopd test CA pki,O=loopd tests")
+    });
 
     let a = nbdinfo(&tls_uri(&srv, &alice));
     assert!(a.success(), "an unrevoked client was refused:\n{a}");
@@ -113,12 +111,10 @@ fn revoked_client_certificates_are_refused_and_reload_picks_up_new_revocations()
     let c = nbdinfo(&tls_uri(&srv, &carol));
     assert!(!c.success(), "carol was served after her revocation:\n{c}");
     wait_for("carol's refusal", || revoked_refusals(&srv) == 3);
-    assert!(
+    wait_for("the reloaded CRL reported", || {
         srv.stderr_text()
-            .contains("2 revoked certificate(s) of CN=loopd test CA pki"),
-        "{}",
-        srv.stderr_text()
-    );
+            .contains("2 revoked certificate(s) of CN=loopd test CA pki")
+    });
     let a = nbdinfo(&tls_uri(&srv, &alice));
     assert!(a.success(), "alice was refused after the reload:\n{a}");
 
@@ -214,12 +210,11 @@ fn an_expired_crl_still_revokes_and_is_warned_about() {
     let img = dir.path().join("e.img");
     create_sparse_image(&img, MIB);
     let srv = verifying_server(&img, &certs);
-    let log = srv.stderr_text();
-    assert!(
-        log.lines()
-            .any(|l| l.contains("WARN") && l.contains("expired on") && l.contains("ca-crl.pem")),
-        "no warning for an expired CRL:\n{log}"
-    );
+    wait_for("a warning for an expired CRL", || {
+        srv.stderr_text()
+            .lines()
+            .any(|l| l.contains("WARN") && l.contains("expired on") && l.contains("ca-crl.pem"))
+    });
     assert!(!nbdinfo(&tls_uri(&srv, &bob)).success(), "bob was served");
     assert!(
         nbdinfo(&tls_uri(&srv, &alice)).success(),
@@ -240,13 +235,13 @@ fn a_crl_without_verify_peer_is_warned_about() {
         .with_control()
         .args(["--tls", "require", "--tls-certs", path_str(&certs)])
         .start();
-    let log = srv.stderr_text();
-    assert!(
-        log.lines().any(|l| l.contains("WARN")
-            && l.contains("ca-crl.pem is not read")
-            && l.contains("--tls-verify-peer")),
-        "{log}"
-    );
+    wait_for("the warning that ca-crl.pem is not read", || {
+        srv.stderr_text().lines().any(|l| {
+            l.contains("WARN")
+                && l.contains("ca-crl.pem is not read")
+                && l.contains("--tls-verify-peer")
+        })
+    });
 }
 
 /// nbdkit (GnuTLS) serving `certs` with `--tls-verify-peer`: whether each

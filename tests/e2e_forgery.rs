@@ -21,6 +21,18 @@ fn raw_controls(s: &str) -> Vec<char> {
         .collect()
 }
 
+/// Waits (10 s at most) for the daemon's log to catch up.
+fn wait_for(mut cond: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !cond() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the log line never came"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn an_image_path_cannot_forge_an_audit_line() {
     let dir = tempdir();
@@ -33,6 +45,7 @@ fn an_image_path_cannot_forge_an_audit_line() {
     assert_eq!(report.len(), 1, "{out}");
     assert!(raw_controls(&out.stderr).is_empty(), "{out}");
 
+    wait_for(|| d.stderr_text().contains("pid=4242"));
     let log = d.stderr_text();
     let mentions: Vec<&str> = log.lines().filter(|l| l.contains("pid=4242")).collect();
     assert_eq!(
@@ -135,5 +148,6 @@ fn hostile_device_names_give_one_clean_row_each() {
     let st = d.ctl_ok(&["status", &names[3], "--json"]);
     assert_eq!(Json::parse(&st.stdout).at("name").str(), names[3]);
     // And the daemon's own log of these attaches is clean.
+    wait_for(|| d.stderr_text().matches("audit: attach").count() == names.len());
     assert!(raw_controls(&d.stderr_text()).is_empty());
 }

@@ -70,9 +70,7 @@ pub fn init() {
         .with_env_filter(filter)
         .with_ansi(ansi)
         .fmt_fields(EscapedFields)
-        .event_format(LoopdFormat {
-            full: tracing_subscriber::fmt::format().with_target(false),
-        })
+        .event_format(LoopdFormat::new(None))
         .init();
 }
 
@@ -226,6 +224,17 @@ impl<'writer> FormatFields<'writer> for EscapedFields {
 /// The line format for the sink in use (see the module doc).
 struct LoopdFormat {
     full: Format<Full, SystemTime>,
+    /// A fixed shape instead of the sink's (tests).
+    forced: Option<Shape>,
+}
+
+impl LoopdFormat {
+    fn new(forced: Option<Shape>) -> LoopdFormat {
+        LoopdFormat {
+            full: tracing_subscriber::fmt::format().with_target(false),
+            forced,
+        }
+    }
 }
 
 /// What the sink needs of a line.
@@ -248,11 +257,13 @@ where
         mut w: Writer<'_>,
         event: &Event<'_>,
     ) -> std::fmt::Result {
-        let shape = with_sink(|t| match t {
-            Target::Stderr { journal: true, .. } => Shape::Journal,
-            Target::Stderr { .. } => Shape::Full,
-            Target::File { .. } => Shape::FullPlain,
-            Target::Syslog(_) => Shape::Bare,
+        let shape = self.forced.unwrap_or_else(|| {
+            with_sink(|t| match t {
+                Target::Stderr { journal: true, .. } => Shape::Journal,
+                Target::Stderr { .. } => Shape::Full,
+                Target::File { .. } => Shape::FullPlain,
+                Target::Syslog(_) => Shape::Bare,
+            })
         });
         match shape {
             Shape::Full => self.full.format_event(ctx, w, event),
@@ -320,6 +331,29 @@ mod tests {
     }
 
     #[test]
+    fn syslog_lines_are_the_message_alone_and_files_have_no_colours() {
+        for (shape, ansi) in [(Shape::Bare, false), (Shape::FullPlain, true)] {
+            let buf = Buf::default();
+            let w = buf.clone();
+            let sub = tracing_subscriber::fmt()
+                .with_writer(move || w.clone())
+                .with_ansi(ansi)
+                .fmt_fields(EscapedFields)
+                .event_format(LoopdFormat::new(Some(shape)))
+                .finish();
+            tracing::subscriber::with_default(sub, || tracing::warn!("slow\ndisk"));
+            let text = buf.text();
+            match shape {
+                Shape::Bare => assert_eq!(text, "slow\\ndisk\n"),
+                _ => assert!(
+                    text.contains(" WARN slow\\ndisk") && !text.contains('\u{1b}'),
+                    "{text:?}"
+                ),
+            }
+        }
+    }
+
+    #[test]
     fn journal_stream_must_match_both_numbers() {
         assert!(matches_stream("8:12345", 8, 12345));
         assert!(matches_stream("8:12345\n", 8, 12345));
@@ -352,27 +386,6 @@ mod tests {
         }
     }
 
-    /// The journal's shape, through the field escaping (the sink itself is
-    /// the process's; these format into a buffer).
-    struct JournalOnly;
-
-    impl<S, N> FormatEvent<S, N> for JournalOnly
-    where
-        S: Subscriber + for<'a> LookupSpan<'a>,
-        N: for<'a> FormatFields<'a> + 'static,
-    {
-        fn format_event(
-            &self,
-            ctx: &FmtContext<'_, S, N>,
-            mut w: Writer<'_>,
-            event: &Event<'_>,
-        ) -> std::fmt::Result {
-            w.write_str(priority(*event.metadata().level()))?;
-            ctx.field_format().format_fields(w.by_ref(), event)?;
-            writeln!(w)
-        }
-    }
-
     #[test]
     fn journal_lines_are_prefixed_without_timestamps() {
         let buf = Buf::default();
@@ -382,7 +395,7 @@ mod tests {
             .with_max_level(Level::DEBUG)
             .with_ansi(false)
             .fmt_fields(EscapedFields)
-            .event_format(JournalOnly)
+            .event_format(LoopdFormat::new(Some(Shape::Journal)))
             .finish();
         tracing::subscriber::with_default(sub, || {
             tracing::error!("disk gone");
@@ -404,7 +417,7 @@ mod tests {
             .with_writer(move || w.clone())
             .with_ansi(false)
             .fmt_fields(EscapedFields)
-            .event_format(JournalOnly)
+            .event_format(LoopdFormat::new(Some(Shape::Journal)))
             .finish();
         let path = "/srv/x\naudit: detach \"prod\" by uid=1000 pid=4242: ok\r\u{1b}[2J\u{202e}";
         tracing::subscriber::with_default(sub, || {
