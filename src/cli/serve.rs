@@ -27,7 +27,9 @@ pub struct ServeArgs {
     dev: DeviceArgs,
     /// NBD Unix socket to listen on [default: /run/loopd/loopd.sock for root,
     /// else $XDG_RUNTIME_DIR/loopd/loopd.sock; none when systemd passes NBD
-    /// sockets (LISTEN_FDS, FileDescriptorName=nbd)].
+    /// sockets (LISTEN_FDS, FileDescriptorName=nbd)]. Only a stale socket there
+    /// is replaced; any other file is refused and left as it is (so are
+    /// --control's and --metrics').
     #[arg(long, value_name = "PATH")]
     socket: Option<PathBuf>,
     /// Mode of the NBD Unix socket, in octal. Connecting needs write permission:
@@ -104,8 +106,10 @@ pub struct ServeArgs {
     /// the control socket's file stem].
     #[arg(long, value_name = "FILE")]
     state: Option<PathBuf>,
-    /// Write the daemon's pid to FILE once it serves; removed at exit. A pid file
-    /// a running loopd holds is refused.
+    /// Write the daemon's pid to FILE once it serves; removed at exit (unless
+    /// FILE was replaced meanwhile). Only a stale pid file (one pid and a
+    /// newline, of a process that is gone) is replaced; one a running loopd
+    /// holds, one of a running process, and any other file are refused.
     #[arg(long, value_name = "FILE")]
     pid_file: Option<PathBuf>,
     /// Run in the background (for scripts without systemd): return once the
