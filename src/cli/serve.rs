@@ -234,8 +234,12 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     if let Some(p) = &a.pid_file {
         pidfile::check(p)?;
     }
-    if a.fork || a.log_file.is_some() {
+    if a.fork {
         absolute_paths(&mut a)?;
+    } else if let Some(f) = a.log_file.as_mut() {
+        // SIGHUP opens it again by this path.
+        *f = std::path::absolute(&*f)
+            .with_context(|| format!("cannot make {} absolute", f.display()))?;
     }
     let late = setup_logs(&a, &act)?;
     let ready_pipe = Rc::new(RefCell::new(None::<ReadyPipe>));
