@@ -3,7 +3,8 @@
 //! Data flows down, and no module imports one above it:
 //! [`daemon`] / [`server`] → [`reactor`] → [`frontend`] (NBD) → [`ring`] →
 //! [`engine`] → [`device`] → [`backing`] file, all speaking [`block`]'s
-//! vocabulary. `docs/ARCHITECTURE.md` draws the layers and their rules.
+//! vocabulary; [`text`] escapes untrusted strings for logs and terminals, for
+//! every layer. `docs/ARCHITECTURE.md` draws the layers and their rules.
 
 pub mod backing;
 pub mod block;
@@ -12,7 +13,6 @@ pub mod control;
 pub mod daemon;
 pub mod device;
 pub mod engine;
-pub mod escape;
 pub mod frontend;
 pub mod kernel_loop;
 pub mod kernel_nbd;
@@ -21,4 +21,5 @@ pub mod reactor;
 pub mod ring;
 pub mod server;
 pub mod size;
+pub mod text;
 pub mod tls;

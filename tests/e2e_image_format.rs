@@ -40,11 +40,11 @@ fn serve_refuses_a_qcow2_image_and_says_how_to_convert_it() {
     assert!(!out.success(), "a qcow2 image was served:\n{out}");
     let raw = dir.path().join("vm.raw");
     let want = format!(
-        "{} is a qcow2 image; loopd serves raw images only: convert it with 'qemu-img \
-         convert -f qcow2 -O raw {} {}', or pass --format raw to serve its bytes as they are",
-        img.display(),
-        img.display(),
-        raw.display()
+        "{:?} is a qcow2 image; loopd serves raw images only: convert it with 'qemu-img \
+         convert -f qcow2 -O raw {:?} {:?}', or pass --format raw to serve its bytes as they are",
+        img.display().to_string(),
+        img.display().to_string(),
+        raw.display().to_string()
     );
     assert!(out.stderr.contains(&want), "expected {want:?}:\n{out}");
 }

@@ -116,3 +116,18 @@ fn tls_imports_nothing_of_loopd() {
         bad.join("\n")
     );
 }
+
+#[test]
+fn text_imports_nothing_of_loopd() {
+    let f = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/text.rs");
+    let text = std::fs::read_to_string(&f).expect("read src/text.rs");
+    let bad: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("crate::") || l.contains("super::super"))
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "src/text.rs imports loopd:\n{}",
+        bad.join("\n")
+    );
+}

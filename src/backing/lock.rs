@@ -36,6 +36,7 @@
 //! be dropped, because a connection's last reference to a detached device goes
 //! a moment after `detach` has answered.
 
+use crate::text::quoted_path;
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
@@ -139,17 +140,17 @@ fn describe(c: Conflict, who: &str) -> String {
 
 #[derive(Debug, Error)]
 pub enum LockError {
-    #[error("{path} is in use: {why}; pass --shared to serve it anyway")]
+    #[error("{} is in use: {why}; pass --shared to serve it anyway", quoted_path(.path))]
     InUse { path: PathBuf, why: String },
-    #[error("cannot open {path} to lock it")]
+    #[error("cannot open {} to lock it", quoted_path(.path))]
     Open {
         path: PathBuf,
         #[source]
         source: io::Error,
     },
-    #[error("{path} changed while it was being opened")]
+    #[error("{} changed while it was being opened", quoted_path(.path))]
     Replaced { path: PathBuf },
-    #[error("cannot lock {path} (byte {byte})")]
+    #[error("cannot lock {} (byte {byte})", quoted_path(.path))]
     Fcntl {
         path: PathBuf,
         byte: i64,

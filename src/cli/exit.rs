@@ -144,12 +144,14 @@ pub fn json_error(code: &str, message: &str) -> String {
 pub fn report(e: &anyhow::Error, json: bool) -> u8 {
     let code = classify(e);
     let message = format!("{e:#}");
-    // A daemon error's message already ends with its code.
+    // A daemon error's message already ends with its code. On the terminal it
+    // is one line with nothing raw in it (it may quote a client's path).
     let daemon = e.chain().find_map(|c| c.downcast_ref::<DaemonError>());
+    let shown = loopd::text::sanitize_line(&message);
     if daemon.is_some() {
-        eprintln!("loopd: error: {message}");
+        eprintln!("loopd: error: {shown}");
     } else {
-        eprintln!("loopd: error: {message} ({code})");
+        eprintln!("loopd: error: {shown} ({code})");
     }
     if json {
         let body = daemon.map(|d| d.0.message.clone()).unwrap_or(message);

@@ -121,7 +121,7 @@ pub fn run(cmd: KernelCmd) -> Result<()> {
             if r.write_protected {
                 eprintln!(
                     "loopd: note: {} is write-protected: {} is read-only",
-                    p.image.display(),
+                    loopd::text::quoted_path(&p.image),
                     r.device.display()
                 );
             }
@@ -163,7 +163,7 @@ pub fn run(cmd: KernelCmd) -> Result<()> {
                     u8::from(e.direct_io),
                     u8::from(e.read_only),
                     u8::from(e.autoclear),
-                    e.backing_file
+                    super::esc(&e.backing_file)
                 );
             }
             Ok(())
@@ -186,7 +186,11 @@ fn detach(d: KernelDetach) -> Result<()> {
             Ok(()) => done.push(dev),
             // The first failure is the command's error; later ones are told here.
             Err(e) if first_err.is_none() => first_err = Some(e),
-            Err(e) => eprintln!("loopd: {}: {e}", dev.display()),
+            Err(e) => eprintln!(
+                "loopd: {}: {}",
+                loopd::text::quoted_path(&dev),
+                loopd::text::sanitize_line(&e.to_string())
+            ),
         }
     }
     if d.json {

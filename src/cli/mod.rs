@@ -1,4 +1,11 @@
 //! Argument types shared by subcommands, and output formatting (tables, JSON).
+//!
+//! Human output never prints a string from the daemon (device names, image
+//! paths, block devices, messages) as it is: [`s`] and [`esc`] escape it with
+//! [`loopd::text::escape`] (controls, line breaks, bidi and invisible
+//! characters as `\n`, `\u{202e}`…, a backslash as `\\`), so a name cannot
+//! forge a table row or reach the terminal as a control sequence. JSON output
+//! (`--json`) is serde's, byte for byte what the daemon sent.
 
 pub mod exit;
 pub mod generate;
@@ -6,6 +13,7 @@ pub mod kernel;
 pub mod log;
 pub mod reload;
 pub mod serve;
+pub mod syslog;
 
 use anyhow::Result;
 use clap::ValueEnum;
@@ -194,12 +202,18 @@ pub fn parse_limit(s: &str) -> Result<Limit, loopd::size::SizeError> {
     parse_size(s).map(|n| Limit(Some(n)))
 }
 
+/// `v[k]` for human output: a string escaped, `-` for null, else as JSON.
 fn s(v: &Value, k: &str) -> String {
     match &v[k] {
-        Value::String(x) => x.clone(),
+        Value::String(x) => esc(x),
         Value::Null => "-".into(),
-        x => x.to_string(),
+        x => esc(&x.to_string()),
     }
+}
+
+/// An untrusted string for a terminal (see the module doc).
+pub fn esc(x: &str) -> String {
+    loopd::text::escape(x).into_owned()
 }
 
 fn yn(v: &Value, k: &str) -> &'static str {
@@ -219,7 +233,7 @@ pub fn print_done(v: &Value, json: bool, text: &str) -> Result<()> {
     if json {
         println!("{}", pretty(v)?);
     } else {
-        println!("{text}");
+        println!("{}", esc(text));
     }
     Ok(())
 }
@@ -238,13 +252,13 @@ pub fn print_device(v: &Value, json: bool) -> Result<()> {
     }
     println!("{}", s(v, "name"));
     if let Some(b) = v["blockdev"].as_str() {
-        println!("{b}");
+        println!("{}", esc(b));
     }
     for p in v["partitions"].as_array().into_iter().flatten() {
-        println!("{}", p.as_str().unwrap_or_default());
+        println!("{}", esc(p.as_str().unwrap_or_default()));
     }
     for u in v["uris"].as_array().into_iter().flatten() {
-        println!("{}", u.as_str().unwrap_or_default());
+        println!("{}", esc(u.as_str().unwrap_or_default()));
     }
     Ok(())
 }
@@ -305,7 +319,7 @@ pub fn print_list(v: &Value, json: bool) -> Result<()> {
             yn(d, "read_only").into(),
             yn(d, "autoclear").into(),
             s(d, "clients"),
-            d["blockdev"].as_str().unwrap_or("-").to_string(),
+            esc(d["blockdev"].as_str().unwrap_or("-")),
             s(d, "image"),
         ]);
     }
@@ -342,13 +356,14 @@ pub fn print_status(v: &Value, json: bool) -> Result<()> {
     println!("autoclear: {}", yn(v, "autoclear"));
     println!("clients: {}", s(v, "clients"));
     if let Some(b) = v["blockdev"].as_str() {
-        println!("blockdev: {b}");
+        println!("blockdev: {}", esc(b));
     }
-    let allow: Vec<&str> = v["tls_allow"]
+    let allow: Vec<String> = v["tls_allow"]
         .as_array()
         .into_iter()
         .flatten()
         .filter_map(Value::as_str)
+        .map(esc)
         .collect();
     if !allow.is_empty() {
         println!("tls_allow: {}", allow.join(" "));
@@ -367,7 +382,7 @@ pub fn print_status(v: &Value, json: bool) -> Result<()> {
         .as_object()
         .into_iter()
         .flatten()
-        .map(|(k, n)| format!("{k}={n}"))
+        .map(|(k, n)| esc(&format!("{k}={n}")))
         .collect();
     println!("errors: {}", errors.join(" "));
     for c in COUNTERS.iter().filter(|c| c.group == Group::Single) {
@@ -423,13 +438,23 @@ pub fn print_status_all(v: &Value, json: bool) -> Result<()> {
     Ok(())
 }
 
-/// Left-aligned columns, one space apart.
+/// Left-aligned columns, one space apart, one line per row: every cell is
+/// escaped here too (a no-op on cells [`s`] made), whatever its source.
 fn print_table(rows: &[Vec<String>]) {
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| r.iter().map(|c| esc_once(c)).collect())
+        .collect();
     let cols = rows.first().map(Vec::len).unwrap_or(0);
     let widths: Vec<usize> = (0..cols)
-        .map(|i| rows.iter().map(|r| r[i].len()).max().unwrap_or(0))
+        .map(|i| {
+            rows.iter()
+                .map(|r| r.get(i).map_or(0, |c| c.chars().count()))
+                .max()
+                .unwrap_or(0)
+        })
         .collect();
-    for r in rows {
+    for r in &rows {
         let line: Vec<String> = r
             .iter()
             .zip(&widths)
@@ -437,6 +462,12 @@ fn print_table(rows: &[Vec<String>]) {
             .collect();
         println!("{}", line.join(" ").trim_end());
     }
+}
+
+/// A cell that may already be escaped: only what would still reach the
+/// terminal raw is escaped (backslashes are left as they are).
+fn esc_once(c: &str) -> String {
+    loopd::text::sanitize_line(c).into_owned()
 }
 
 /// `set` / `resize`: what changed and how long the device was held.

@@ -3,6 +3,7 @@
 //! when a device could not be attached or changed.
 
 use anyhow::Result;
+use loopd::text::sanitize_line;
 use serde_json::Value;
 
 /// Print the daemon's reload report; an error when a device could not be
@@ -37,18 +38,18 @@ fn print_text(v: &Value) {
             .and_then(Value::as_array)
             .map(|a| {
                 a.iter()
-                    .filter_map(|x| x.as_str().map(str::to_owned))
+                    .filter_map(|x| x.as_str().map(super::esc))
                     .collect()
             })
             .unwrap_or_default()
     };
     let tls = v.get("tls").and_then(Value::as_str).unwrap_or("?");
-    println!("TLS certificates: {tls}");
+    println!("TLS certificates: {}", sanitize_line(tls));
     let Some(cfg) = v.get("config").and_then(Value::as_str) else {
         println!("config: none (the server runs without --config)");
         return;
     };
-    println!("config: {cfg}");
+    println!("config: {}", super::esc(cfg));
     for (key, label) in [
         ("attached", "attached"),
         ("changed", "changed"),
@@ -67,7 +68,7 @@ fn print_text(v: &Value) {
         for p in v.get(key).and_then(Value::as_array).into_iter().flatten() {
             let name = p.get("name").and_then(Value::as_str).unwrap_or("?");
             let msg = p.get("message").and_then(Value::as_str).unwrap_or("");
-            println!("{label}: {name}: {msg}");
+            println!("{label}: {}: {}", super::esc(name), sanitize_line(msg));
         }
     }
 }

@@ -2,6 +2,8 @@
 //! restore), then the server loop until SIGTERM/SIGINT.
 
 use super::DeviceArgs;
+use super::log;
+use super::syslog::Syslog;
 use anyhow::{Context, Result, bail};
 use loopd::daemon::{self, Daemon};
 use loopd::frontend::nbd::handshake::TlsMode;
@@ -11,6 +13,7 @@ use loopd::server::notify::Notifier;
 use loopd::server::pidfile::{self, PidFile};
 use loopd::server::{self, Hooks, ServeOptions};
 use std::cell::RefCell;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -24,7 +27,9 @@ pub struct ServeArgs {
     dev: DeviceArgs,
     /// NBD Unix socket to listen on [default: /run/loopd/loopd.sock for root,
     /// else $XDG_RUNTIME_DIR/loopd/loopd.sock; none when systemd passes NBD
-    /// sockets (LISTEN_FDS, FileDescriptorName=nbd)].
+    /// sockets (LISTEN_FDS, FileDescriptorName=nbd)]. Only a stale socket there
+    /// is replaced; any other file is refused and left as it is (so are
+    /// --control's and --metrics').
     #[arg(long, value_name = "PATH")]
     socket: Option<PathBuf>,
     /// Mode of the NBD Unix socket, in octal. Connecting needs write permission:
@@ -49,8 +54,9 @@ pub struct ServeArgs {
     tls: Option<TlsArg>,
     /// Directory of the server's certificates, in the layout of nbdkit and QEMU:
     /// ca-cert.pem (the CA clients' certificates must chain to, with
-    /// --tls-verify-peer), server-cert.pem, server-key.pem. Re-read on SIGHUP
-    /// and `loopd reload-tls`.
+    /// --tls-verify-peer), server-cert.pem, server-key.pem, and optionally
+    /// ca-crl.pem (revoked client certificates, with --tls-verify-peer). Re-read
+    /// on SIGHUP and `loopd reload-tls`.
     #[arg(long, value_name = "DIR")]
     tls_certs: Option<PathBuf>,
     /// Require a client certificate that chains to ca-cert.pem; its identities
@@ -104,15 +110,29 @@ pub struct ServeArgs {
     /// the control socket's file stem].
     #[arg(long, value_name = "FILE")]
     state: Option<PathBuf>,
-    /// Write the daemon's pid to FILE once it serves; removed at exit. A pid file
-    /// a running loopd holds is refused.
+    /// Write the daemon's pid to FILE once it serves; removed at exit (unless
+    /// FILE was replaced meanwhile). Only a stale pid file (one pid and a
+    /// newline, of a process that is gone) is replaced; one a running loopd
+    /// holds, one of a running process, and any other file are refused.
     #[arg(long, value_name = "FILE")]
     pid_file: Option<PathBuf>,
     /// Run in the background (for scripts without systemd): return once the
     /// daemon serves (sockets bound, devices attached and restored), or print
-    /// its start-up error and exit non-zero. Best with --pid-file.
+    /// its start-up error and exit non-zero. Best with --pid-file. Its log
+    /// lines then go to --log-file, else to syslog (--syslog-socket), else (no
+    /// syslog socket) to the state file's path with extension .log; which one
+    /// is said before it forks.
     #[arg(long)]
     fork: bool,
+    /// Append log lines to FILE instead of stderr, from the start (created
+    /// mode 0600; never through a symbolic link). Re-opened on SIGHUP, so
+    /// logrotate may move it and send SIGHUP (or `systemctl reload`).
+    #[arg(long, value_name = "FILE")]
+    log_file: Option<PathBuf>,
+    /// The syslog socket a --fork'ed daemon logs to, RFC 3164 datagrams with
+    /// facility daemon.
+    #[arg(long, value_name = "PATH", default_value = super::syslog::DEFAULT_SOCKET)]
+    syslog_socket: PathBuf,
     /// Reactor threads, each with its own io_uring [default: one per core].
     #[arg(long, value_name = "N", default_value = "0", hide_default_value = true)]
     reactors: usize,
@@ -218,12 +238,19 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     if let Some(p) = &a.pid_file {
         pidfile::check(p)?;
     }
-    let ready_pipe = Rc::new(RefCell::new(None::<ReadyPipe>));
     if a.fork {
         absolute_paths(&mut a)?;
+    } else if let Some(f) = a.log_file.as_mut() {
+        // SIGHUP opens it again by this path.
+        *f = std::path::absolute(&*f)
+            .with_context(|| format!("cannot make {} absolute", f.display()))?;
+    }
+    let late = setup_logs(&a, &act)?;
+    let ready_pipe = Rc::new(RefCell::new(None::<ReadyPipe>));
+    if a.fork {
         *ready_pipe.borrow_mut() = Some(daemonize::fork()?);
     }
-    let r = start(a, act, Arc::clone(&notifier), Rc::clone(&ready_pipe));
+    let r = start(a, act, Arc::clone(&notifier), Rc::clone(&ready_pipe), late);
     if let Err(e) = &r {
         let msg = format!("{e:#}");
         // `systemctl status` shows it beside the exit code.
@@ -235,7 +262,8 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     r
 }
 
-/// With --fork the daemon runs in `/`: every path it is given becomes absolute.
+/// With --fork the daemon runs in `/`: every path it is given becomes
+/// absolute (the log file's too, which SIGHUP opens again).
 fn absolute_paths(a: &mut ServeArgs) -> Result<()> {
     for p in [
         &mut a.image,
@@ -245,6 +273,7 @@ fn absolute_paths(a: &mut ServeArgs) -> Result<()> {
         &mut a.control,
         &mut a.state,
         &mut a.pid_file,
+        &mut a.log_file,
     ]
     .into_iter()
     .flatten()
@@ -252,7 +281,88 @@ fn absolute_paths(a: &mut ServeArgs) -> Result<()> {
         *p = std::path::absolute(&*p)
             .with_context(|| format!("cannot make {} absolute", p.display()))?;
     }
+    if let Some(m) = a.metrics.as_mut().filter(|m| m.contains('/')) {
+        let abs = std::path::absolute(&*m).with_context(|| format!("cannot make {m} absolute"))?;
+        *m = abs.to_string_lossy().into_owned();
+    }
     Ok(())
+}
+
+/// Where a forked daemon's log lines go once it serves (and stderr is gone).
+enum LateSink {
+    Syslog(Syslog),
+    File(log::LogFile),
+}
+
+/// `--log-file`: lines go there from now on. `--fork` without it: say where
+/// they will go once the daemon serves (syslog, or where there is none, the
+/// state file's path with extension `.log`) and open that now, so that a
+/// failure is reported before the fork.
+fn setup_logs(a: &ServeArgs, act: &Activated) -> Result<Option<LateSink>> {
+    if let Some(f) = &a.log_file {
+        log::use_file(log::LogFile::open(f)?);
+        return Ok(None);
+    }
+    if !a.fork {
+        return Ok(None);
+    }
+    match Syslog::connect(&a.syslog_socket) {
+        Ok(s) => {
+            tracing::info!(
+                "--fork: once it serves, the daemon logs to syslog ({})",
+                a.syslog_socket.display()
+            );
+            Ok(Some(LateSink::Syslog(s)))
+        }
+        Err(e) => {
+            let (_, _, state) = paths(a, act);
+            let file = state.with_extension("log");
+            if let Some(dir) = file.parent().filter(|d| !d.exists()) {
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(dir)
+                    .with_context(|| format!("cannot create {}", dir.display()))?;
+            }
+            let f = log::LogFile::open(&file)?;
+            tracing::warn!(
+                "--fork: no syslog at {} ({e}); once it serves, the daemon logs to {} \
+                 (--log-file FILE chooses another file)",
+                a.syslog_socket.display(),
+                file.display()
+            );
+            Ok(Some(LateSink::File(f)))
+        }
+    }
+}
+
+/// The NBD socket (if any), the control socket and the state file `a` asks
+/// for, given the sockets systemd passed.
+fn paths(a: &ServeArgs, act: &Activated) -> (Option<PathBuf>, PathBuf, PathBuf) {
+    let nbd = if act.nbd.is_empty() {
+        match (&a.socket, a.listen.is_empty()) {
+            (Some(p), _) => Some(p.clone()),
+            (None, true) => Some(server::default_socket_dir().join("loopd.sock")),
+            (None, false) => None,
+        }
+    } else {
+        act.first_unix_path().cloned()
+    };
+    let activated_control = act.control.as_ref().map(|(_, p)| p.clone());
+    let control = match (&a.control, activated_control) {
+        (Some(c), _) => Some(c.clone()),
+        (None, Some(p)) => p,
+        (None, None) => None,
+    };
+    let control = control.unwrap_or_else(|| match &nbd {
+        Some(p) => p.with_extension("ctl"),
+        None => server::default_socket_dir().join("loopd.ctl"),
+    });
+    let state = a
+        .state
+        .clone()
+        .unwrap_or_else(|| daemon::default_state_path(&control));
+    (nbd, control, state)
 }
 
 /// Start-up after the fork: lock the state, bind every socket, attach IMAGE and
@@ -263,6 +373,7 @@ fn start(
     act: Activated,
     notifier: Arc<Notifier>,
     ready_pipe: Rc<RefCell<Option<ReadyPipe>>>,
+    late: Option<LateSink>,
 ) -> Result<()> {
     if !(a.handshake_timeout > 0.0 && a.handshake_timeout <= 3600.0) {
         bail!("--handshake-timeout must be more than 0 and at most 3600 seconds");
@@ -309,25 +420,7 @@ fn start(
     if act.control.is_some() && a.control.is_some() {
         bail!("the control socket was passed by socket activation (LISTEN_FDS); drop --control");
     }
-    let nbd = if act.nbd.is_empty() {
-        server::nbd_socket_path(&opts0)
-    } else {
-        act.first_unix_path().cloned()
-    };
-    let activated_control = act.control.as_ref().map(|(_, p)| p.clone());
-    let control = match (&a.control, activated_control) {
-        (Some(c), _) => Some(c.clone()),
-        (None, Some(p)) => p,
-        (None, None) => None,
-    };
-    let control = control.unwrap_or_else(|| match &nbd {
-        Some(p) => p.with_extension("ctl"),
-        None => server::default_socket_dir().join("loopd.ctl"),
-    });
-    let state = a
-        .state
-        .clone()
-        .unwrap_or_else(|| daemon::default_state_path(&control));
+    let (nbd, control, state) = paths(&a, &act);
     if a.state.is_none() {
         warn_old_default_state(&control, &state);
     }
@@ -373,18 +466,27 @@ fn start(
     let n = Arc::clone(&notifier);
     let ready = Rc::new(std::cell::Cell::new(false));
     let was_ready = Rc::clone(&ready);
+    let late = RefCell::new(late);
     let on_ready = Box::new(move |d: &Daemon| {
         was_ready.set(true);
         n.ready(&format!("serving {} devices", d.all().len()));
+        // Before stderr goes to /dev/null: the lines go on elsewhere.
+        match late.borrow_mut().take() {
+            Some(LateSink::Syslog(s)) => log::use_syslog(s),
+            Some(LateSink::File(f)) => log::use_file(f),
+            None => {}
+        }
         if let Some(p) = ready_pipe.borrow_mut().as_mut() {
             p.ready();
         }
     });
     let n = Arc::clone(&notifier);
-    let on_sighup = Box::new(move |d: &Daemon| {
+    let on_sighup = Box::new(move |d: &Daemon, from: server::SignalSender| {
         n.reloading();
-        // Logged by reload (a config file that does not parse too).
-        let _ = d.reload();
+        // logrotate moved the log file away: go on in a new one.
+        log::reopen();
+        // Logged by reload (a config file that does not parse too), and audited.
+        let _ = d.reload_audited(&from.to_string());
         n.ready(&format!("serving {} devices", d.all().len()));
     });
     let n = Arc::clone(&notifier);

@@ -1,9 +1,16 @@
 //! Audit lines: one info line per control request that changes something
 //! (attach, detach, set, resize, reload), naming who asked (the control client's
-//! uid and pid, from `SO_PEERCRED`) and the outcome. Pure formatting; the
-//! control socket logs what [`line`] returns.
+//! uid and pid, from `SO_PEERCRED`) and the outcome; and one per SIGHUP reload,
+//! naming the signal's sender ([`reload_line`]). A reload's outcome is its
+//! summary (what was attached, changed, not applied, kept, failed; TLS).
+//! Untrusted strings (names, image paths) are quoted with [`crate::text`].
+//! Pure formatting; the control socket and the signal thread log what
+//! [`line`] and [`reload_line`] return.
 
+use super::CtlError;
+use super::reload::ReloadReport;
 use crate::control::proto::Request;
+use crate::text::{quoted, quoted_path};
 use serde_json::Value;
 
 /// The control client, as the kernel vouches for it.
@@ -28,7 +35,10 @@ pub fn line(req: &Request, caller: Caller, old_size: Option<u64>, reply: &str) -
     let v: Value = serde_json::from_str(reply).unwrap_or(Value::Null);
     let r = &v["result"];
     let outcome = if v["ok"].as_bool() == Some(true) {
-        "ok".to_string()
+        match req {
+            Request::Reload => reload_outcome(r),
+            _ => "ok".to_string(),
+        }
     } else {
         format!(
             "refused: {} ({})",
@@ -41,10 +51,14 @@ pub fn line(req: &Request, caller: Caller, old_size: Option<u64>, reply: &str) -
             let name = r["name"]
                 .as_str()
                 .map_or_else(|| s.name.clone().unwrap_or_default(), str::to_owned);
-            format!("attach {name:?} image={:?}", s.image)
+            format!("attach {} image={}", quoted(&name), quoted_path(&s.image))
         }
         Request::Detach { name, force } => {
-            format!("detach {name:?}{}", if *force { " force" } else { "" })
+            format!(
+                "detach {}{}",
+                quoted(name),
+                if *force { " force" } else { "" }
+            )
         }
         Request::Set(s) => {
             let mut asked = Vec::new();
@@ -74,20 +88,56 @@ pub fn line(req: &Request, caller: Caller, old_size: Option<u64>, reply: &str) -
                 Some(false) => " (nothing changed)".into(),
                 None => String::new(),
             };
-            format!("set {:?} {}{changed}", s.name, asked.join(" "))
+            format!("set {} {}{changed}", quoted(&s.name), asked.join(" "))
         }
         Request::Resize { name } => {
             let old = old_size.map_or_else(|| "?".into(), |n| n.to_string());
             let new = r["size"]
                 .as_u64()
                 .map_or_else(|| "?".into(), |n| n.to_string());
-            format!("resize {name:?} {old} -> {new} bytes")
+            format!("resize {} {old} -> {new} bytes", quoted(name))
         }
         Request::Reload => "reload".into(),
         Request::ReloadTls => "reload-tls".into(),
         Request::List | Request::Status { .. } | Request::Version => return None,
     };
     Some(format!("audit: {what} by {caller}: {outcome}"))
+}
+
+/// A reload's outcome from its report (a reply's `result`, or the report as
+/// JSON): `ok` (or `partly failed`), then the summary.
+fn reload_outcome(r: &Value) -> String {
+    let n = |k: &str| r[k].as_array().map_or(0, Vec::len);
+    let config = r["config"].as_str().map_or_else(
+        || "no --config".to_owned(),
+        |c| format!("config {}", quoted(c)),
+    );
+    format!(
+        "{}: {config}: {} attached, {} changed, {} unchanged, {} not applied, {} kept, \
+         {} failed; TLS {}",
+        if n("failed") > 0 {
+            "partly failed"
+        } else {
+            "ok"
+        },
+        n("attached"),
+        n("changed"),
+        n("unchanged"),
+        n("not_applied"),
+        n("kept"),
+        n("failed"),
+        r["tls"].as_str().unwrap_or("?")
+    )
+}
+
+/// The audit line of a reload that did not come over the control socket
+/// (SIGHUP); `by` says who asked (e.g. `signal SIGHUP from pid=1 uid=0`).
+pub fn reload_line(by: &str, report: Result<&ReloadReport, &CtlError>) -> String {
+    let outcome = match report {
+        Ok(r) => reload_outcome(&serde_json::to_value(r).unwrap_or(Value::Null)),
+        Err(e) => format!("failed: {e}"),
+    };
+    format!("audit: reload by {by}: {outcome}")
 }
 
 #[cfg(test)]
@@ -132,5 +182,52 @@ mod tests {
             Some("audit: detach \"b\" by uid=1000 pid=42: refused: no device b (not_found)")
         );
         assert_eq!(line(&Request::List, WHO, None, "{}"), None);
+    }
+
+    #[test]
+    fn reloads_are_audited_with_their_summary() {
+        let reply = r#"{"v":1,"ok":true,"result":{"tls":"off","config":"/etc/d.toml",
+            "attached":["a"],"changed":[],"unchanged":["b","c"],"kept":[],
+            "not_applied":[],"failed":[]}}"#;
+        assert_eq!(
+            line(&Request::Reload, WHO, None, reply).as_deref(),
+            Some(
+                "audit: reload by uid=1000 pid=42: ok: config \"/etc/d.toml\": 1 attached, \
+                 0 changed, 2 unchanged, 0 not applied, 0 kept, 0 failed; TLS off"
+            )
+        );
+        let report = ReloadReport {
+            tls: "reloaded".into(),
+            failed: vec![super::super::reload::Problem {
+                name: "x".into(),
+                message: "no".into(),
+            }],
+            ..ReloadReport::default()
+        };
+        assert_eq!(
+            reload_line("signal SIGHUP from pid=7 uid=0", Ok(&report)),
+            "audit: reload by signal SIGHUP from pid=7 uid=0: partly failed: no --config: \
+             0 attached, 0 changed, 0 unchanged, 0 not applied, 0 kept, 1 failed; TLS reloaded"
+        );
+        let e = CtlError::Invalid("bad.toml: not a valid config file; nothing changed".into());
+        assert!(
+            reload_line("signal SIGHUP (sender unknown)", Err(&e))
+                .starts_with("audit: reload by signal SIGHUP (sender unknown): failed: ")
+        );
+    }
+
+    #[test]
+    fn forged_names_stay_inside_their_quotes() {
+        let d = Request::Detach {
+            name: "x\naudit: detach \"prod\" by uid=1000 pid=4242: ok\u{202e}".into(),
+            force: false,
+        };
+        let reply = r#"{"v":1,"ok":false,"error":{"code":"not_found","message":"no"}}"#;
+        let l = line(&d, WHO, None, reply).unwrap_or_default();
+        assert!(!l.contains(['\n', '\u{202e}']), "{l}");
+        assert!(
+            l.starts_with(r#"audit: detach "x\naudit: detach \"prod\" by"#),
+            "{l}"
+        );
     }
 }

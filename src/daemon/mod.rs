@@ -40,6 +40,7 @@ use crate::frontend::nbd::handshake::Exports;
 use crate::frontend::ublk::ctrl::CtrlError;
 use crate::kernel_nbd::KernelNbdError;
 use crate::reactor::{CONTROL_GEN, ReactorHandle};
+use crate::text::quoted_path;
 use crate::tls::TlsContext;
 use blockdev::{BlockdevError, KernelDev};
 use info::{DeviceInfo, DeviceStatus, SetResult};
@@ -691,7 +692,7 @@ impl Daemon {
         if spec.image.is_relative() {
             return Err(CtlError::Invalid(format!(
                 "image path {} is relative; the daemon needs an absolute path",
-                spec.image.display()
+                quoted_path(&spec.image)
             )));
         }
         if self.export(&name).is_some() {
@@ -703,7 +704,7 @@ impl Daemon {
             if m.spec.image != spec.image {
                 return Err(CtlError::MissingTaken {
                     name,
-                    image: m.spec.image.display().to_string(),
+                    image: quoted_path(&m.spec.image).to_string(),
                     reason: m.reason,
                 });
             }
@@ -713,7 +714,7 @@ impl Daemon {
         // or a lost race for the name (below): a failed attach leaves no trace.
         let dev = Device::open(&params_with(&spec, &name, tuning)).map_err(|source| {
             CtlError::Device {
-                msg: format!("cannot attach {}", spec.image.display()),
+                msg: format!("cannot attach {}", quoted_path(&spec.image)),
                 source,
             }
         })?;
@@ -1211,7 +1212,7 @@ impl Daemon {
                 Ok(_) => {
                     tracing::info!(
                         "device {name:?} is back: {} can be opened again",
-                        x.spec.image.display()
+                        quoted_path(&x.spec.image)
                     );
                     if let Err(e) = self.start_blockdev(&name, false) {
                         tracing::error!("{}", e.body().message);

@@ -12,6 +12,7 @@ use super::config::{self, Change};
 use super::{CtlError, Daemon};
 use crate::control::proto::SetSpec;
 use crate::device::spec::DeviceSpec;
+use crate::text::quoted;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
@@ -74,6 +75,14 @@ impl Daemon {
         }
     }
 
+    /// [`Daemon::reload`], then its audit line: `by` names who asked (SIGHUP's
+    /// sender; a control client's reload is audited by the control socket).
+    pub fn reload_audited(&self, by: &str) -> Result<ReloadReport, CtlError> {
+        let r = self.reload();
+        tracing::info!("{}", super::audit::reload_line(by, r.as_ref()));
+        r
+    }
+
     /// Re-read the certificates and the config file (see the module doc).
     pub fn reload(&self) -> Result<ReloadReport, CtlError> {
         let tls = match self.reload_tls() {
@@ -118,15 +127,17 @@ impl Daemon {
             self.apply_change(change, &specs, &mut r);
         }
         for p in &r.not_applied {
-            tracing::warn!("reload: device {:?}: {}", p.name, p.message);
+            tracing::warn!("reload: device {}: {}", quoted(&p.name), p.message);
         }
         for p in &r.failed {
-            tracing::error!("reload: device {:?}: {}", p.name, p.message);
+            tracing::error!("reload: device {}: {}", quoted(&p.name), p.message);
         }
         for n in &r.kept {
             tracing::warn!(
-                "reload: device {n:?} is no longer in the config file; it stays attached \
-                 (detach it with `loopd detach {n}`)"
+                "reload: device {} is no longer in the config file; it stays attached \
+                 (detach it with `loopd detach {}`)",
+                quoted(n),
+                quoted(n)
             );
         }
         // What did not happen is planned again by the next reload: the old

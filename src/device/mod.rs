@@ -25,6 +25,7 @@ use crate::backing::align::{self, DioAlign};
 use crate::backing::create::{self, CreateError};
 use crate::backing::format::{self, Detected, ImageFormat};
 use crate::backing::lock::{ImageLock, LockError, Mode};
+use crate::text::quoted_path;
 use range_lock::RangeLock;
 use stats::Stats;
 use std::fs::{File, OpenOptions};
@@ -80,28 +81,32 @@ pub struct DeviceParams {
 pub enum DeviceError {
     #[error("block size {0} is not a power of two between 512 and 4096")]
     BadBlockSize(u32),
-    #[error("cannot create {path}")]
+    #[error("cannot create {}", quoted_path(.path))]
     Create {
         path: PathBuf,
         #[source]
         source: CreateError,
     },
-    #[error("cannot open {path}")]
+    #[error("cannot open {}", quoted_path(.path))]
     Open {
         path: PathBuf,
         #[source]
         source: std::io::Error,
     },
-    #[error("{path}: the filesystem refuses direct I/O (O_DIRECT); use --cache buffered or auto")]
+    #[error(
+        "{}: the filesystem refuses direct I/O (O_DIRECT); use --cache buffered or auto",
+        quoted_path(.path)
+    )]
     DirectRefused {
         path: PathBuf,
         #[source]
         source: Option<std::io::Error>,
     },
-    #[error("{path} is not a regular file or block device")]
+    #[error("{} is not a regular file or block device", quoted_path(.path))]
     NotAFile { path: PathBuf },
     #[error(
-        "offset {offset} is beyond the end of {path} ({size} bytes); give --size-limit to serve past the end"
+        "offset {offset} is beyond the end of {} ({size} bytes); give --size-limit to serve past the end",
+        quoted_path(.path)
     )]
     OffsetPastEnd {
         path: PathBuf,
@@ -116,7 +121,7 @@ pub enum DeviceError {
     Empty,
     #[error("a window of {size} bytes at offset {offset} reaches past the largest possible file")]
     TooLarge { offset: u64, size: u64 },
-    #[error("cannot stat {path}")]
+    #[error("cannot stat {}", quoted_path(.path))]
     Stat {
         path: PathBuf,
         #[source]
@@ -125,16 +130,17 @@ pub enum DeviceError {
     #[error(transparent)]
     Lock(#[from] LockError),
     #[error(
-        "{path} is a {format} image; loopd serves raw images only: convert it with \
-         'qemu-img convert -f {format} -O raw {path} {raw}', or pass --format raw to serve \
-         its bytes as they are"
+        "{} is a {format} image; loopd serves raw images only: convert it with \
+         'qemu-img convert -f {format} -O raw {} {}', or pass --format raw to serve \
+         its bytes as they are",
+        quoted_path(.path), quoted_path(.path), quoted_path(.raw)
     )]
     NotRaw {
         path: PathBuf,
         format: Detected,
         raw: PathBuf,
     },
-    #[error("cannot read the first bytes of {path} to probe its format")]
+    #[error("cannot read the first bytes of {} to probe its format", quoted_path(.path))]
     Probe {
         path: PathBuf,
         #[source]
@@ -239,7 +245,7 @@ fn open_plain(p: &DeviceParams) -> Result<(File, bool), DeviceError> {
             let f = open_file(&p.path, true, false).map_err(|_| err(e))?;
             tracing::info!(
                 "{} is write-protected ({why}): serving it read-only",
-                p.path.display()
+                quoted_path(&p.path)
             );
             Ok((f, true))
         }

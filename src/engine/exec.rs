@@ -190,7 +190,7 @@ fn log_backing_error(dev: &Device, e: Errno, task: Option<&Task>) {
         tracing::warn!(
             "device {:?} ({}):{what} backing file error {}; further {} errors are counted, not logged",
             dev.name,
-            dev.path.display(),
+            crate::text::quoted_path(&dev.path),
             e.name(),
             e.name(),
         );

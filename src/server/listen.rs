@@ -2,12 +2,15 @@
 //! with an explicit mode (never the umask's), TCP listeners.
 //!
 //! A Unix socket is bound under a temporary name, given its mode (and group),
-//! then renamed into place, so it is never reachable with looser permissions.
+//! then moved into place (never over another file), so it is never reachable
+//! with looser permissions. Only a stale socket is replaced; see
+//! [`super::owned`] for what else is refused and what is removed at stop.
 //! The default runtime directory is refused unless it is a real directory owned
 //! by this user and writable by nobody else: another user could otherwise
 //! replace the socket, or read the state kept beside it.
 
-use rustix::fs::{Gid, Mode, Uid};
+use super::owned::{self, FileId, Owned, kind_name};
+use rustix::fs::{FileType, Gid, Mode, Uid};
 use std::net::TcpListener;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -22,6 +25,20 @@ pub enum ListenError {
     SocketInUse(PathBuf, &'static str),
     #[error("cannot listen on {0}")]
     BindUnix(PathBuf, #[source] std::io::Error),
+    #[error(
+        "{option} {}: it is {kind}, not a socket; loopd replaces only a socket left \
+         behind by a server that stopped, and never removes anything else: give {option} \
+         a path of its own", .path.display()
+    )]
+    NotASocket {
+        option: &'static str,
+        path: PathBuf,
+        kind: &'static str,
+    },
+    #[error("cannot inspect {0}")]
+    Inspect(PathBuf, #[source] std::io::Error),
+    #[error("{0} appeared or changed while loopd was starting; nothing there was replaced")]
+    Appeared(PathBuf),
     #[error("cannot set the mode or group of {0}")]
     SocketMode(PathBuf, #[source] std::io::Error),
     #[error("cannot listen on {0}")]
@@ -105,14 +122,17 @@ fn check_private_dir(dir: &Path, uid: Uid) -> Result<(), ListenError> {
 }
 
 /// Bind a Unix socket at `path` with exactly `mode` (and `group`, if given).
-/// A stale socket file (nobody answers on it) is replaced; a live one is an
-/// error. A missing parent directory is created 0755.
+/// A stale socket (nobody answers on it) is replaced; a live one is an error,
+/// and so is anything at `path` that is not a socket (see [`super::owned`]):
+/// a regular file, a directory, a symbolic link, a FIFO or a device is left
+/// as it is. A missing parent directory is created 0755. Returns the listener
+/// and the socket file, for removal at stop.
 pub fn bind_unix(
     path: &Path,
     mode: u32,
     group: Option<Gid>,
     hint: Hint,
-) -> Result<UnixListener, ListenError> {
+) -> Result<(UnixListener, Owned), ListenError> {
     if let Some(dir) = path.parent() {
         if !dir.as_os_str().is_empty() && !dir.exists() {
             std::fs::DirBuilder::new()
@@ -122,28 +142,86 @@ pub fn bind_unix(
                 .map_err(|e| ListenError::SocketDir(dir.to_path_buf(), e))?;
         }
     }
-    if path.exists() {
-        if UnixStream::connect(path).is_ok() {
-            return Err(ListenError::SocketInUse(path.to_path_buf(), hint.text()));
+    let inspect = |e| ListenError::Inspect(path.to_path_buf(), e);
+    let stale = match FileId::of(path).map_err(inspect)? {
+        None => None,
+        Some((id, FileType::Socket)) => {
+            if UnixStream::connect(path).is_ok() {
+                return Err(ListenError::SocketInUse(path.to_path_buf(), hint.text()));
+            }
+            // A stale socket from a server that died: nobody answers on it.
+            Some(id)
         }
-        // A stale socket from a server that died: nobody answers on it.
-        let _ = std::fs::remove_file(path);
-    }
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    let _ = std::fs::remove_file(&tmp);
-    let l = UnixListener::bind(&tmp).map_err(|e| ListenError::BindUnix(path.to_path_buf(), e))?;
+        Some((_, t)) => {
+            return Err(ListenError::NotASocket {
+                option: hint.option(),
+                path: path.to_path_buf(),
+                kind: kind_name(t),
+            });
+        }
+    };
+    let (l, tmp) = bind_temp(path)?;
     let placed = (|| {
         if let Some(g) = group {
             rustix::fs::chown(&tmp, None, Some(g))?;
         }
         rustix::fs::chmod(&tmp, Mode::from_raw_mode(mode))?;
-        std::fs::rename(&tmp, path)
+        let id = FileId::of(&tmp)?.map(|(id, _)| id);
+        Ok::<_, std::io::Error>(id)
     })();
-    if let Err(e) = placed {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(ListenError::SocketMode(path.to_path_buf(), e));
+    let id = match placed {
+        Ok(Some(id)) => id,
+        Ok(None) => {
+            return Err(ListenError::SocketMode(
+                path.to_path_buf(),
+                std::io::ErrorKind::NotFound.into(),
+            ));
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(ListenError::SocketMode(path.to_path_buf(), e));
+        }
+    };
+    let r = match stale {
+        Some(old) => owned::remove_stale(path, old),
+        None => Ok(()),
     }
-    Ok(l)
+    .and_then(|()| owned::place(&tmp, path).map_err(owned::StaleError::Io));
+    match r {
+        Ok(()) => Ok((l, Owned::new(path.to_path_buf(), id, "socket"))),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(match e {
+                owned::StaleError::Io(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    ListenError::Appeared(path.to_path_buf())
+                }
+                owned::StaleError::Io(e) => ListenError::BindUnix(path.to_path_buf(), e),
+                owned::StaleError::Changed => ListenError::Appeared(path.to_path_buf()),
+            })
+        }
+    }
+}
+
+/// Bind a listener under a fresh temporary name beside `path` (never one
+/// that exists: another file there is left alone and the next name tried).
+fn bind_temp(path: &Path) -> Result<(UnixListener, PathBuf), ListenError> {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let mut last = None;
+    for n in 0..16 {
+        let tmp = path.with_file_name(format!(".{name}.loopd-{}.{n}", std::process::id()));
+        match UnixListener::bind(&tmp) {
+            Ok(l) => return Ok((l, tmp)),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => last = Some(e),
+            Err(e) => return Err(ListenError::BindUnix(path.to_path_buf(), e)),
+        }
+    }
+    Err(ListenError::BindUnix(
+        path.to_path_buf(),
+        last.unwrap_or_else(|| std::io::ErrorKind::AddrInUse.into()),
+    ))
 }
 
 /// Which option moves a socket, for the message when its path is taken.
@@ -158,6 +236,15 @@ pub enum Hint {
 }
 
 impl Hint {
+    /// The option that names the path.
+    pub fn option(self) -> &'static str {
+        match self {
+            Hint::Socket => "--socket",
+            Hint::Control => "--control",
+            Hint::Metrics => "--metrics",
+        }
+    }
+
     fn text(self) -> &'static str {
         match self {
             Hint::Socket => {
@@ -282,7 +369,7 @@ mod tests {
         let old = rustix::process::umask(Mode::empty());
         let r = bind_unix(&p, 0o600, None, Hint::Socket);
         rustix::process::umask(old);
-        let _l = r.unwrap();
+        let (_l, _owned) = r.unwrap();
         let m = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
         assert_eq!(m, 0o600);
     }

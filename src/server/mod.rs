@@ -5,7 +5,8 @@
 //! (or takes those systemd passed, see [`activation`]) and starts no thread, so
 //! a caller may still fork; [`run`] starts the threads, tells its [`Hooks`] when
 //! it is ready, serves, and on the way out removes the socket files `bind` made
-//! (never activated ones).
+//! (never activated ones, and only while their paths still name them: see
+//! [`owned`]).
 //!
 //! Threads: the caller's thread runs the accept loop, which also runs every
 //! pending handshake (see [`accept`]); reactors run the transmission phase; the
@@ -18,6 +19,7 @@ pub mod activation;
 pub mod daemonize;
 pub mod listen;
 pub mod notify;
+pub mod owned;
 mod pending;
 pub mod pidfile;
 mod quiet;
@@ -211,14 +213,15 @@ pub struct Bound {
     files: SocketFiles,
 }
 
-/// Socket files this server bound, removed when dropped (on every exit path).
+/// Socket files this server bound, removed when dropped (on every exit path)
+/// if their paths still name them ([`owned::Owned::remove`]).
 #[derive(Default)]
-struct SocketFiles(Vec<PathBuf>);
+struct SocketFiles(Vec<owned::Owned>);
 
 impl Drop for SocketFiles {
     fn drop(&mut self) {
-        for p in &self.0 {
-            let _ = std::fs::remove_file(p);
+        for o in &self.0 {
+            o.remove();
         }
     }
 }
@@ -268,8 +271,8 @@ pub fn bind(opts: &ServeOptions, act: Activated) -> Result<Bound, ServerError> {
             listen::ensure_runtime_dir(&default_dir)?;
         }
         if let Some(p) = &socket {
-            let l = listen::bind_unix(p, opts.socket_mode, group, listen::Hint::Socket)?;
-            files.0.push(p.clone());
+            let (l, o) = listen::bind_unix(p, opts.socket_mode, group, listen::Hint::Socket)?;
+            files.0.push(o);
             listeners.push(Listener::Unix(l));
             unix = Some(p.clone());
         }
@@ -289,8 +292,8 @@ pub fn bind(opts: &ServeOptions, act: Activated) -> Result<Bound, ServerError> {
                     listen::ensure_runtime_dir(dir)?;
                 }
             }
-            let l = listen::bind_unix(p, CONTROL_SOCKET_MODE, None, listen::Hint::Control)?;
-            files.0.push(p.clone());
+            let (l, o) = listen::bind_unix(p, CONTROL_SOCKET_MODE, None, listen::Hint::Control)?;
+            files.0.push(o);
             Some((l, Some(p.clone())))
         }
         (None, None) => None,
@@ -298,8 +301,8 @@ pub fn bind(opts: &ServeOptions, act: Activated) -> Result<Bound, ServerError> {
     let metrics = match &opts.metrics {
         Some(a) if a.contains('/') => {
             let p = PathBuf::from(a);
-            let l = listen::bind_unix(&p, opts.metrics_mode, None, listen::Hint::Metrics)?;
-            files.0.push(p);
+            let (l, o) = listen::bind_unix(&p, opts.metrics_mode, None, listen::Hint::Metrics)?;
+            files.0.push(o);
             Some(metrics::http::Listener::Unix(l))
         }
         Some(a) => Some(metrics::http::Listener::Tcp(
@@ -349,8 +352,25 @@ pub fn bind(opts: &ServeOptions, act: Activated) -> Result<Bound, ServerError> {
 
 /// Called once when the server is ready.
 pub type ReadyHook = Box<dyn FnOnce(&Daemon)>;
-/// Called on every SIGHUP, on the signal thread.
-pub type SighupHook = Box<dyn Fn(&Daemon) + Send>;
+/// Called on every SIGHUP, on the signal thread, with who sent it.
+pub type SighupHook = Box<dyn Fn(&Daemon, SignalSender) + Send>;
+
+/// Who sent a signal, as the kernel reports it (`siginfo`'s `si_pid` and
+/// `si_uid`); `None` when the signal did not come from a process (`kill`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SignalSender {
+    pub pid: Option<i32>,
+    pub uid: Option<u32>,
+}
+
+impl std::fmt::Display for SignalSender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.pid, self.uid) {
+            (Some(p), Some(u)) => write!(f, "signal SIGHUP from pid={p} uid={u}"),
+            _ => f.write_str("signal SIGHUP (sender unknown)"),
+        }
+    }
+}
 
 /// What the embedding program hears from [`run`].
 #[derive(Default)]
@@ -502,7 +522,10 @@ pub fn run(
         let (dev, _) = e.current();
         if !dev.read_only {
             if let Err(err) = rustix::fs::fdatasync(&dev.file) {
-                tracing::error!("flushing {} failed: {err}", dev.path.display());
+                tracing::error!(
+                    "flushing {} failed: {err}",
+                    crate::text::quoted_path(&dev.path)
+                );
             }
         }
         tracing::info!("device {:?}: {}", e.name, e.stats.summary());
@@ -512,21 +535,26 @@ pub fn run(
 }
 
 /// SIGHUP re-reads the TLS certificates and the config file
-/// ([`Daemon::reload`]), or calls `hook`, which does (and never stops the
-/// daemon).
+/// ([`Daemon::reload_audited`], which logs an audit line naming the sender),
+/// or calls `hook`, which does (and never stops the daemon).
 fn reload_on_sighup(daemon: &Arc<Daemon>, hook: Option<SighupHook>) -> Result<(), ServerError> {
-    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGHUP])
+    use signal_hook::iterator::{SignalsInfo, exfiltrator::WithOrigin};
+    let mut signals = SignalsInfo::<WithOrigin>::new([signal_hook::consts::SIGHUP])
         .map_err(ServerError::Signals)?;
     let daemon = Arc::clone(daemon);
     std::thread::Builder::new()
         .name("loopd-sighup".into())
         .spawn(move || {
-            for _ in signals.forever() {
+            for origin in signals.forever() {
+                let from = SignalSender {
+                    pid: origin.process.map(|p| p.pid),
+                    uid: origin.process.map(|p| p.uid),
+                };
                 match &hook {
-                    Some(h) => h(&daemon),
+                    Some(h) => h(&daemon, from),
                     // Logged by reload (a config that does not parse too).
                     None => {
-                        let _ = daemon.reload();
+                        let _ = daemon.reload_audited(&from.to_string());
                     }
                 }
             }

@@ -358,7 +358,7 @@ pub(super) fn step(
                 return Fate::Dropped;
             }
             Io::TlsFailed(e) => {
-                let why = crate::escape::clip(e.to_string().as_bytes(), 160);
+                let why = crate::text::clip(e.to_string().as_bytes(), 160);
                 lines.tls.hit(Instant::now(), p.who.key, || {
                     format!(
                         "NBD client {} refused: TLS handshake failed: {why}",

@@ -4,7 +4,7 @@
 //! come, the rest counted, and when the window ends one line says how many
 //! more there were and from which peers. So whatever clients do, loopd writes
 //! at most `FIRST + 1` lines of each kind per window, each of bounded length
-//! (client-supplied strings in them are cut by [`crate::escape::clip`]).
+//! (client-supplied strings in them are cut by [`crate::text::clip`]).
 //!
 //! Owned by the accept loop's thread; no locking. Ticked once per loop turn.
 

@@ -44,6 +44,29 @@ fn log_loaded(files: &TlsFiles, what: &str, l: &Loaded) {
             c.not_after
         );
     }
+    let crl_path = files.dir.join(super::crl::CA_CRL);
+    for r in &l.crls {
+        tracing::info!(
+            "TLS {}: {} revoked certificate(s) of {}, next update {}",
+            crl_path.display(),
+            r.revoked,
+            r.issuer,
+            r.next_update.as_deref().unwrap_or("not given")
+        );
+        if r.expired {
+            tracing::warn!(
+                "TLS {}: the CRL of {} expired on {} (nextUpdate): its revocations are still \
+                 enforced, but certificates revoked since are not in it; install a fresh CRL \
+                 and reload (SIGHUP or `loopd reload-tls`)",
+                crl_path.display(),
+                r.issuer,
+                r.next_update.as_deref().unwrap_or("?")
+            );
+        }
+    }
+    for w in &l.warnings {
+        tracing::warn!("TLS: {w}");
+    }
 }
 
 impl TlsContext {

@@ -6,6 +6,7 @@
 //! blocks only on those reads.
 
 use super::TlsError;
+use super::crl::{self, CA_CRL, CrlInfo};
 use super::identity::{CertInfo, cert_info};
 use rustls::RootCertStore;
 use rustls::ServerConfig;
@@ -43,10 +44,16 @@ impl TlsFiles {
     }
 }
 
-/// A configuration and what its server certificate says (for the log).
+/// A configuration and what its server certificate and CRLs say (for the
+/// log), and what the log should warn about.
 pub(crate) struct Loaded {
     pub config: Arc<ServerConfig>,
     pub server_cert: CertInfo,
+    /// The CRLs of `ca-crl.pem` in use (none without one, or without
+    /// `verify_peer`).
+    pub crls: Vec<CrlInfo>,
+    /// Things the files say that the administrator should hear.
+    pub warnings: Vec<String>,
 }
 
 /// Reads the files of `files` and builds the server configuration.
@@ -56,6 +63,18 @@ pub(crate) struct Loaded {
 /// cannot use, a key that is not the certificate's.
 pub fn load(files: &TlsFiles) -> Result<Arc<ServerConfig>, TlsError> {
     load_info(files).map(|l| l.config)
+}
+
+/// The bytes of `path`, or `None` if there is no such file.
+fn read_optional(path: &Path) -> Result<Option<Vec<u8>>, TlsError> {
+    match std::fs::read(path) {
+        Ok(b) => Ok(Some(b)),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(TlsError::Read {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
 }
 
 fn read(path: &Path, why: &'static str) -> Result<Vec<u8>, TlsError> {
@@ -128,20 +147,43 @@ pub(crate) fn load_info(files: &TlsFiles) -> Result<Loaded, TlsError> {
             dir: files.dir.clone(),
             source,
         })?;
+    let crl_path = files.path(CA_CRL);
+    let mut crls = Vec::new();
+    let mut warnings = Vec::new();
     let builder = if files.verify_peer {
         let ca_path = files.path(CA_CERT);
         let cas = certificates(&ca_path, &read(&ca_path, ", needed by --tls-verify-peer")?)?;
         let mut roots = RootCertStore::empty();
-        for ca in cas {
+        for ca in &cas {
             roots
-                .add(ca)
+                .add(ca.clone())
                 .map_err(|e| content(&ca_path, format!("not a usable CA certificate: {e}")))?;
         }
-        let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
-            .build()
-            .map_err(|e| content(&ca_path, e.to_string()))?;
+        let mut vb = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider);
+        if let Some(bytes) = read_optional(&crl_path)? {
+            let (ders, info) = crl::check(&crl_path, &bytes, &cas, unix_now())?;
+            crls = info;
+            // As GnuTLS (nbdkit, qemu) does: a certificate is checked against
+            // the CRL of its issuer where there is one; a CA without a CRL
+            // in the file revokes nothing.
+            vb = vb.with_crls(ders).allow_unknown_revocation_status();
+        }
+        let verifier = vb.build().map_err(|e| match e {
+            rustls::server::VerifierBuilderError::InvalidCrl(c) => {
+                content(&crl_path, format!("not a usable CRL: {c:?}"))
+            }
+            e => content(&ca_path, e.to_string()),
+        })?;
         builder.with_client_cert_verifier(verifier)
     } else {
+        if crl_path.exists() {
+            warnings.push(format!(
+                "{} is not read: without --tls-verify-peer no client certificate is asked \
+                 for, so none can be revoked (nbdkit and QEMU read it only when verifying \
+                 peers too)",
+                crl_path.display()
+            ));
+        }
         builder.with_no_client_auth()
     };
     let mut config = builder
@@ -158,7 +200,16 @@ pub(crate) fn load_info(files: &TlsFiles) -> Result<Loaded, TlsError> {
     Ok(Loaded {
         config: Arc::new(config),
         server_cert,
+        crls,
+        warnings,
     })
+}
+
+/// Seconds since the epoch.
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
 }
 
 /// The key must be usable by the provider and be the leaf certificate's.

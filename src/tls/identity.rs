@@ -306,7 +306,7 @@ fn escape(value: &str, out: &mut String) {
 }
 
 /// A name in the `dn:` form of the module doc.
-fn dn_string(name: &X509Name<'_>) -> String {
+pub(super) fn dn_string(name: &X509Name<'_>) -> String {
     let rdns: Vec<_> = name.iter().collect();
     let mut out = String::new();
     for (i, rdn) in rdns.iter().rev().enumerate() {

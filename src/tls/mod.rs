@@ -21,6 +21,13 @@
 //!   verify-peer: a client's certificate is then neither needed nor checked,
 //!   so a client with one from any CA still connects, and [`identities`] is
 //!   empty.
+//! - [`crl`]: with `verify_peer`, `ca-crl.pem` (if present) lists revoked
+//!   client certificates: each CRL must be signed by a CA of `ca-cert.pem`
+//!   (else loading fails, naming the file), and a client whose certificate
+//!   (or an intermediate) it revokes fails the handshake. A certificate
+//!   whose issuer has no CRL in the file is not revocation-checked (as with
+//!   GnuTLS). A CRL past its nextUpdate still revokes, with a warning.
+//!   Without `verify_peer` the file is not read (a warning says so).
 //! - [`context`]: [`TlsContext`], the configuration in use, swapped whole by
 //!   [`TlsContext::reload`]. A handshake takes [`TlsContext::current`] once at
 //!   its start, so a reload never changes a handshake under way, and
@@ -41,6 +48,7 @@
 //! [`ktls::available`]'s one-time loopback probe.
 
 pub mod context;
+pub mod crl;
 pub mod files;
 pub mod identity;
 pub mod ktls;

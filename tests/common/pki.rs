@@ -22,6 +22,12 @@
 //! P-256 in PKCS#8 unless [`KeyFormat`] says otherwise, mode 0600 (the tests
 //! run as root). Every certificate gets a fresh random serial.
 //!
+//! Revocation: [`Pki::revoke`] records a certificate as revoked in the CA's
+//! `openssl ca` database (`ca/index.txt`), and [`Pki::write_crl`] writes the
+//! CA's current CRL as `ca-crl.pem` into a directory (nbdkit's and QEMU's
+//! name for it); [`Pki::write_expired_crl`] writes one whose nextUpdate is
+//! past.
+//!
 //! A second, independent CA is just another `Pki::new` (in another
 //! directory). Renewal: [`Pki::renew_server`] re-issues `server-cert.pem`
 //! and `server-key.pem` in an existing server directory, signed by `self`
@@ -266,6 +272,66 @@ impl Pki {
         }
     }
 
+    /// The `openssl ca` configuration for this CA's CRLs (made on first use:
+    /// an empty database, CRL number 1).
+    fn ca_config(&self) -> PathBuf {
+        let ca = self.dir.join("ca");
+        let cfg = ca.join("crl.cnf");
+        if !cfg.exists() {
+            write_private(&ca.join("index.txt"), "");
+            write_private(&ca.join("index.txt.attr"), "unique_subject = no\n");
+            write_private(&ca.join("crlnumber"), "01\n");
+            write_private(
+                &cfg,
+                &format!(
+                    "[ca]\ndefault_ca = loopd_test\n[loopd_test]\n\
+                     database = {}\ncrlnumber = {}\ncertificate = {}\nprivate_key = {}\n\
+                     default_md = sha256\ndefault_crl_days = 30\n",
+                    s(&ca.join("index.txt")),
+                    s(&ca.join("crlnumber")),
+                    s(&self.ca_cert),
+                    s(&self.ca_key)
+                ),
+            );
+        }
+        cfg
+    }
+
+    /// Record the certificate `cert` (issued by this CA) as revoked; the next
+    /// [`Pki::write_crl`] lists it.
+    pub fn revoke(&self, cert: &Path) {
+        let cfg = self.ca_config();
+        openssl(&["ca", "-config", s(&cfg), "-revoke", s(cert)]);
+    }
+
+    /// Write this CA's CRL (every certificate revoked so far; valid 30 days)
+    /// to `dir/ca-crl.pem`, renamed into place.
+    pub fn write_crl(&self, dir: &Path) {
+        self.gen_crl(dir, &[]);
+    }
+
+    /// Like [`Pki::write_crl`], but the CRL's lastUpdate is two days ago and
+    /// its nextUpdate yesterday: expired.
+    pub fn write_expired_crl(&self, dir: &Path) {
+        let day = |ago: u64| {
+            let t = std::time::SystemTime::now() - std::time::Duration::from_secs(ago * 86_400);
+            openssl_time(t)
+        };
+        self.gen_crl(
+            dir,
+            &["-crl_lastupdate", &day(2), "-crl_nextupdate", &day(1)],
+        );
+    }
+
+    fn gen_crl(&self, dir: &Path, extra: &[&str]) {
+        let cfg = self.ca_config();
+        let tmp = dir.join(".ca-crl.pem.tmp");
+        let mut args = vec!["ca", "-config", s(&cfg), "-gencrl", "-out", s(&tmp)];
+        args.extend_from_slice(extra);
+        openssl(&args);
+        fs::rename(&tmp, dir.join("ca-crl.pem")).expect("rename the CRL into place");
+    }
+
     /// The CA's certificate (`dir/ca/ca-cert.pem`).
     pub fn ca_cert(&self) -> &Path {
         &self.ca_cert
@@ -396,6 +462,21 @@ impl Pki {
         self.install_ca(&dir);
         dir
     }
+}
+
+/// `t` as `openssl ca -crl_lastupdate` takes it: `YYYYMMDDHHMMSSZ` (UTC),
+/// from date(1).
+fn openssl_time(t: std::time::SystemTime) -> String {
+    let secs = t
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after the epoch")
+        .as_secs();
+    let out = Command::new("date")
+        .args(["-u", "-d", &format!("@{secs}"), "+%Y%m%d%H%M%SZ"])
+        .output()
+        .unwrap_or_else(|e| panic!("run date: {e}"));
+    assert!(out.status.success(), "date failed");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 /// A certificate's serial as openssl prints it (upper-case hex, no `0x`).

@@ -138,9 +138,9 @@ fn another_description_writing_is_seen_as_another_process() {
     assert_eq!(
         e.to_string(),
         format!(
-            "{} is in use: another process has the image open for writing; pass --shared to \
+            "{:?} is in use: another process has the image open for writing; pass --shared to \
              serve it anyway",
-            path.display()
+            path.display().to_string()
         )
     );
     let _s = ImageLock::acquire(&path, &f, "a", RW_SHARED).expect("force-shared");

@@ -218,7 +218,7 @@ pub struct ConnAudit {
 }
 
 /// Who is at the other end of `sock`.
-fn describe_peer(sock: &OwnedFd) -> String {
+pub(crate) fn describe_peer(sock: &OwnedFd) -> String {
     let ip = rustix::net::getpeername(sock)
         .ok()
         .flatten()

@@ -17,7 +17,7 @@
 //! is required, an export list given or refused, an export asked for that the
 //! client may not see) is left in [`Handshake::notices`] for the driver, which
 //! knows who the client is; names in notices and errors are already cut and
-//! escaped for a log line ([`crate::escape::untrusted`]).
+//! escaped for a log line ([`crate::text::untrusted`]).
 //!
 //! TLS: no cryptography happens here. With [`Policy::tls`] on, `STARTTLS` is
 //! acknowledged and [`Handshake::feed`] returns [`Step::StartTls`]; the driver
@@ -64,7 +64,7 @@ pub enum HandshakeError {
     ClientFlags(u32),
     #[error("bad option from client: {0}")]
     Wire(#[from] WireError),
-    /// The name as a log line may show it ([`crate::escape::untrusted`]).
+    /// The name as a log line may show it ([`crate::text::untrusted`]).
     #[error("client asked for unknown export {0} with NBD_OPT_EXPORT_NAME")]
     UnknownExport(String),
     #[error("client sent more than {0} options")]
@@ -416,9 +416,7 @@ impl Handshake {
                     .map_err(|_| WireError::Malformed("export name is not UTF-8"))?;
                 // This option has no error reply: an unknown export closes.
                 let Some((dev, client)) = exports.join(name, &self.identities) else {
-                    return Err(HandshakeError::UnknownExport(crate::escape::untrusted(
-                        name,
-                    )));
+                    return Err(HandshakeError::UnknownExport(crate::text::untrusted(name)));
                 };
                 let flags = transmission_flags(&dev, self.haggled.structured);
                 self.out.extend_from_slice(&dev.size.to_be_bytes());
@@ -568,7 +566,7 @@ impl Handshake {
     fn unknown<C>(&mut self, option: u32, name: &str) -> Result<Step<C>, HandshakeError> {
         self.notices.push(Notice::UnknownExport {
             option,
-            name: crate::escape::untrusted(name),
+            name: crate::text::untrusted(name),
         });
         let msg = format!("no export named {name:?}");
         self.reply(option, REP_ERR_UNKNOWN, msg.as_bytes());
