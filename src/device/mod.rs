@@ -14,6 +14,13 @@
 //! reconfiguration of a live export (`set`, `resize`: the same name already holds
 //! the image) is not probed again: a guest may have written anything at byte 0
 //! since the image was checked.
+//!
+//! Which file: every descriptor of a device is opened through its
+//! [`Pinned`] image file (see [`crate::backing::identity`]), found by path
+//! only by the first open ([`Opening::First`]) or, for a recorded device, only
+//! if the path still names the recorded file ([`Opening::Recorded`]); a
+//! reconfiguration reuses the device's own ([`Opening::Same`]) and never looks
+//! at the path.
 
 pub mod export;
 pub mod range_lock;
@@ -24,11 +31,11 @@ pub mod status;
 use crate::backing::align::{self, DioAlign};
 use crate::backing::create::{self, CreateError};
 use crate::backing::format::{self, Detected, ImageFormat};
+use crate::backing::identity::{FileIdentity, IdentityError, Pinned};
 use crate::backing::lock::{ImageLock, LockError, Mode};
 use range_lock::RangeLock;
 use stats::Stats;
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::OpenOptionsExt;
+use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -47,10 +54,25 @@ pub enum CacheMode {
     Buffered,
 }
 
+/// How a device finds its image file.
+#[derive(Debug, Clone, Default)]
+pub enum Opening {
+    /// By its path, as given (an attach): the file's identity is recorded.
+    #[default]
+    First,
+    /// By its path, only if it names the recorded file (a device of the state
+    /// file coming back); `None`: recorded by an older loopd without one.
+    Recorded(Option<FileIdentity>),
+    /// The file a live device already has (a reconfiguration): no path lookup.
+    Same(Arc<Pinned>),
+}
+
 /// Everything needed to open a device.
 #[derive(Debug, Clone, Default)]
 pub struct DeviceParams {
     pub path: PathBuf,
+    /// How the image file is found.
+    pub opening: Opening,
     pub name: String,
     pub offset: u64,
     pub size_limit: Option<u64>,
@@ -140,6 +162,8 @@ pub enum DeviceError {
         #[source]
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Identity(#[from] IdentityError),
 }
 
 /// A live device. See the module documentation.
@@ -199,6 +223,9 @@ pub struct Device {
     pub splice_reads: bool,
     /// This device's hold on the image lock; released when the device drops.
     pub image_lock: ImageLock,
+    /// The image file every descriptor above was opened through (shared by
+    /// the configurations a live device goes through).
+    pub pinned: Arc<Pinned>,
 }
 
 /// Whether `f` is on a filesystem whose I/O waits only for local disks (or is a
@@ -227,16 +254,16 @@ fn valid_block_size(bs: u32) -> bool {
 /// image the filesystem will not let us write (EROFS, EACCES, EPERM: a
 /// read-only mount, mode 0444) is opened read-only instead, with a notice, as
 /// losetup does. Returns the file and whether the device is read-only.
-fn open_plain(p: &DeviceParams) -> Result<(File, bool), DeviceError> {
+fn open_plain(p: &DeviceParams, pinned: &Pinned) -> Result<(File, bool), DeviceError> {
     let err = |source| DeviceError::Open {
         path: p.path.clone(),
         source,
     };
-    match open_file(&p.path, p.read_only, false) {
+    match pinned.open(p.read_only, false) {
         Ok(f) => Ok((f, p.read_only)),
         Err(e) if !p.read_only && crate::backing::write_protected(&e) => {
             let why = e.to_string();
-            let f = open_file(&p.path, true, false).map_err(|_| err(e))?;
+            let f = pinned.open(true, false).map_err(|_| err(e))?;
             tracing::info!(
                 "{} is write-protected ({why}): serving it read-only",
                 p.path.display()
@@ -245,15 +272,6 @@ fn open_plain(p: &DeviceParams) -> Result<(File, bool), DeviceError> {
         }
         Err(e) => Err(err(e)),
     }
-}
-
-fn open_file(path: &Path, read_only: bool, direct: bool) -> std::io::Result<File> {
-    let mut o = OpenOptions::new();
-    o.read(true).write(!read_only);
-    if direct {
-        o.custom_flags(libc::O_DIRECT);
-    }
-    o.open(path)
 }
 
 /// Create a sparse image of `size` bytes at `path` if nothing is there (see
@@ -320,8 +338,8 @@ impl Device {
                 return Err(DeviceError::BadBlockSize(bs));
             }
         }
-        let created = match p.create {
-            Some(size) if !p.path.exists() => create_sparse(&p.path, size)?,
+        let created = match (p.create, &p.opening) {
+            (Some(size), Opening::First) if !p.path.exists() => create_sparse(&p.path, size)?,
             _ => false,
         };
         match Self::open_existing(p, stats, created) {
@@ -343,7 +361,13 @@ impl Device {
         stats: Arc<Stats>,
         created: bool,
     ) -> Result<Device, DeviceError> {
-        let (plain, read_only) = open_plain(p)?;
+        let pinned = match &p.opening {
+            Opening::First => Arc::new(Pinned::first(&p.path)?),
+            Opening::Recorded(Some(id)) => Arc::new(Pinned::again(&p.path, id)?),
+            Opening::Recorded(None) => Arc::new(Pinned::unrecorded(&p.path)?),
+            Opening::Same(x) => Arc::clone(x),
+        };
+        let (plain, read_only) = open_plain(p, &pinned)?;
         let write_protected = read_only && !p.read_only;
         let meta = plain.metadata().map_err(|source| DeviceError::Stat {
             path: p.path.clone(),
@@ -395,7 +419,7 @@ impl Device {
                         source: None,
                     });
                 }
-                let f = open_file(&p.path, read_only, true).map_err(|e| {
+                let f = pinned.open(read_only, true).map_err(|e| {
                     DeviceError::DirectRefused {
                         path: p.path.clone(),
                         source: Some(e),
@@ -407,7 +431,7 @@ impl Device {
                     format!("direct I/O, alignment {} ({})", align.offset, align.source),
                 )
             }
-            CacheMode::Auto => match (align.supported, open_file(&p.path, read_only, true)) {
+            CacheMode::Auto => match (align.supported, pinned.open(read_only, true)) {
                 (true, Ok(f)) => (
                     f,
                     true,
@@ -499,6 +523,7 @@ impl Device {
             nowait_writes: AtomicBool::new(true),
             splice_reads: !p.no_splice,
             image_lock,
+            pinned,
         })
     }
 
