@@ -188,11 +188,7 @@ pub fn mismatch(rec: &FileIdentity, now: &FileIdentity) -> Option<String> {
 }
 
 fn devno(rdev: u64) -> String {
-    format!(
-        "{}:{}",
-        rustix::fs::major(rdev),
-        rustix::fs::minor(rdev)
-    )
+    format!("{}:{}", rustix::fs::major(rdev), rustix::fs::minor(rdev))
 }
 
 /// An image file, pinned by an `O_PATH` descriptor: every real descriptor of
@@ -278,7 +274,11 @@ impl Pinned {
             dev: st.st_dev,
             ino: st.st_ino,
             uid: st.st_uid,
-            rdev: if kind == FileKind::Block { st.st_rdev } else { 0 },
+            rdev: if kind == FileKind::Block {
+                st.st_rdev
+            } else {
+                0
+            },
             symlink,
             target,
             boot: boot_id().to_owned(),

@@ -348,8 +348,8 @@ impl ImageLock {
         let idx = match reg.iter().position(|e| e.key == key) {
             Some(i) => i,
             None => {
-                let fd = super::identity::reopen(file, true, false)
-                    .map_err(|e| (open_err(e), false))?;
+                let fd =
+                    super::identity::reopen(file, true, false).map_err(|e| (open_err(e), false))?;
                 let m = fd.metadata().map_err(|e| (open_err(e), false))?;
                 if (m.dev(), m.ino()) != key {
                     return Err((
@@ -405,7 +405,10 @@ impl ImageLock {
         if !mode.shared && !reconfiguration {
             if let Some(dev) = kernel_loop_writer(&e.fd) {
                 let who = format!("kernel loop device {dev}");
-                return Err((in_use(describe(Conflict::TheyUse(perm::WRITE), &who)), false));
+                return Err((
+                    in_use(describe(Conflict::TheyUse(perm::WRITE), &who)),
+                    false,
+                ));
             }
         }
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
@@ -460,7 +463,8 @@ pub fn kernel_loop_writer(f: &File) -> Option<String> {
         if ro.trim() == "1" {
             continue;
         }
-        if std::fs::metadata(backing).is_ok_and(|m| (m.dev(), m.ino()) == (meta.dev(), meta.ino())) {
+        if std::fs::metadata(backing).is_ok_and(|m| (m.dev(), m.ino()) == (meta.dev(), meta.ino()))
+        {
             return Some(format!("/dev/{name}"));
         }
     }
@@ -525,7 +529,8 @@ pub fn check_kernel_attach(
 /// A read-only kernel loop device conflicts only with a writer that does not
 /// share writing (pure).
 pub fn kernel_reader_conflict(used: u8, unshared: u8) -> Option<Conflict> {
-    (used & perm::WRITE != 0 && unshared & perm::WRITE != 0).then_some(Conflict::TheyUse(perm::WRITE))
+    (used & perm::WRITE != 0 && unshared & perm::WRITE != 0)
+        .then_some(Conflict::TheyUse(perm::WRITE))
 }
 
 impl Drop for ImageLock {

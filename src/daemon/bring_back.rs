@@ -169,7 +169,10 @@ mod tests {
         let keys: Vec<&str> = d.iter().map(|x| x.key).collect();
         assert_eq!(keys, ["offset", "autoclear", "tls_allow"]);
         let text = describe(&d);
-        assert!(text.contains("offset 4096 asked, 1048576 recorded"), "{text}");
+        assert!(
+            text.contains("offset 4096 asked, 1048576 recorded"),
+            "{text}"
+        );
         assert!(
             text.contains(r#"tls_allow ["cn:bob"] asked, ["cn:alice"] recorded"#),
             "{text}"

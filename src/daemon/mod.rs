@@ -37,12 +37,13 @@ pub mod set_rules;
 pub mod state;
 pub mod uri;
 
+use crate::backing::format::RawError;
+use crate::backing::identity::IdentityError;
 use crate::backing::lock::LockError;
 use crate::control::proto::{
     DeviceSpec, ErrorBody, ErrorCode, Request, SetSpec, err_reply, ok_reply,
 };
 use crate::device::export::{ClientRef, Export};
-use crate::backing::identity::IdentityError;
 use crate::device::{Device, DeviceError, DeviceParams, Opening};
 use crate::frontend::nbd::handshake::Exports;
 use crate::frontend::ublk::ctrl::CtrlError;
@@ -181,7 +182,8 @@ impl CtlError {
                 | DeviceError::Empty
                 | DeviceError::TooLarge { .. }
                 | DeviceError::NotAFile { .. } => ErrorCode::Invalid,
-                DeviceError::NotRaw { .. } => ErrorCode::Invalid,
+                DeviceError::Raw(RawError::NotRaw { .. }) => ErrorCode::Invalid,
+                DeviceError::Raw(RawError::Probe { .. }) => ErrorCode::Io,
                 DeviceError::DirectRefused { .. } => ErrorCode::DirectRefused,
                 DeviceError::Lock(l) => match l {
                     LockError::InUse { .. } => ErrorCode::Busy,
@@ -191,7 +193,6 @@ impl CtlError {
                 },
                 DeviceError::Create { .. }
                 | DeviceError::Open { .. }
-                | DeviceError::Probe { .. }
                 | DeviceError::Stat { .. } => ErrorCode::Io,
                 DeviceError::Identity(i) => match i {
                     IdentityError::NotAFile { .. } => ErrorCode::Invalid,
@@ -1146,9 +1147,9 @@ impl Daemon {
         let (cur, _) = e.current();
         let dev = Device::open_with_stats(&same_file(&spec, &e.name, &cur), Arc::clone(&e.stats))
             .map_err(|source| CtlError::Device {
-                msg: format!("cannot resize {name:?}"),
-                source,
-            })?;
+            msg: format!("cannot resize {name:?}"),
+            source,
+        })?;
         warn_if_renamed(name, &dev);
         if dev.size == cur.size {
             drop(dev);

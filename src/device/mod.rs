@@ -30,7 +30,7 @@ pub mod status;
 
 use crate::backing::align::{self, DioAlign};
 use crate::backing::create::{self, CreateError};
-use crate::backing::format::{self, Detected, ImageFormat};
+use crate::backing::format::{ImageFormat, RawError};
 use crate::backing::identity::{FileIdentity, IdentityError, Pinned};
 use crate::backing::lock::{ImageLock, LockError, Mode};
 use range_lock::RangeLock;
@@ -146,22 +146,8 @@ pub enum DeviceError {
     },
     #[error(transparent)]
     Lock(#[from] LockError),
-    #[error(
-        "{path} is a {format} image; loopd serves raw images only: convert it with \
-         'qemu-img convert -f {format} -O raw {path} {raw}', or pass --format raw to serve \
-         its bytes as they are"
-    )]
-    NotRaw {
-        path: PathBuf,
-        format: Detected,
-        raw: PathBuf,
-    },
-    #[error("cannot read the first bytes of {path} to probe its format")]
-    Probe {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Raw(#[from] RawError),
     #[error(transparent)]
     Identity(#[from] IdentityError),
 }
@@ -283,40 +269,6 @@ fn create_sparse(path: &Path, size: u64) -> Result<bool, DeviceError> {
     })
 }
 
-/// Refuse an image whose first bytes name a container format.
-fn check_raw(path: &Path, f: &File) -> Result<(), DeviceError> {
-    use std::os::unix::fs::FileExt;
-    let mut head = [0u8; format::PROBE_LEN];
-    let mut got = 0;
-    while got < head.len() {
-        match f.read_at(&mut head[got..], got as u64) {
-            Ok(0) => break,
-            Ok(n) => got += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(source) => {
-                return Err(DeviceError::Probe {
-                    path: path.to_path_buf(),
-                    source,
-                });
-            }
-        }
-    }
-    match format::probe(&head[..got]) {
-        None => Ok(()),
-        Some(format) => {
-            let mut raw = path.with_extension("raw");
-            if raw == path {
-                raw = path.with_extension("converted.raw");
-            }
-            Err(DeviceError::NotRaw {
-                path: path.to_path_buf(),
-                format,
-                raw,
-            })
-        }
-    }
-}
-
 fn dup(f: &File, path: &Path) -> Result<File, DeviceError> {
     f.try_clone().map_err(|source| DeviceError::Open {
         path: path.to_path_buf(),
@@ -395,7 +347,7 @@ impl Device {
         };
         let image_lock = ImageLock::acquire(&p.path, &plain, &p.name, mode)?;
         if p.format.is_none() && !created && !image_lock.is_reconfiguration() {
-            check_raw(&p.path, &plain)?;
+            crate::backing::format::check_raw(&p.path, &plain)?;
         }
         let align = align::probe(&plain);
         let local_fs = on_local_disk(&plain);
@@ -419,12 +371,12 @@ impl Device {
                         source: None,
                     });
                 }
-                let f = pinned.open(read_only, true).map_err(|e| {
-                    DeviceError::DirectRefused {
+                let f = pinned
+                    .open(read_only, true)
+                    .map_err(|e| DeviceError::DirectRefused {
                         path: p.path.clone(),
                         source: Some(e),
-                    }
-                })?;
+                    })?;
                 (
                     f,
                     true,

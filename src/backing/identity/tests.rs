@@ -32,7 +32,10 @@ fn after_a_reboot_the_inode_and_owner_count_not_the_device() {
     assert!(mismatch(&rec, &id(FileKind::File, 7, 2, 0, "b2")).is_some());
     // An unknown boot counts as another one.
     let unknown = id(FileKind::File, 1, 2, 1000, "");
-    assert_eq!(mismatch(&unknown, &id(FileKind::File, 7, 2, 1000, "")), None);
+    assert_eq!(
+        mismatch(&unknown, &id(FileKind::File, 7, 2, 1000, "")),
+        None
+    );
     assert!(mismatch(&unknown, &id(FileKind::File, 1, 3, 1000, "")).is_some());
 }
 
@@ -136,10 +139,16 @@ fn again_refuses_a_link_another_file_and_a_fifo() {
     .unwrap();
     let t = Instant::now();
     let e = Pinned::again(&img, &rec).unwrap_err();
-    assert!(matches!(e, IdentityError::NotAFile { what: "a FIFO", .. }), "{e}");
+    assert!(
+        matches!(e, IdentityError::NotAFile { what: "a FIFO", .. }),
+        "{e}"
+    );
     let e = Pinned::first(&img).unwrap_err();
     assert!(matches!(e, IdentityError::NotAFile { .. }), "{e}");
-    assert!(t.elapsed() < Duration::from_secs(5), "opening a FIFO blocked");
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "opening a FIFO blocked"
+    );
 }
 
 #[test]

@@ -174,7 +174,10 @@ fn kernel_attach_check_sees_a_writable_device() {
     // Another description of the file, as `loopd kernel attach` has.
     let probe = File::open(&path).expect("open");
     let e = check_kernel_attach(&path, &probe, false, false).unwrap_err();
-    assert!(e.to_string().contains("another process has the image open"), "{e}");
+    assert!(
+        e.to_string().contains("another process has the image open"),
+        "{e}"
+    );
     let e = check_kernel_attach(&path, &probe, true, false).unwrap_err();
     assert!(e.to_string().contains("--shared"), "{e}");
     assert!(check_kernel_attach(&path, &probe, false, true).is_ok());
