@@ -146,7 +146,7 @@ fn missing_device_comes_back_with_its_record() {
 
     // Alice: the window, read-only (the server answers EPERM: libnbd's own
     // checks are off).
-    let window_head = &before[MIB as usize..MIB as usize + 16];
+    let window_head = read_range(&img, MIB, 16);
     let script = format!(
         "g = nbd.NBD()\n\
          g.set_uri_allow_local_file(True)\n\

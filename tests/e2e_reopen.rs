@@ -312,8 +312,7 @@ fn records_without_an_identity_refuse_links() {
     let text = std::fs::read_to_string(&state).unwrap();
     let p_line = text
         .lines()
-        .filter(|l| l.contains("\"name\":\"p\""))
-        .last()
+        .rfind(|l| l.contains("\"name\":\"p\""))
         .unwrap();
     assert!(
         p_line.contains("\"file\":"),

@@ -25,6 +25,7 @@
 //!     to the same name. A block device after a reboot: reached the same way
 //!     (no link, or links that lead to the same name); nobody but root can make
 //!     a device node.
+//!
 //!   Anything else is refused ([`IdentityError::NowSymlink`],
 //!   [`IdentityError::Different`], [`IdentityError::NotAFile`]) with what to do.
 //! - A record without an identity (a state file of an older loopd) is re-opened

@@ -297,10 +297,15 @@ mod tests {
         let s = dev("s");
         let attached = |n: &str| n == "a" || n == "s";
         // s is removed from the file but stays attached.
-        let loaded = next_loaded(&[a.clone(), s.clone()], &[a.clone()], |_| false, attached);
+        let loaded = next_loaded(
+            &[a.clone(), s.clone()],
+            std::slice::from_ref(&a),
+            |_| false,
+            attached,
+        );
         assert_eq!(loaded, vec![a.clone(), s.clone()]);
         assert_eq!(
-            plan_change(&loaded, &[a.clone()]),
+            plan_change(&loaded, std::slice::from_ref(&a)),
             vec![Change::Unchanged("a".into()), Change::Removed("s".into())]
         );
         // Put back as it was: unchanged; put back changed: a change.
@@ -316,7 +321,7 @@ mod tests {
             Change::Changed { name, .. } if name == "s"
         ));
         // Detached meanwhile: forgotten, so putting it back attaches it.
-        let gone = next_loaded(&loaded, &[a.clone()], |_| false, |n| n == "a");
+        let gone = next_loaded(&loaded, std::slice::from_ref(&a), |_| false, |n| n == "a");
         assert_eq!(gone, vec![a]);
     }
 
