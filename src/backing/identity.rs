@@ -111,17 +111,20 @@ pub enum IdentityError {
     #[error(
         "{path} now goes through a symbolic link, which it did not when the device was \
          attached: it may name another file, so it is not opened; detach the device, or attach \
-         {path} again to accept the file it names now"
+         {path} again under the device's name (`loopd attach {path} --name NAME`) to accept \
+         the file it names now"
     )]
     NowSymlink { path: PathBuf },
     #[error(
         "{path} was recorded by an older loopd without its file's identity and goes through a \
-         symbolic link, so it is not opened; attach {path} again to accept the file it names now"
+         symbolic link, so it is not opened; attach {path} again under the device's name \
+         (`loopd attach {path} --name NAME`) to accept the file it names now"
     )]
     UnrecordedSymlink { path: PathBuf },
     #[error(
         "{path} now names a different file ({why}) than when the device was attached, so it is \
-         not opened; detach the device, or attach {path} again to accept the file it names now"
+         not opened; detach the device, or attach {path} again under the device's name \
+         (`loopd attach {path} --name NAME`) to accept the file it names now"
     )]
     Different { path: PathBuf, why: String },
     #[error("cannot open {path} again through its descriptor ({proc}; is /proc mounted?)")]
