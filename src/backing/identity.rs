@@ -261,6 +261,10 @@ impl Pinned {
         let kind = match ft {
             rustix::fs::FileType::RegularFile => FileKind::File,
             rustix::fs::FileType::BlockDevice => FileKind::Block,
+            // What open(2) of a directory for I/O says.
+            rustix::fs::FileType::Directory => {
+                return Err(open_err(path, Errno::ISDIR.into()));
+            }
             other => {
                 return Err(IdentityError::NotAFile {
                     path: path.to_path_buf(),
