@@ -29,8 +29,8 @@
 //! fd holds the union of both, as QEMU does during a permission change. When the
 //! last holder of an image drops, the fd is closed and the kernel releases the
 //! bytes. Block devices are locked the same way (QEMU's host_device does too).
-//! The lock fd is opened through the device's own descriptor
-//! (`/proc/self/fd`), never by path.
+//! The lock fd is a duplicate of the first holder's descriptor, never opened
+//! by path.
 //!
 //! Kernel loop devices take no lock, so they are looked for in sysfs: a new
 //! device (not `shared`) is refused while a kernel loop device backs its image
@@ -348,8 +348,9 @@ impl ImageLock {
         let idx = match reg.iter().position(|e| e.key == key) {
             Some(i) => i,
             None => {
-                let fd =
-                    super::identity::reopen(file, true, false).map_err(|e| (open_err(e), false))?;
+                // The device's own open file, duplicated: no path lookup, and
+                // the locks live as long as the registry keeps this descriptor.
+                let fd = file.try_clone().map_err(|e| (open_err(e), false))?;
                 let m = fd.metadata().map_err(|e| (open_err(e), false))?;
                 if (m.dev(), m.ino()) != key {
                     return Err((
@@ -443,32 +444,58 @@ impl ImageLock {
 /// for it, as `/proc/self/fd` gives ours; confirmed by device and inode) and
 /// `ro` is 0. Such a device writes and holds no lock.
 pub fn kernel_loop_writer(f: &File) -> Option<String> {
-    let ours = std::fs::read_link(format!("/proc/self/fd/{}", f.as_raw_fd())).ok()?;
-    let meta = f.metadata().ok()?;
-    let rd = std::fs::read_dir("/sys/block").ok()?;
-    for e in rd.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        if !name.starts_with("loop") {
-            continue;
-        }
-        let base = e.path();
+    // Only looked up once a loop device has a backing file.
+    let mut ours = None;
+    for name in bound_loops() {
+        let base = Path::new("/sys/block").join(&name);
         let Ok(backing) = std::fs::read_to_string(base.join("loop/backing_file")) else {
             continue;
         };
         let backing = backing.strip_suffix('\n').unwrap_or(&backing);
-        if Path::new(backing) != ours {
+        if ours.is_none() {
+            ours = std::fs::read_link(format!("/proc/self/fd/{}", f.as_raw_fd())).ok();
+        }
+        if ours.as_deref() != Some(Path::new(backing)) {
             continue;
         }
         let ro = std::fs::read_to_string(base.join("ro")).unwrap_or_default();
         if ro.trim() == "1" {
             continue;
         }
+        let meta = f.metadata().ok()?;
         if std::fs::metadata(backing).is_ok_and(|m| (m.dev(), m.ino()) == (meta.dev(), meta.ino()))
         {
             return Some(format!("/dev/{name}"));
         }
     }
     None
+}
+
+/// The names (`loopN`) of the loop devices that may have a backing file: those
+/// `/proc/partitions` lists (it leaves out disks of size 0, which every unbound
+/// loop device is), so an attach reads one file, not one per loop device; every
+/// `loop*` of `/sys/block` if it cannot be read.
+fn bound_loops() -> Vec<String> {
+    let is_loop = |n: &str| {
+        n.strip_prefix("loop")
+            .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+    };
+    if let Ok(t) = std::fs::read_to_string("/proc/partitions") {
+        return t
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(3))
+            .filter(|n| is_loop(n))
+            .map(str::to_owned)
+            .collect();
+    }
+    std::fs::read_dir("/sys/block")
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| is_loop(n))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Whether a kernel loop device may use the image `file` (`read_only`, or
