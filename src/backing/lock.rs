@@ -29,8 +29,8 @@
 //! fd holds the union of both, as QEMU does during a permission change. When the
 //! last holder of an image drops, the fd is closed and the kernel releases the
 //! bytes. Block devices are locked the same way (QEMU's host_device does too).
-//! The lock fd is a duplicate of the first holder's descriptor, never opened
-//! by path.
+//! The lock fd is opened through the first holder's descriptor
+//! (`/proc/self/fd`), never by path.
 //!
 //! Kernel loop devices take no lock, so they are looked for in sysfs: a new
 //! device (not `shared`) is refused while a kernel loop device backs its image
@@ -348,9 +348,10 @@ impl ImageLock {
         let idx = match reg.iter().position(|e| e.key == key) {
             Some(i) => i,
             None => {
-                // The device's own open file, duplicated: no path lookup, and
-                // the locks live as long as the registry keeps this descriptor.
-                let fd = file.try_clone().map_err(|e| (open_err(e), false))?;
+                // A description of its own (closing it releases the bytes),
+                // opened through the device's descriptor: no path lookup.
+                let fd =
+                    super::identity::reopen(file, true, false).map_err(|e| (open_err(e), false))?;
                 let m = fd.metadata().map_err(|e| (open_err(e), false))?;
                 if (m.dev(), m.ino()) != key {
                     return Err((
