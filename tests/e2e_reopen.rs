@@ -319,3 +319,74 @@ fn records_without_an_identity_refuse_links() {
         "identity not recorded: {text}"
     );
 }
+
+/// After a reboot device numbers may change (btrfs subvolumes, NFS, tmpfs,
+/// renumbered disks): a record from another boot (its boot id and device
+/// number rewritten here) comes back on the same inode and owner, and is then
+/// recorded with this boot's identity; a record from another boot whose inode
+/// differs stays missing.
+#[test]
+fn another_boot_needs_the_same_inode_not_the_same_device() {
+    let dir = tempdir();
+    let img = dir.path().join("b.img");
+    create_pattern_image(&img, SIZE, 6);
+    let state = dir.path().join("b.state");
+    let sock = dir.path().join("b.sock");
+    let serve = || {
+        Server::daemon()
+            .socket_path(&sock)
+            .arg("--state")
+            .arg(&state)
+            .start()
+    };
+    let mut srv = serve();
+    srv.ctl_ok(&["attach", path_str(&img)]);
+    srv.stop_ok();
+    let file_of = || {
+        let text = std::fs::read_to_string(&state).unwrap();
+        let line = text
+            .lines()
+            .rfind(|l| l.contains("\"name\":\"b\""))
+            .expect("a record of b")
+            .to_owned();
+        let f = Json::parse(&line).at("put").at("file").clone();
+        (text, f)
+    };
+    let (text, f) = file_of();
+    let (dev, ino, boot) = (
+        f.at("dev").u64(),
+        f.at("ino").u64(),
+        f.at("boot").str().to_owned(),
+    );
+    assert!(!boot.is_empty(), "no boot id recorded: {f:?}");
+    let other_boot = |text: &str, ino_now: u64| {
+        text.replace(&format!("\"boot\":\"{boot}\""), "\"boot\":\"another-boot\"")
+            .replace(&format!("\"dev\":{dev},"), &format!("\"dev\":{},", dev + 1))
+            .replace(&format!("\"ino\":{ino},"), &format!("\"ino\":{ino_now},"))
+    };
+    std::fs::write(&state, other_boot(&text, ino)).unwrap();
+    let mut srv = serve();
+    wait_device(&srv, "b", "live", "", Duration::from_secs(5));
+    srv.stop_ok();
+    let (text, f) = file_of();
+    assert_eq!(
+        f.at("boot").str(),
+        boot,
+        "this boot is recorded again: {f:?}"
+    );
+    assert_eq!(f.at("dev").u64(), dev, "{f:?}");
+    std::fs::write(&state, other_boot(&text, ino + 1)).unwrap();
+    let srv = serve();
+    wait_device(
+        &srv,
+        "b",
+        "missing",
+        "now names a different file",
+        Duration::from_secs(5),
+    );
+    let reason = srv.device("b").unwrap().at("reason").str().to_owned();
+    assert!(
+        reason.contains(&format!("inode {} recorded, {ino} now", ino + 1)),
+        "{reason}"
+    );
+}
