@@ -5,6 +5,7 @@
 mod common;
 
 use common::*;
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -384,4 +385,78 @@ fn write_protected_image_gives_a_read_only_device() {
         "{j:?}"
     );
     drop(srv);
+}
+
+/// Issue 22 point 14. A device `serve IMAGE` (or `serve --config`) cannot set
+/// up ends with the code and exit status `attach` gives for the same device:
+/// an unaligned offset, a bad block size and an offset past the end are
+/// `invalid` (7), a missing image `io` (1), an image another server writes
+/// `busy` (5); with `--fork` the parent exits with the same status.
+#[test]
+fn serve_start_errors_have_the_attach_codes() {
+    let dir = tempdir();
+    let img = dir.path().join("s.img");
+    create_sparse_image(&img, MIB);
+    let locked = dir.path().join("locked.img");
+    create_sparse_image(&locked, MIB);
+    let _holder = Server::builder(&locked).start();
+    let daemon = Server::daemon().start();
+    let missing = dir.path().join("nope.img");
+    let cases: [(&str, &Path, &[&str], &str, &str); 5] = [
+        (
+            "offset 100",
+            &img,
+            &["--offset", "100"],
+            "invalid",
+            "offset 100 is not a multiple of the block size",
+        ),
+        (
+            "block size 1000",
+            &img,
+            &["--block-size", "1000"],
+            "invalid",
+            "block size 1000 is not a power of two",
+        ),
+        (
+            "offset past the end",
+            &img,
+            &["--offset", "2M"],
+            "invalid",
+            "is beyond the end of",
+        ),
+        ("missing image", &missing, &[], "io", "nope.img"),
+        ("locked image", &locked, &[], "busy", "is in use"),
+    ];
+    for (i, (what, image, args, code, words)) in cases.iter().enumerate() {
+        let attach = daemon.ctl(&[&["attach", path_str(image)][..], args].concat());
+        assert_ctl_error(&attach, code);
+        let sock = dir.path().join(format!("s{i}.sock"));
+        let mut c = Command::new(loopd_bin());
+        c.arg("serve")
+            .arg(image)
+            .arg("--socket")
+            .arg(&sock)
+            .arg("--state")
+            .arg(sock.with_extension("state"))
+            .args(*args)
+            .stdin(Stdio::null());
+        let out = run_cmd_timeout(c, Duration::from_secs(20));
+        assert_ctl_error(&out, code);
+        assert!(out.stderr.contains(words), "{what}:\n{out}");
+        assert!(!sock.exists(), "{what}: socket left behind");
+    }
+    // Through --fork: the parent exits with the daemon's status.
+    let sock = dir.path().join("f.sock");
+    let mut c = Command::new(loopd_bin());
+    c.arg("serve")
+        .arg(&img)
+        .arg("--socket")
+        .arg(&sock)
+        .arg("--state")
+        .arg(sock.with_extension("state"))
+        .args(["--offset", "100", "--fork"])
+        .stdin(Stdio::null());
+    let out = run_cmd_timeout(c, Duration::from_secs(20));
+    assert_ctl_error(&out, "invalid");
+    assert!(out.stderr.contains("offset 100 is not a multiple"), "{out}");
 }

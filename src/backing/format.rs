@@ -11,9 +11,14 @@
 //! bytes only; like QEMU, it is not probed: its data is a raw disk.
 //!
 //! The caller refuses a probed image unless the user declared the format
-//! ([`ImageFormat::Raw`]).
+//! ([`ImageFormat::Raw`]); [`check_raw`] reads the head of an open file and
+//! refuses with the message both the daemon and `loopd kernel attach` give.
 
+use crate::text::quoted_path;
 use serde::{Deserialize, Serialize};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use thiserror::Error;
 
 /// How many leading bytes [`probe`] looks at.
 pub const PROBE_LEN: usize = 512;
@@ -101,6 +106,62 @@ pub fn probe(head: &[u8]) -> Option<Detected> {
         return Some(Detected::Vdi);
     }
     None
+}
+
+/// An image [`check_raw`] refuses, or could not read.
+#[derive(Debug, Error)]
+pub enum RawError {
+    #[error(
+        "{} is a {format} image; loopd serves raw images only: convert it with \
+         'qemu-img convert -f {format} -O raw {} {}', or pass --format raw to serve \
+         its bytes as they are",
+        quoted_path(.path), quoted_path(.path), quoted_path(.raw)
+    )]
+    NotRaw {
+        path: PathBuf,
+        format: Detected,
+        raw: PathBuf,
+    },
+    #[error("cannot read the first bytes of {} to probe its format", quoted_path(.path))]
+    Probe {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Refuse the image `f` (at `path`) if its first bytes name a container format.
+pub fn check_raw(path: &Path, f: &File) -> Result<(), RawError> {
+    use std::os::unix::fs::FileExt;
+    let mut head = [0u8; PROBE_LEN];
+    let mut got = 0;
+    while got < head.len() {
+        match f.read_at(&mut head[got..], got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(source) => {
+                return Err(RawError::Probe {
+                    path: path.to_path_buf(),
+                    source,
+                });
+            }
+        }
+    }
+    match probe(&head[..got]) {
+        None => Ok(()),
+        Some(format) => {
+            let mut raw = path.with_extension("raw");
+            if raw == path {
+                raw = path.with_extension("converted.raw");
+            }
+            Err(RawError::NotRaw {
+                path: path.to_path_buf(),
+                format,
+                raw,
+            })
+        }
+    }
 }
 
 #[cfg(test)]

@@ -29,6 +29,17 @@
 //! fd holds the union of both, as QEMU does during a permission change. When the
 //! last holder of an image drops, the fd is closed and the kernel releases the
 //! bytes. Block devices are locked the same way (QEMU's host_device does too).
+//! The lock fd is opened through the first holder's descriptor
+//! (`/proc/self/fd`), never by path.
+//!
+//! Kernel loop devices take no lock, so they are looked for in sysfs: a new
+//! device (not `shared`) is refused while a kernel loop device backs its image
+//! read-write ([`kernel_loop_writer`]). `loopd kernel attach`, which leaves no
+//! process behind to hold bytes, checks the image once with
+//! [`check_kernel_attach`]: a read-write loop device is refused by anyone who
+//! uses or forbids writing (like a writable device); a read-only one only by a
+//! writer that does not share writing (bytes 101 and 201, e.g. a writable loopd
+//! device), as QEMU readers that share writing are let through.
 //!
 //! Locks: the registry mutex, held only by [`ImageLock::acquire`] and `Drop`
 //! (control plane; never on the data path). `acquire` waits up to
@@ -338,7 +349,10 @@ impl ImageLock {
         let idx = match reg.iter().position(|e| e.key == key) {
             Some(i) => i,
             None => {
-                let fd = File::open(path).map_err(|e| (open_err(e), false))?;
+                // A description of its own (closing it releases the bytes),
+                // opened through the device's descriptor: no path lookup.
+                let fd =
+                    super::identity::reopen(file, true, false).map_err(|e| (open_err(e), false))?;
                 let m = fd.metadata().map_err(|e| (open_err(e), false))?;
                 if (m.dev(), m.ino()) != key {
                     return Err((
@@ -391,6 +405,15 @@ impl ImageLock {
             return Err((in_use(describe(c, "another process")), false));
         }
         let reconfiguration = e.holders.iter().any(|h| h.owner == owner);
+        if !mode.shared && !reconfiguration {
+            if let Some(dev) = kernel_loop_writer(&e.fd) {
+                let who = format!("kernel loop device {dev}");
+                return Err((
+                    in_use(describe(Conflict::TheyUse(perm::WRITE), &who)),
+                    false,
+                ));
+            }
+        }
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         e.holders.push(Holder {
             id,
@@ -416,6 +439,127 @@ impl ImageLock {
     pub fn is_reconfiguration(&self) -> bool {
         self.reconfiguration
     }
+}
+
+/// The kernel loop device (`/dev/loopN`) that backs the file `f` read-write,
+/// if any: sysfs `loop/backing_file` names the same file (the kernel's name
+/// for it, as `/proc/self/fd` gives ours; confirmed by device and inode) and
+/// `ro` is 0. Such a device writes and holds no lock.
+pub fn kernel_loop_writer(f: &File) -> Option<String> {
+    // Only looked up once a loop device has a backing file.
+    let mut ours = None;
+    for name in bound_loops() {
+        let base = Path::new("/sys/block").join(&name);
+        let Ok(backing) = std::fs::read_to_string(base.join("loop/backing_file")) else {
+            continue;
+        };
+        let backing = backing.strip_suffix('\n').unwrap_or(&backing);
+        if ours.is_none() {
+            ours = std::fs::read_link(format!("/proc/self/fd/{}", f.as_raw_fd())).ok();
+        }
+        if ours.as_deref() != Some(Path::new(backing)) {
+            continue;
+        }
+        let ro = std::fs::read_to_string(base.join("ro")).unwrap_or_default();
+        if ro.trim() == "1" {
+            continue;
+        }
+        let meta = f.metadata().ok()?;
+        if std::fs::metadata(backing).is_ok_and(|m| (m.dev(), m.ino()) == (meta.dev(), meta.ino()))
+        {
+            return Some(format!("/dev/{name}"));
+        }
+    }
+    None
+}
+
+/// The names (`loopN`) of the loop devices that may have a backing file: those
+/// `/proc/partitions` lists (it leaves out disks of size 0, which every unbound
+/// loop device is), so an attach reads one file, not one per loop device; every
+/// `loop*` of `/sys/block` if it cannot be read.
+fn bound_loops() -> Vec<String> {
+    let is_loop = |n: &str| {
+        n.strip_prefix("loop")
+            .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+    };
+    if let Ok(t) = std::fs::read_to_string("/proc/partitions") {
+        return t
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(3))
+            .filter(|n| is_loop(n))
+            .map(str::to_owned)
+            .collect();
+    }
+    std::fs::read_dir("/sys/block")
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| is_loop(n))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Whether a kernel loop device may use the image `file` (`read_only`, or
+/// `shared`: skip the test), checked against the locks of every process and
+/// against other kernel loop devices (see the module documentation).
+pub fn check_kernel_attach(
+    path: &Path,
+    file: &File,
+    read_only: bool,
+    shared: bool,
+) -> Result<(), LockError> {
+    if shared {
+        return Ok(());
+    }
+    let in_use = |why| LockError::InUse {
+        path: path.to_path_buf(),
+        why,
+    };
+    if let Some(dev) = kernel_loop_writer(file) {
+        let who = format!("kernel loop device {dev}");
+        return Err(in_use(describe(Conflict::TheyUse(perm::WRITE), &who)));
+    }
+    let held = |byte| -> Result<bool, LockError> {
+        let fl = ofd(file, libc::F_OFD_GETLK, libc::F_WRLCK, byte).map_err(|source| {
+            LockError::Fcntl {
+                path: path.to_path_buf(),
+                byte,
+                source,
+            }
+        })?;
+        Ok(i32::from(fl.l_type) != libc::F_UNLCK)
+    };
+    let mut used = 0u8;
+    let mut unshared = 0u8;
+    for i in 0..4u8 {
+        if held(PERM_BASE + i64::from(i))? {
+            used |= 1 << i;
+        }
+        if held(SHARED_BASE + i64::from(i))? {
+            unshared |= 1 << i;
+        }
+    }
+    let c = if read_only {
+        kernel_reader_conflict(used, unshared)
+    } else {
+        let rw = Mode {
+            read_only: false,
+            shared: false,
+        };
+        conflict(rw, used, unshared)
+    };
+    match c {
+        Some(c) => Err(in_use(describe(c, "another process"))),
+        None => Ok(()),
+    }
+}
+
+/// A read-only kernel loop device conflicts only with a writer that does not
+/// share writing (pure).
+pub fn kernel_reader_conflict(used: u8, unshared: u8) -> Option<Conflict> {
+    (used & perm::WRITE != 0 && unshared & perm::WRITE != 0)
+        .then_some(Conflict::TheyUse(perm::WRITE))
 }
 
 impl Drop for ImageLock {

@@ -1,5 +1,6 @@
 //! The backing file, below the device: creating one (atomically, see `create`),
-//! what an image file is (format probe), how direct I/O must be aligned on it,
+//! which file a path names and opening it again only if it is the same one
+//! (`identity`), what an image file is (format probe), how direct I/O must be aligned on it,
 //! who else may use it (QEMU-compatible image locking), and how much of it the
 //! page cache holds (`cache`).
 //!
@@ -10,6 +11,7 @@ pub mod align;
 pub mod cache;
 pub mod create;
 pub mod format;
+pub mod identity;
 pub mod lock;
 
 /// Whether opening an image for writing failed because it is write-protected

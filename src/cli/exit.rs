@@ -7,6 +7,9 @@
 //! Contract: [`classify`] looks at the whole cause chain of an error and never
 //! fails; every control protocol code has a class (the match is exhaustive).
 
+use loopd::backing::format::RawError;
+use loopd::backing::identity::IdentityError;
+use loopd::backing::lock::LockError;
 use loopd::control::client::ClientError;
 use loopd::control::proto::{ErrorBody, ErrorCode};
 use loopd::kernel_loop::KernelLoopError;
@@ -119,6 +122,10 @@ pub fn classify(e: &anyhow::Error) -> &'static str {
                 KernelLoopError::BadBlockSize(_) | KernelLoopError::NotLoop(_) => "invalid",
                 KernelLoopError::Control(_) => "unavailable",
                 KernelLoopError::DirectRefused { .. } => "direct_refused",
+                // As the daemon's attach classes them.
+                KernelLoopError::ImageLock(LockError::InUse { .. }) => "busy",
+                KernelLoopError::Raw(RawError::NotRaw { .. })
+                | KernelLoopError::Identity(IdentityError::NotAFile { .. }) => "invalid",
                 _ => "io",
             };
         }
@@ -140,6 +147,21 @@ pub fn json_error(code: &str, message: &str) -> String {
     serde_json::json!({ "error": { "code": code, "message": message } }).to_string()
 }
 
+/// The line a failure prints after `loopd: error: ` (ending with its code),
+/// and its exit status.
+pub fn line(e: &anyhow::Error) -> (String, u8) {
+    let code = classify(e);
+    let message = format!("{e:#}");
+    // A daemon error's message already ends with its code.
+    let daemon = e.chain().any(|c| c.downcast_ref::<DaemonError>().is_some());
+    let text = if daemon {
+        message
+    } else {
+        format!("{message} ({code})")
+    };
+    (text, status_for(code))
+}
+
 /// Report a failure (stderr, and stdout under `--json`) and give its exit status.
 pub fn report(e: &anyhow::Error, json: bool) -> u8 {
     let code = classify(e);
@@ -147,12 +169,7 @@ pub fn report(e: &anyhow::Error, json: bool) -> u8 {
     // A daemon error's message already ends with its code. On the terminal it
     // is one line with nothing raw in it (it may quote a client's path).
     let daemon = e.chain().find_map(|c| c.downcast_ref::<DaemonError>());
-    let shown = loopd::text::sanitize_line(&message);
-    if daemon.is_some() {
-        eprintln!("loopd: error: {shown}");
-    } else {
-        eprintln!("loopd: error: {shown} ({code})");
-    }
+    eprintln!("loopd: error: {}", loopd::text::sanitize_line(&line(e).0));
     if json {
         let body = daemon.map(|d| d.0.message.clone()).unwrap_or(message);
         println!("{}", json_error(code, &body));

@@ -82,6 +82,16 @@ pub struct KernelAttach {
     /// Remove the device when its last user closes it.
     #[arg(long)]
     autoclear: bool,
+    /// Set it up even though another writer (a loopd device, QEMU) has the
+    /// image open, or one that does not share writing when --read-only
+    /// (QEMU's force-share). Default: refused, as `loopd attach` does.
+    #[arg(long)]
+    shared: bool,
+    /// Declare the image's format: `raw` uses its bytes as they are, even if
+    /// they look like qcow2, vmdk, ... [default: probe and refuse non-raw
+    /// images].
+    #[arg(long, value_enum, value_name = "FORMAT")]
+    format: Option<super::Format>,
     /// Scan the device for partitions: turned on after the device is
     /// configured, under a BSD lock (no udev race); returns once every
     /// partition node (/dev/loopNpK) exists.
@@ -116,6 +126,8 @@ pub fn run(cmd: KernelCmd) -> Result<()> {
                 read_only: a.read_only,
                 autoclear: a.autoclear,
                 partscan: a.partscan,
+                shared: a.shared,
+                format: a.format.map(Into::into),
             };
             let r = kernel_loop::attach(&p)?;
             if r.write_protected {

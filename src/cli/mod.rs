@@ -181,6 +181,7 @@ impl DeviceArgs {
             partscan: self.partscan,
             ublk_id: None,
             tls_allow: self.tls_allow.clone(),
+            file: None,
         }
     }
 }

@@ -2,6 +2,7 @@
 //! restore), then the server loop until SIGTERM/SIGINT.
 
 use super::DeviceArgs;
+use super::exit::DaemonError;
 use super::log;
 use super::syslog::Syslog;
 use anyhow::{Context, Result, bail};
@@ -256,7 +257,8 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
         // `systemctl status` shows it beside the exit code.
         notifier.send(&format!("STATUS=failed: {}", msg.replace('\n', " ")));
         if let Some(p) = ready_pipe.borrow_mut().as_mut() {
-            p.fail(&msg);
+            let (line, status) = super::exit::line(e);
+            p.fail(status, &line);
         }
     }
     r
@@ -529,7 +531,7 @@ fn attach_at_start(d: &Daemon, a: &ServeArgs) -> Result<()> {
                     no_splice: a.no_splice,
                 },
             )
-            .map_err(|e| anyhow::anyhow!(e.body().message))?;
+            .map_err(|e| DaemonError(e.body()))?;
         let e = d.export(&info.name).context("device vanished")?;
         let (dev, _) = e.current();
         tracing::info!(
@@ -549,8 +551,9 @@ fn attach_at_start(d: &Daemon, a: &ServeArgs) -> Result<()> {
         let n = specs.len();
         for spec in specs {
             let name = daemon::name_of(&spec);
+            // Classed as the control path classes an attach (code, exit status).
             d.attach(spec, false)
-                .map_err(|e| anyhow::anyhow!(e.body().message))
+                .map_err(|e| DaemonError(e.body()))
                 .with_context(|| format!("{}: device {name:?}", cfg.display()))?;
         }
         tracing::info!(

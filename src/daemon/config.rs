@@ -7,6 +7,10 @@
 //! attach a new one; apply size limit, cache and read-only live; apply offset
 //! and block size only with no client connected; leave every other change to a
 //! detach and attach; keep a device gone from the file, with a warning.
+//! [`next_loaded`] (pure too) says what the next reload compares the file with:
+//! a device gone from the file but still attached keeps its old table there,
+//! so putting it back unchanged is no change and a changed one is a change,
+//! never a second attach.
 
 use super::name_of;
 use crate::device::spec::DeviceSpec;
@@ -161,6 +165,39 @@ pub fn plan_change(old: &[DeviceSpec], new: &[DeviceSpec]) -> Vec<Change> {
     out
 }
 
+/// The devices the next reload compares the file with, after a reload of `new`
+/// over `old`: the devices of `new`, but one whose change did not happen
+/// (`pending`) keeps its old table (none if it was not attached), and one gone
+/// from the file that is still `attached` keeps its old table too.
+pub fn next_loaded(
+    old: &[DeviceSpec],
+    new: &[DeviceSpec],
+    pending: impl Fn(&str) -> bool,
+    attached: impl Fn(&str) -> bool,
+) -> Vec<DeviceSpec> {
+    let old_of = |n: &str| old.iter().find(|o| name_of(o) == n).cloned();
+    let mut out: Vec<DeviceSpec> = new
+        .iter()
+        .filter_map(|s| {
+            let n = name_of(s);
+            if pending(&n) {
+                old_of(&n)
+            } else {
+                Some(s.clone())
+            }
+        })
+        .collect();
+    out.extend(
+        old.iter()
+            .filter(|o| {
+                let n = name_of(o);
+                !new.iter().any(|s| name_of(s) == n) && attached(&n)
+            })
+            .cloned(),
+    );
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -254,7 +291,82 @@ mod tests {
         assert!(e.contains("not a valid config file"), "{e}");
     }
 
+    #[test]
+    fn a_device_put_back_while_attached_is_unchanged() {
+        let a = dev("a");
+        let s = dev("s");
+        let attached = |n: &str| n == "a" || n == "s";
+        // s is removed from the file but stays attached.
+        let loaded = next_loaded(
+            &[a.clone(), s.clone()],
+            std::slice::from_ref(&a),
+            |_| false,
+            attached,
+        );
+        assert_eq!(loaded, vec![a.clone(), s.clone()]);
+        assert_eq!(
+            plan_change(&loaded, std::slice::from_ref(&a)),
+            vec![Change::Unchanged("a".into()), Change::Removed("s".into())]
+        );
+        // Put back as it was: unchanged; put back changed: a change.
+        let back = [a.clone(), s.clone()];
+        assert_eq!(
+            plan_change(&loaded, &back)[1],
+            Change::Unchanged("s".into())
+        );
+        let mut s2 = s.clone();
+        s2.size_limit = Some(4096);
+        assert!(matches!(
+            &plan_change(&loaded, &[a.clone(), s2])[1],
+            Change::Changed { name, .. } if name == "s"
+        ));
+        // Detached meanwhile: forgotten, so putting it back attaches it.
+        let gone = next_loaded(&loaded, std::slice::from_ref(&a), |_| false, |n| n == "a");
+        assert_eq!(gone, vec![a]);
+    }
+
     proptest! {
+        /// Reloading any sequence of files: a device still attached is never
+        /// planned as a new attach (which fails: the name is taken), and after
+        /// each reload every device of the file is attached with its size limit.
+        #[test]
+        fn a_reload_never_attaches_an_attached_device(
+            files in proptest::collection::vec(
+                proptest::collection::btree_map("[a-d]", proptest::option::of(1u64..3), 0..4),
+                1..6),
+        ) {
+            use std::collections::BTreeMap;
+            let mut attached: BTreeMap<String, Option<u64>> = BTreeMap::new();
+            let mut loaded: Vec<DeviceSpec> = Vec::new();
+            for f in &files {
+                let new: Vec<DeviceSpec> = f.iter().map(|(n, l)| DeviceSpec {
+                    size_limit: *l, ..dev(n)
+                }).collect();
+                for c in plan_change(&loaded, &new) {
+                    match c {
+                        Change::Attach(s) => {
+                            let n = name_of(&s);
+                            prop_assert!(!attached.contains_key(&n), "{} attached twice", n);
+                            attached.insert(n, s.size_limit);
+                        }
+                        Change::Changed { name, live, .. } => {
+                            prop_assert!(attached.contains_key(&name));
+                            if let Some(l) = live.size_limit {
+                                attached.insert(name, l);
+                            }
+                        }
+                        Change::Unchanged(n) | Change::Removed(n) => {
+                            prop_assert!(attached.contains_key(&n));
+                        }
+                    }
+                }
+                for s in &new {
+                    prop_assert_eq!(attached.get(&name_of(s)), Some(&s.size_limit));
+                }
+                loaded = next_loaded(&loaded, &new, |_| false, |n| attached.contains_key(n));
+            }
+        }
+
         /// Every device of either file appears in the plan exactly once.
         #[test]
         fn every_device_is_planned_once(old in proptest::collection::btree_set("[a-e]", 0..5),

@@ -19,9 +19,16 @@
 //! sees a device the state file lacks. A recorded device whose image cannot be
 //! opened at start stays recorded and is listed as *missing* with the reason; it
 //! is retried every [`RETRY_INTERVAL`] and by an attach of the same name.
+//!
+//! Which file: a recorded device comes back (restart, retry) only on the file
+//! its record names ([`crate::backing::identity`]); an `attach` of a missing
+//! device's image brings it back with its record, or is refused when it asks
+//! for something else ([`bring_back`]); `set` and `resize` re-open the device's
+//! own file, never its path.
 
 pub mod audit;
 pub mod blockdev;
+pub mod bring_back;
 pub mod config;
 pub mod control_socket;
 pub mod info;
@@ -30,12 +37,14 @@ pub mod set_rules;
 pub mod state;
 pub mod uri;
 
+use crate::backing::format::RawError;
+use crate::backing::identity::IdentityError;
 use crate::backing::lock::LockError;
 use crate::control::proto::{
     DeviceSpec, ErrorBody, ErrorCode, Request, SetSpec, err_reply, ok_reply,
 };
 use crate::device::export::{ClientRef, Export};
-use crate::device::{Device, DeviceError, DeviceParams};
+use crate::device::{Device, DeviceError, DeviceParams, Opening};
 use crate::frontend::nbd::handshake::Exports;
 use crate::frontend::ublk::ctrl::CtrlError;
 use crate::kernel_nbd::KernelNbdError;
@@ -83,6 +92,18 @@ pub enum CtlError {
         image: String,
         reason: String,
     },
+    #[error(
+        "a device named {name:?} is recorded for {image} (missing: {reason}) with another \
+         configuration than this attach asks: {differs}; attach {image} --name {name:?} without \
+         these options to bring it back as recorded, or `loopd detach {name:?}` first and attach \
+         it anew"
+    )]
+    MissingDiffers {
+        name: String,
+        image: String,
+        reason: String,
+        differs: String,
+    },
     #[error("{0}")]
     Busy(String),
     #[error("{0}")]
@@ -118,7 +139,9 @@ impl CtlError {
     pub fn code(&self) -> ErrorCode {
         match self {
             CtlError::NotFound(_) => ErrorCode::NotFound,
-            CtlError::NameTaken(_) | CtlError::MissingTaken { .. } => ErrorCode::NameTaken,
+            CtlError::NameTaken(_)
+            | CtlError::MissingTaken { .. }
+            | CtlError::MissingDiffers { .. } => ErrorCode::NameTaken,
             CtlError::Busy(_) => ErrorCode::Busy,
             CtlError::Invalid(_) => ErrorCode::Invalid,
             CtlError::ShuttingDown => ErrorCode::ShuttingDown,
@@ -160,7 +183,8 @@ impl CtlError {
                 | DeviceError::Empty
                 | DeviceError::TooLarge { .. }
                 | DeviceError::NotAFile { .. } => ErrorCode::Invalid,
-                DeviceError::NotRaw { .. } => ErrorCode::Invalid,
+                DeviceError::Raw(RawError::NotRaw { .. }) => ErrorCode::Invalid,
+                DeviceError::Raw(RawError::Probe { .. }) => ErrorCode::Io,
                 DeviceError::DirectRefused { .. } => ErrorCode::DirectRefused,
                 DeviceError::Lock(l) => match l {
                     LockError::InUse { .. } => ErrorCode::Busy,
@@ -170,8 +194,15 @@ impl CtlError {
                 },
                 DeviceError::Create { .. }
                 | DeviceError::Open { .. }
-                | DeviceError::Probe { .. }
                 | DeviceError::Stat { .. } => ErrorCode::Io,
+                DeviceError::Identity(i) => match i {
+                    IdentityError::NotAFile { .. } => ErrorCode::Invalid,
+                    IdentityError::Open { .. }
+                    | IdentityError::NowSymlink { .. }
+                    | IdentityError::UnrecordedSymlink { .. }
+                    | IdentityError::Different { .. }
+                    | IdentityError::Reopen { .. } => ErrorCode::Io,
+                },
             },
         }
     }
@@ -280,6 +311,7 @@ fn params_of(spec: &DeviceSpec, name: &str) -> DeviceParams {
 fn params_with(spec: &DeviceSpec, name: &str, tuning: Tuning) -> DeviceParams {
     DeviceParams {
         path: spec.image.clone(),
+        opening: Opening::First,
         name: name.to_owned(),
         offset: spec.offset,
         size_limit: spec.size_limit,
@@ -294,6 +326,28 @@ fn params_with(spec: &DeviceSpec, name: &str, tuning: Tuning) -> DeviceParams {
         no_splice: tuning.no_splice,
         shared: spec.shared,
         format: spec.format,
+    }
+}
+
+/// A reconfiguration's parameters: `spec` on the file device `cur` already has
+/// (no path lookup; see [`crate::backing::identity`]).
+fn same_file(spec: &DeviceSpec, name: &str, cur: &Device) -> DeviceParams {
+    DeviceParams {
+        opening: Opening::Same(Arc::clone(&cur.pinned)),
+        ..params_of(spec, name)
+    }
+}
+
+/// After `set`/`resize`: say so when the image path no longer names the file
+/// the device serves (it keeps serving that file; a restart would not).
+fn warn_if_renamed(name: &str, dev: &Device) {
+    if !dev.pinned.path_still_names_it() {
+        tracing::warn!(
+            "device {name:?}: {} no longer names the file the device serves (moved, replaced or \
+             now a link); the device keeps that file, and after a restart it stays missing until \
+             `loopd attach` of the path accepts the file it names then",
+            dev.path.display()
+        );
     }
 }
 
@@ -700,7 +754,7 @@ impl Daemon {
         }
         if let Some(m) = self.missing_spec(&name) {
             // The name stays taken by the recorded device; attaching its image
-            // (again) brings it back now.
+            // (again) brings it back now, as recorded.
             if m.spec.image != spec.image {
                 return Err(CtlError::MissingTaken {
                     name,
@@ -708,16 +762,34 @@ impl Daemon {
                     reason: m.reason,
                 });
             }
+            if source == Source::Control {
+                spec = bring_back::merge(&m.spec, &spec).map_err(|d| CtlError::MissingDiffers {
+                    name: name.clone(),
+                    image: quoted_path(&m.spec.image).to_string(),
+                    reason: m.reason.clone(),
+                    differs: bring_back::describe(&d),
+                })?;
+            }
         }
         check_create(&spec)?;
+        // A recorded device comes back only on its recorded file; an attach
+        // opens the path as given and records what it finds.
+        let recorded = spec.file.take();
+        let opening = match source {
+            Source::Restored => Opening::Recorded(recorded.clone()),
+            Source::Control | Source::Static => Opening::First,
+        };
         // An image created here is removed again by a failed open (Device::open)
         // or a lost race for the name (below): a failed attach leaves no trace.
-        let dev = Device::open(&params_with(&spec, &name, tuning)).map_err(|source| {
-            CtlError::Device {
-                msg: format!("cannot attach {}", quoted_path(&spec.image)),
-                source,
-            }
+        let params = DeviceParams {
+            opening,
+            ..params_with(&spec, &name, tuning)
+        };
+        let dev = Device::open(&params).map_err(|source| CtlError::Device {
+            msg: format!("cannot attach {}", quoted_path(&spec.image)),
+            source,
         })?;
+        spec.file = Some(dev.pinned.identity().clone());
         let created = dev.created;
         // Record what was asked; `create` has done its job.
         spec.name = Some(name.clone());
@@ -755,6 +827,14 @@ impl Daemon {
         if source == Source::Control {
             self.write_record(&mut log, &format!("attach {name:?}"), |l| l.put(&spec))
                 .map_err(undo)?;
+        }
+        if source == Source::Restored && recorded != spec.file {
+            // First seen in this boot (or recorded by an older loopd): from now
+            // on the record names the file as found here.
+            let what = format!("record the file of {name:?}");
+            if let Err(e) = self.write_record(&mut log, &what, |l| l.put(&spec)) {
+                tracing::warn!("{}", e.body().message);
+            }
         }
         {
             let mut t = self.exports.write().map_err(|_| CtlError::ShuttingDown)?;
@@ -1019,11 +1099,12 @@ impl Daemon {
                 &s.name, clients, &early,
             )));
         }
-        let dev = Device::open_with_stats(&params_of(&new, &e.name), Arc::clone(&e.stats))
+        let dev = Device::open_with_stats(&same_file(&new, &e.name, &cur), Arc::clone(&e.stats))
             .map_err(|source| CtlError::Device {
                 msg: format!("cannot reconfigure {:?}", s.name),
                 source,
             })?;
+        warn_if_renamed(&e.name, &dev);
         early = set_rules::breaking(geometry(&cur, cur.read_only), geometry(&dev, new.read_only));
         if clients > 0 && !s.force && !early.is_empty() {
             return Err(CtlError::Busy(set_rules::busy_message(
@@ -1065,11 +1146,12 @@ impl Daemon {
         let _g = e.control();
         let spec = e.spec();
         let (cur, _) = e.current();
-        let dev = Device::open_with_stats(&params_of(&spec, &e.name), Arc::clone(&e.stats))
+        let dev = Device::open_with_stats(&same_file(&spec, &e.name, &cur), Arc::clone(&e.stats))
             .map_err(|source| CtlError::Device {
-                msg: format!("cannot resize {name:?}"),
-                source,
-            })?;
+            msg: format!("cannot resize {name:?}"),
+            source,
+        })?;
+        warn_if_renamed(name, &dev);
         if dev.size == cur.size {
             drop(dev);
             return Ok(self.set_result(&e, false, 0));

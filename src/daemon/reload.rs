@@ -141,18 +141,12 @@ impl Daemon {
             );
         }
         // What did not happen is planned again by the next reload: the old
-        // table stays recorded for it (none, for a device not attached).
+        // table stays recorded for it (none, for a device not attached); a
+        // device gone from the file but still attached keeps its table, so
+        // putting it back is no new attach.
         let pending = |n: &str| r.not_applied.iter().chain(&r.failed).any(|p| p.name == n);
-        let loaded: Vec<DeviceSpec> = specs
-            .into_iter()
-            .filter_map(|s| {
-                let n = super::name_of(&s);
-                if !pending(&n) {
-                    return Some(s);
-                }
-                old.iter().find(|o| super::name_of(o) == n).cloned()
-            })
-            .collect();
+        let attached = |n: &str| self.export(n).is_some_and(|e| !e.persistent);
+        let loaded = config::next_loaded(&old, &specs, pending, attached);
         if let Some((_, s)) = guard.as_mut() {
             *s = loaded;
         }
@@ -172,7 +166,12 @@ impl Daemon {
                     Err(e) => r.failed.push(fail(&name, e)),
                 }
             }
-            Change::Removed(name) => r.kept.push(name),
+            // Still attached (a device detached meanwhile is just forgotten).
+            Change::Removed(name) => {
+                if self.export(&name).is_some() {
+                    r.kept.push(name);
+                }
+            }
             Change::Unchanged(name) => {
                 // Detached meanwhile: the file still wants it.
                 if self.export(&name).is_none() {

@@ -66,7 +66,7 @@ struct Header {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
 enum Record {
-    Put(DeviceSpec),
+    Put(Box<DeviceSpec>),
     Del(String),
 }
 
@@ -132,6 +132,7 @@ pub fn parse(text: &[u8]) -> Parsed {
 fn apply(table: &mut Vec<DeviceSpec>, r: Record) {
     match r {
         Record::Put(spec) => {
+            let spec = *spec;
             let name = name_of(&spec);
             match table.iter_mut().find(|s| name_of(s) == name) {
                 Some(slot) => *slot = spec,
@@ -291,7 +292,7 @@ impl StateLog {
 
     /// Record an attach or a change of `spec` (durably, see the module docs).
     pub fn put(&mut self, spec: &DeviceSpec) -> Result<(), StateError> {
-        self.record(Record::Put(spec.clone()))
+        self.record(Record::Put(Box::new(spec.clone())))
     }
 
     /// Record a detach (durably).
@@ -366,7 +367,7 @@ impl StateLog {
         let mut body = serde_json::to_vec(&Header { loopd_state: 1 }).unwrap_or_default();
         body.push(b'\n');
         for spec in table {
-            body.extend(encode(&Record::Put(spec.clone())));
+            body.extend(encode(&Record::Put(Box::new(spec.clone()))));
         }
         let name = self
             .path

@@ -14,6 +14,13 @@
 //! reconfiguration of a live export (`set`, `resize`: the same name already holds
 //! the image) is not probed again: a guest may have written anything at byte 0
 //! since the image was checked.
+//!
+//! Which file: every descriptor of a device is opened through its
+//! [`Pinned`] image file (see [`crate::backing::identity`]), found by path
+//! only by the first open ([`Opening::First`]) or, for a recorded device, only
+//! if the path still names the recorded file ([`Opening::Recorded`]); a
+//! reconfiguration reuses the device's own ([`Opening::Same`]) and never looks
+//! at the path.
 
 pub mod export;
 pub mod range_lock;
@@ -23,13 +30,13 @@ pub mod status;
 
 use crate::backing::align::{self, DioAlign};
 use crate::backing::create::{self, CreateError};
-use crate::backing::format::{self, Detected, ImageFormat};
+use crate::backing::format::{ImageFormat, RawError};
+use crate::backing::identity::{FileIdentity, IdentityError, Pinned};
 use crate::backing::lock::{ImageLock, LockError, Mode};
 use crate::text::quoted_path;
 use range_lock::RangeLock;
 use stats::Stats;
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::OpenOptionsExt;
+use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -48,10 +55,25 @@ pub enum CacheMode {
     Buffered,
 }
 
+/// How a device finds its image file.
+#[derive(Debug, Clone, Default)]
+pub enum Opening {
+    /// By its path, as given (an attach): the file's identity is recorded.
+    #[default]
+    First,
+    /// By its path, only if it names the recorded file (a device of the state
+    /// file coming back); `None`: recorded by an older loopd without one.
+    Recorded(Option<FileIdentity>),
+    /// The file a live device already has (a reconfiguration): no path lookup.
+    Same(Arc<Pinned>),
+}
+
 /// Everything needed to open a device.
 #[derive(Debug, Clone, Default)]
 pub struct DeviceParams {
     pub path: PathBuf,
+    /// How the image file is found.
+    pub opening: Opening,
     pub name: String,
     pub offset: u64,
     pub size_limit: Option<u64>,
@@ -129,23 +151,10 @@ pub enum DeviceError {
     },
     #[error(transparent)]
     Lock(#[from] LockError),
-    #[error(
-        "{} is a {format} image; loopd serves raw images only: convert it with \
-         'qemu-img convert -f {format} -O raw {} {}', or pass --format raw to serve \
-         its bytes as they are",
-        quoted_path(.path), quoted_path(.path), quoted_path(.raw)
-    )]
-    NotRaw {
-        path: PathBuf,
-        format: Detected,
-        raw: PathBuf,
-    },
-    #[error("cannot read the first bytes of {} to probe its format", quoted_path(.path))]
-    Probe {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Raw(#[from] RawError),
+    #[error(transparent)]
+    Identity(#[from] IdentityError),
 }
 
 /// A live device. See the module documentation.
@@ -205,6 +214,9 @@ pub struct Device {
     pub splice_reads: bool,
     /// This device's hold on the image lock; released when the device drops.
     pub image_lock: ImageLock,
+    /// The image file every descriptor above was opened through (shared by
+    /// the configurations a live device goes through).
+    pub pinned: Arc<Pinned>,
 }
 
 /// Whether `f` is on a filesystem whose I/O waits only for local disks (or is a
@@ -233,16 +245,16 @@ fn valid_block_size(bs: u32) -> bool {
 /// image the filesystem will not let us write (EROFS, EACCES, EPERM: a
 /// read-only mount, mode 0444) is opened read-only instead, with a notice, as
 /// losetup does. Returns the file and whether the device is read-only.
-fn open_plain(p: &DeviceParams) -> Result<(File, bool), DeviceError> {
+fn open_plain(p: &DeviceParams, pinned: &Pinned) -> Result<(File, bool), DeviceError> {
     let err = |source| DeviceError::Open {
         path: p.path.clone(),
         source,
     };
-    match open_file(&p.path, p.read_only, false) {
+    match pinned.open(p.read_only, false) {
         Ok(f) => Ok((f, p.read_only)),
         Err(e) if !p.read_only && crate::backing::write_protected(&e) => {
             let why = e.to_string();
-            let f = open_file(&p.path, true, false).map_err(|_| err(e))?;
+            let f = pinned.open(true, false).map_err(|_| err(e))?;
             tracing::info!(
                 "{} is write-protected ({why}): serving it read-only",
                 quoted_path(&p.path)
@@ -253,15 +265,6 @@ fn open_plain(p: &DeviceParams) -> Result<(File, bool), DeviceError> {
     }
 }
 
-fn open_file(path: &Path, read_only: bool, direct: bool) -> std::io::Result<File> {
-    let mut o = OpenOptions::new();
-    o.read(true).write(!read_only);
-    if direct {
-        o.custom_flags(libc::O_DIRECT);
-    }
-    o.open(path)
-}
-
 /// Create a sparse image of `size` bytes at `path` if nothing is there (see
 /// [`crate::backing::create`]). `Ok(false)`: someone else created it.
 fn create_sparse(path: &Path, size: u64) -> Result<bool, DeviceError> {
@@ -269,40 +272,6 @@ fn create_sparse(path: &Path, size: u64) -> Result<bool, DeviceError> {
         path: path.to_path_buf(),
         source,
     })
-}
-
-/// Refuse an image whose first bytes name a container format.
-fn check_raw(path: &Path, f: &File) -> Result<(), DeviceError> {
-    use std::os::unix::fs::FileExt;
-    let mut head = [0u8; format::PROBE_LEN];
-    let mut got = 0;
-    while got < head.len() {
-        match f.read_at(&mut head[got..], got as u64) {
-            Ok(0) => break,
-            Ok(n) => got += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(source) => {
-                return Err(DeviceError::Probe {
-                    path: path.to_path_buf(),
-                    source,
-                });
-            }
-        }
-    }
-    match format::probe(&head[..got]) {
-        None => Ok(()),
-        Some(format) => {
-            let mut raw = path.with_extension("raw");
-            if raw == path {
-                raw = path.with_extension("converted.raw");
-            }
-            Err(DeviceError::NotRaw {
-                path: path.to_path_buf(),
-                format,
-                raw,
-            })
-        }
-    }
 }
 
 fn dup(f: &File, path: &Path) -> Result<File, DeviceError> {
@@ -326,8 +295,8 @@ impl Device {
                 return Err(DeviceError::BadBlockSize(bs));
             }
         }
-        let created = match p.create {
-            Some(size) if !p.path.exists() => create_sparse(&p.path, size)?,
+        let created = match (p.create, &p.opening) {
+            (Some(size), Opening::First) if !p.path.exists() => create_sparse(&p.path, size)?,
             _ => false,
         };
         match Self::open_existing(p, stats, created) {
@@ -349,7 +318,13 @@ impl Device {
         stats: Arc<Stats>,
         created: bool,
     ) -> Result<Device, DeviceError> {
-        let (plain, read_only) = open_plain(p)?;
+        let pinned = match &p.opening {
+            Opening::First => Arc::new(Pinned::first(&p.path)?),
+            Opening::Recorded(Some(id)) => Arc::new(Pinned::again(&p.path, id)?),
+            Opening::Recorded(None) => Arc::new(Pinned::unrecorded(&p.path)?),
+            Opening::Same(x) => Arc::clone(x),
+        };
+        let (plain, read_only) = open_plain(p, &pinned)?;
         let write_protected = read_only && !p.read_only;
         let meta = plain.metadata().map_err(|source| DeviceError::Stat {
             path: p.path.clone(),
@@ -377,7 +352,7 @@ impl Device {
         };
         let image_lock = ImageLock::acquire(&p.path, &plain, &p.name, mode)?;
         if p.format.is_none() && !created && !image_lock.is_reconfiguration() {
-            check_raw(&p.path, &plain)?;
+            crate::backing::format::check_raw(&p.path, &plain)?;
         }
         let align = align::probe(&plain);
         let local_fs = on_local_disk(&plain);
@@ -401,19 +376,19 @@ impl Device {
                         source: None,
                     });
                 }
-                let f = open_file(&p.path, read_only, true).map_err(|e| {
-                    DeviceError::DirectRefused {
+                let f = pinned
+                    .open(read_only, true)
+                    .map_err(|e| DeviceError::DirectRefused {
                         path: p.path.clone(),
                         source: Some(e),
-                    }
-                })?;
+                    })?;
                 (
                     f,
                     true,
                     format!("direct I/O, alignment {} ({})", align.offset, align.source),
                 )
             }
-            CacheMode::Auto => match (align.supported, open_file(&p.path, read_only, true)) {
+            CacheMode::Auto => match (align.supported, pinned.open(read_only, true)) {
                 (true, Ok(f)) => (
                     f,
                     true,
@@ -505,6 +480,7 @@ impl Device {
             nowait_writes: AtomicBool::new(true),
             splice_reads: !p.no_splice,
             image_lock,
+            pinned,
         })
     }
 

@@ -4,6 +4,7 @@
 
 use super::CacheMode;
 use crate::backing::format::ImageFormat;
+use crate::backing::identity::FileIdentity;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -79,6 +80,12 @@ pub struct DeviceSpec {
     /// prove one of them is told the device does not exist.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tls_allow: Vec<String>,
+    /// Recorded by the daemon: the identity of the image file the first open
+    /// found (see `crate::backing::identity`), so that a restart or a retry
+    /// opens that file or nothing. Ignored in an `attach` request and a
+    /// config file: an attach records what it opens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file: Option<FileIdentity>,
 }
 
 /// Which kernel block device driver a device is handed to.

@@ -31,11 +31,23 @@
 //! has its `/dev` node ([`crate::blockdev::partitions::settle`], bounded by [`PARTITION_WAIT`]);
 //! when anything in these steps fails the device is cleared again.
 //!
+//! The daemon's rules for an image apply (see [`crate::backing`]): the image is
+//! opened through a pinned `O_PATH` descriptor (a FIFO at the path blocks
+//! nothing), checked against QEMU-compatible image locks and other kernel loop
+//! devices ([`crate::backing::lock::check_kernel_attach`]; `shared` skips it)
+//! and probed for a container format ([`crate::backing::format::check_raw`];
+//! `format: raw` skips it), with the daemon's messages. The kernel loop device
+//! itself holds no lock once `attach` has returned: the daemon looks for it in
+//! sysfs instead.
+//!
 //! Blocking: `attach` may wait up to [`LOCK_WAIT`] per candidate device for
 //! the lock, and with `partscan` up to [`UDEV_WAIT`] for udev and
 //! [`PARTITION_WAIT`] for partition nodes.
 
 use crate::backing::align;
+use crate::backing::format::{ImageFormat, RawError};
+use crate::backing::identity::{IdentityError, Pinned};
+use crate::backing::lock::LockError;
 use crate::blockdev::partitions::{self, Partition, PartitionError, Rescan};
 use crate::blockdev::udev;
 use std::fs::{File, OpenOptions};
@@ -136,6 +148,10 @@ pub struct KernelParams {
     pub read_only: bool,
     pub autoclear: bool,
     pub partscan: bool,
+    /// Skip the image-lock test (QEMU's force-share).
+    pub shared: bool,
+    /// The declared format; `None`: probe and refuse a container format.
+    pub format: Option<ImageFormat>,
 }
 
 #[derive(Debug, Error)]
@@ -144,6 +160,12 @@ pub enum KernelLoopError {
     BadBlockSize(u32),
     #[error("cannot open {0}")]
     Open(PathBuf, #[source] std::io::Error),
+    #[error(transparent)]
+    Identity(#[from] IdentityError),
+    #[error(transparent)]
+    ImageLock(#[from] LockError),
+    #[error(transparent)]
+    Raw(#[from] RawError),
     #[error("cannot open /dev/loop-control (is the loop module loaded? are you root?)")]
     Control(#[source] std::io::Error),
     #[error("LOOP_CTL_GET_FREE failed")]
@@ -218,14 +240,8 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
             return Err(KernelLoopError::BadBlockSize(bs));
         }
     }
-    let open = |direct: bool, read_only: bool| {
-        let mut o = OpenOptions::new();
-        o.read(true).write(!read_only);
-        if direct {
-            o.custom_flags(libc::O_DIRECT);
-        }
-        o.open(&p.image)
-    };
+    let pinned = Pinned::first(&p.image)?;
+    let open = |direct: bool, read_only: bool| pinned.open(read_only, direct);
     // A write-protected image (read-only mount, mode 0444) is set up
     // read-only, as losetup does; `write_protected` says so.
     let (plain, read_only) = match open(false, p.read_only) {
@@ -236,6 +252,10 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
         }
         Err(e) => return Err(KernelLoopError::Open(p.image.clone(), e)),
     };
+    crate::backing::lock::check_kernel_attach(&p.image, &plain, read_only, p.shared)?;
+    if p.format.is_none() {
+        crate::backing::format::check_raw(&p.image, &plain)?;
+    }
     let a = align::probe(&plain);
     let want_dio = p.direct_io != DirectIo::Off && a.supported;
     let backing = if want_dio {

@@ -2,8 +2,8 @@
 //!
 //! Contract: [`fork`] must be called before the process starts any thread. The
 //! parent never returns: it waits on a pipe until the child reports, then exits
-//! 0 when the child is ready, or prints the child's error and exits 1 (also when
-//! the child dies without a word). The child returns a [`ReadyPipe`]; it is in a
+//! 0 when the child is ready, or prints the child's error and exits with the
+//! status the child gives (1 when the child dies without a word). The child returns a [`ReadyPipe`]; it is in a
 //! new session, its working directory is `/` (the caller makes relative paths
 //! absolute first) and its stdin is `/dev/null`. Its stdout and stderr stay
 //! those of the command until [`ReadyPipe::ready`], so start-up output (URIs,
@@ -60,10 +60,15 @@ fn parent(mut rx: File) -> ! {
     }
     if text.is_empty() {
         eprintln!("loopd: error: the daemon exited during start-up");
-    } else {
-        eprintln!("loopd: error: {text}");
+        std::process::exit(1);
     }
-    std::process::exit(1);
+    // "STATUS\nMESSAGE" (see `ReadyPipe::fail`).
+    let (status, msg) = match text.split_once('\n') {
+        Some((n, m)) => (n.parse::<u8>().ok().filter(|&n| n != 0), m),
+        None => (None, &*text),
+    };
+    eprintln!("loopd: error: {msg}");
+    std::process::exit(i32::from(status.unwrap_or(1)));
 }
 
 fn null() -> std::io::Result<OwnedFd> {
@@ -88,10 +93,10 @@ impl ReadyPipe {
         }
     }
 
-    /// Start-up failed: the parent prints `msg` and exits 1.
-    pub fn fail(&mut self, msg: &str) {
+    /// Start-up failed: the parent prints `msg` and exits with `status`.
+    pub fn fail(&mut self, status: u8, msg: &str) {
         if let Some(mut f) = self.0.take() {
-            let _ = f.write_all(msg.as_bytes());
+            let _ = f.write_all(format!("{status}\n{msg}").as_bytes());
             // The parent prints it; the child's own report would repeat it.
             if let Ok(null) = null() {
                 let _ = rustix::stdio::dup2_stderr(null.as_fd());

@@ -148,3 +148,39 @@ fn another_description_writing_is_seen_as_another_process() {
     drop(_s);
     let _ok = ImageLock::acquire(&path, &f, "a", RW).expect("free again");
 }
+
+#[test]
+fn a_read_only_kernel_loop_yields_only_to_writers_that_do_not_share() {
+    let rw = (RW.perm(), unshared(RW));
+    let rw_shared = (RW_SHARED.perm(), unshared(RW_SHARED));
+    let ro = (RO.perm(), unshared(RO));
+    assert_eq!(
+        kernel_reader_conflict(rw.0, rw.1),
+        Some(Conflict::TheyUse(perm::WRITE))
+    );
+    assert_eq!(kernel_reader_conflict(rw_shared.0, rw_shared.1), None);
+    assert_eq!(kernel_reader_conflict(ro.0, ro.1), None);
+    // qemu-nbd 10 (bytes 100, 101, 203) shares writing.
+    assert_eq!(
+        kernel_reader_conflict(perm::CONSISTENT_READ | perm::WRITE, perm::RESIZE),
+        None
+    );
+}
+
+#[test]
+fn kernel_attach_check_sees_a_writable_device() {
+    let (_d, path, f) = image();
+    let lock = ImageLock::acquire(&path, &f, "dev", RW).expect("lock");
+    // Another description of the file, as `loopd kernel attach` has.
+    let probe = File::open(&path).expect("open");
+    let e = check_kernel_attach(&path, &probe, false, false).unwrap_err();
+    assert!(
+        e.to_string().contains("another process has the image open"),
+        "{e}"
+    );
+    let e = check_kernel_attach(&path, &probe, true, false).unwrap_err();
+    assert!(e.to_string().contains("--shared"), "{e}");
+    assert!(check_kernel_attach(&path, &probe, false, true).is_ok());
+    drop(lock);
+    assert!(check_kernel_attach(&path, &probe, false, false).is_ok());
+}

@@ -27,9 +27,9 @@ const HEADER: &[u8] = b"{\"loopd_state\":1}\n";
 #[test]
 fn damaged_middle_line_keeps_the_others() {
     let mut t = HEADER.to_vec();
-    t.extend(line(&Record::Put(spec("a"))));
+    t.extend(line(&Record::Put(Box::new(spec("a")))));
     t.extend(b"{\"put\":{\"image\":\"/x\",\"nam\n");
-    t.extend(line(&Record::Put(spec("c"))));
+    t.extend(line(&Record::Put(Box::new(spec("c")))));
     let p = parse(&t);
     assert_eq!(p.table, vec![spec("a"), spec("c")]);
     assert_eq!(p.damaged.len(), 1);
@@ -39,7 +39,7 @@ fn damaged_middle_line_keeps_the_others() {
 #[test]
 fn torn_last_line_is_reported() {
     let mut t = HEADER.to_vec();
-    t.extend(line(&Record::Put(spec("a"))));
+    t.extend(line(&Record::Put(Box::new(spec("a")))));
     t.extend(b"{\"del\":\"a");
     let p = parse(&t);
     assert_eq!(p.table, vec![spec("a")]);
@@ -60,7 +60,7 @@ fn foreign_bytes_have_no_header() {
 #[test]
 fn damaged_header_is_damage_not_a_foreign_file() {
     let mut t = b"{\"loopd_sta\n".to_vec();
-    t.extend(line(&Record::Put(spec("a"))));
+    t.extend(line(&Record::Put(Box::new(spec("a")))));
     assert!(looks_like_state(&t));
     let p = parse(&t);
     assert_eq!(p.table, vec![spec("a")]);
@@ -115,7 +115,7 @@ fn a_file_that_is_not_a_state_file_is_refused() {
 
 fn arb_record() -> impl Strategy<Value = Record> {
     prop_oneof![
-        "[a-d]".prop_map(|n| Record::Put(spec(&n))),
+        "[a-d]".prop_map(|n| Record::Put(Box::new(spec(&n)))),
         "[a-d]".prop_map(Record::Del),
     ]
 }
@@ -154,4 +154,32 @@ proptest! {
         let lines = text.split(|&b| b == b'\n').count();
         prop_assert!(p.damaged.len() <= lines);
     }
+}
+
+#[test]
+fn records_with_and_without_a_file_identity_both_load() {
+    let mut t = HEADER.to_vec();
+    // An older loopd's record: no identity.
+    t.extend(b"{\"put\":{\"image\":\"/img/a.img\",\"name\":\"a\",\"offset\":0,\"cache\":\"auto\",\"read_only\":false,\"autoclear\":false}}\n");
+    let mut b = spec("b");
+    b.file = Some(crate::backing::identity::FileIdentity {
+        kind: crate::backing::identity::FileKind::File,
+        dev: 2049,
+        ino: 77,
+        uid: 1000,
+        rdev: 0,
+        symlink: true,
+        target: Some("/srv/b.img".into()),
+        boot: "0f2c".into(),
+    });
+    t.extend(line(&Record::Put(Box::new(b.clone()))));
+    let p = parse(&t);
+    assert!(p.damaged.is_empty(), "{:?}", p.damaged);
+    assert_eq!(p.table[0].file, None);
+    assert_eq!(p.table[1], b);
+    let text = String::from_utf8(line(&Record::Put(Box::new(b)))).unwrap();
+    assert!(
+        text.contains(r#""file":{"kind":"file","dev":2049,"ino":77,"uid":1000,"symlink":true,"target":"/srv/b.img","boot":"0f2c"}"#),
+        "{text}"
+    );
 }

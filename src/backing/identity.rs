@@ -1,0 +1,425 @@
+//! Which file an image path names, proven: a root daemon re-opens a path only if
+//! it still names the file it first opened.
+//!
+//! Contract:
+//! - Every open of an image goes through a [`Pinned`] file: an `O_PATH`
+//!   descriptor (no read, no write, no side effect: a FIFO or a device node
+//!   planted at the path is not opened for real, so nothing blocks) whose type
+//!   is checked (a regular file or a block device) before any real open. The
+//!   real descriptors are then opened *through* it (`/proc/self/fd/N`, the same
+//!   inode, no path lookup), and each is checked to be that inode.
+//! - The first open ([`Pinned::first`], an `attach`, `serve IMAGE`, `--config`)
+//!   follows the path as given and records its [`FileIdentity`]: device and
+//!   inode, owner, kind, whether the path went through a symbolic link (and
+//!   then the file's own name, where the links led), and the boot it was seen
+//!   in. The state file keeps it.
+//! - A re-open by path ([`Pinned::again`]: a restart from the state file, the
+//!   retry of a missing device) resolves the path with no symbolic link at all
+//!   (`openat2(RESOLVE_NO_SYMLINKS)`) when the first open followed none, and
+//!   accepts the file only if it is the recorded one:
+//!   - in the same boot (same `/proc/sys/kernel/random/boot_id`): the same
+//!     device and inode (a block device: the same device number);
+//!   - after a reboot, where device numbers of some filesystems (btrfs
+//!     subvolumes, NFS, overlayfs, tmpfs) and disks change: the same inode and
+//!     owner, and, if the first open went through a link, the links still lead
+//!     to the same name. A block device after a reboot: reached the same way
+//!     (no link, or links that lead to the same name); nobody but root can make
+//!     a device node.
+//!
+//!   Anything else is refused ([`IdentityError::NowSymlink`],
+//!   [`IdentityError::Different`], [`IdentityError::NotAFile`]) with what to do.
+//! - A record without an identity (a state file of an older loopd) is re-opened
+//!   as if its first open had followed no link ([`Pinned::unrecorded`]): a path
+//!   that goes through one is refused; otherwise the file found is trusted and
+//!   its identity recorded from then on.
+//! - A reconfiguration (`set`, `resize`) never looks at the path: it re-opens
+//!   the device's own [`Pinned`] file.
+//!
+//! Blocking: these are metadata system calls on the image's filesystem (which
+//! may be a network filesystem); no lock is held.
+
+use rustix::fs::{Mode, OFlags, ResolveFlags};
+use rustix::io::Errno;
+use serde::{Deserialize, Serialize};
+use std::fs::File;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Component, Path, PathBuf};
+use std::sync::OnceLock;
+use thiserror::Error;
+
+/// What kind of file an image is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FileKind {
+    File,
+    Block,
+}
+
+impl FileKind {
+    fn name(self) -> &'static str {
+        match self {
+            FileKind::File => "a regular file",
+            FileKind::Block => "a block device",
+        }
+    }
+}
+
+/// The identity of an image file as first opened (kept in the state file).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileIdentity {
+    pub kind: FileKind,
+    /// `st_dev` and `st_ino`.
+    pub dev: u64,
+    pub ino: u64,
+    /// The owner (`st_uid`).
+    pub uid: u32,
+    /// A block device's device number (`st_rdev`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub rdev: u64,
+    /// The path went through a symbolic link.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub symlink: bool,
+    /// Where the links led: the file's own name (only with `symlink`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<PathBuf>,
+    /// The boot it was seen in (`/proc/sys/kernel/random/boot_id`; empty if
+    /// unknown, which counts as another boot).
+    #[serde(default)]
+    pub boot: String,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+#[derive(Debug, Error)]
+pub enum IdentityError {
+    #[error("cannot open {}", crate::text::quoted_path(.path))]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{} is {what}, not a regular file or block device", crate::text::quoted_path(.path))]
+    NotAFile { path: PathBuf, what: &'static str },
+    #[error(
+        "{} now goes through a symbolic link, which it did not when the device was \
+         attached: it may name another file, so it is not opened; detach the device, or attach \
+         {} again under the device's name (`loopd attach {} --name NAME`) to accept \
+         the file it names now", crate::text::quoted_path(.path), crate::text::quoted_path(.path), crate::text::quoted_path(.path))]
+    NowSymlink { path: PathBuf },
+    #[error(
+        "{} was recorded by an older loopd without its file's identity and goes through a \
+         symbolic link, so it is not opened; attach {} again under the device's name \
+         (`loopd attach {} --name NAME`) to accept the file it names now", crate::text::quoted_path(.path), crate::text::quoted_path(.path), crate::text::quoted_path(.path))]
+    UnrecordedSymlink { path: PathBuf },
+    #[error(
+        "{} now names a different file ({why}) than when the device was attached, so it is \
+         not opened; detach the device, or attach {} again under the device's name \
+         (`loopd attach {} --name NAME`) to accept the file it names now", crate::text::quoted_path(.path), crate::text::quoted_path(.path), crate::text::quoted_path(.path))]
+    Different { path: PathBuf, why: String },
+    #[error("cannot open {} again through its descriptor ({proc}; is /proc mounted?)", crate::text::quoted_path(.path))]
+    Reopen {
+        path: PathBuf,
+        proc: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// This boot's id (empty if it cannot be read).
+pub fn boot_id() -> &'static str {
+    static ID: OnceLock<String> = OnceLock::new();
+    ID.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .map(|s| s.trim().to_owned())
+            .unwrap_or_default()
+    })
+}
+
+/// Why the file seen now (`now`) is not the one recorded (`rec`), if it is not
+/// (pure: the rule of the module documentation).
+pub fn mismatch(rec: &FileIdentity, now: &FileIdentity) -> Option<String> {
+    if rec.kind != now.kind {
+        return Some(format!(
+            "it was {} and is now {}",
+            rec.kind.name(),
+            now.kind.name()
+        ));
+    }
+    let same_boot = !rec.boot.is_empty() && rec.boot == now.boot;
+    if same_boot {
+        return match rec.kind {
+            FileKind::File if (rec.dev, rec.ino) != (now.dev, now.ino) => Some(format!(
+                "device:inode {}:{} recorded, {}:{} now",
+                rec.dev, rec.ino, now.dev, now.ino
+            )),
+            FileKind::Block if rec.rdev != now.rdev => Some(format!(
+                "block device {} recorded, {} now",
+                devno(rec.rdev),
+                devno(now.rdev)
+            )),
+            _ => None,
+        };
+    }
+    if rec.kind == FileKind::File && rec.ino != now.ino {
+        return Some(format!("inode {} recorded, {} now", rec.ino, now.ino));
+    }
+    if rec.kind == FileKind::File && rec.uid != now.uid {
+        return Some(format!("owner uid {} recorded, {} now", rec.uid, now.uid));
+    }
+    if rec.symlink && rec.target != now.target {
+        let shown = |t: &Option<PathBuf>| {
+            t.as_ref().map_or_else(
+                || "?".to_owned(),
+                |p| crate::text::quoted_path(p).to_string(),
+            )
+        };
+        return Some(format!(
+            "its links led to {} and lead to {} now",
+            shown(&rec.target),
+            shown(&now.target)
+        ));
+    }
+    None
+}
+
+fn devno(rdev: u64) -> String {
+    format!("{}:{}", rustix::fs::major(rdev), rustix::fs::minor(rdev))
+}
+
+/// An image file, pinned by an `O_PATH` descriptor: every real descriptor of
+/// the device is opened through it. See the module documentation.
+#[derive(Debug)]
+pub struct Pinned {
+    path: PathBuf,
+    fd: OwnedFd,
+    identity: FileIdentity,
+}
+
+impl Pinned {
+    /// The first open of `path` (an attach): follow it as given, check what it
+    /// names, record its identity.
+    pub fn first(path: &Path) -> Result<Pinned, IdentityError> {
+        let (fd, symlink) = match open_path(path, true) {
+            Ok(fd) => (fd, false),
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => (
+                open_path(path, false).map_err(|source| open_err(path, source))?,
+                true,
+            ),
+            Err(source) => return Err(open_err(path, source)),
+        };
+        Self::pin(path, fd, symlink)
+    }
+
+    /// A re-open of a recorded device's `path`: only the file `rec` describes
+    /// (see the module documentation).
+    pub fn again(path: &Path, rec: &FileIdentity) -> Result<Pinned, IdentityError> {
+        let fd = match open_path(path, !rec.symlink) {
+            Ok(fd) => fd,
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                return Err(IdentityError::NowSymlink {
+                    path: path.to_path_buf(),
+                });
+            }
+            Err(source) => return Err(open_err(path, source)),
+        };
+        let p = Self::pin(path, fd, rec.symlink)?;
+        match mismatch(rec, &p.identity) {
+            None => Ok(p),
+            Some(why) => Err(IdentityError::Different {
+                path: path.to_path_buf(),
+                why,
+            }),
+        }
+    }
+
+    /// A re-open of a device recorded without an identity (an older state
+    /// file): the path must go through no symbolic link.
+    pub fn unrecorded(path: &Path) -> Result<Pinned, IdentityError> {
+        match open_path(path, true) {
+            Ok(fd) => Self::pin(path, fd, false),
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                Err(IdentityError::UnrecordedSymlink {
+                    path: path.to_path_buf(),
+                })
+            }
+            Err(source) => Err(open_err(path, source)),
+        }
+    }
+
+    fn pin(path: &Path, fd: OwnedFd, symlink: bool) -> Result<Pinned, IdentityError> {
+        let st = rustix::fs::fstat(&fd).map_err(|e| open_err(path, e.into()))?;
+        let ft = rustix::fs::FileType::from_raw_mode(st.st_mode);
+        let kind = match ft {
+            rustix::fs::FileType::RegularFile => FileKind::File,
+            rustix::fs::FileType::BlockDevice => FileKind::Block,
+            // What open(2) of a directory for I/O says.
+            rustix::fs::FileType::Directory => {
+                return Err(open_err(path, Errno::ISDIR.into()));
+            }
+            other => {
+                return Err(IdentityError::NotAFile {
+                    path: path.to_path_buf(),
+                    what: type_name(other),
+                });
+            }
+        };
+        let target = if symlink {
+            std::fs::read_link(proc_fd(&fd)).ok()
+        } else {
+            None
+        };
+        let identity = FileIdentity {
+            kind,
+            dev: st.st_dev,
+            ino: st.st_ino,
+            uid: st.st_uid,
+            rdev: if kind == FileKind::Block {
+                st.st_rdev
+            } else {
+                0
+            },
+            symlink,
+            target,
+            boot: boot_id().to_owned(),
+        };
+        Ok(Pinned {
+            path: path.to_path_buf(),
+            fd,
+            identity,
+        })
+    }
+
+    pub fn identity(&self) -> &FileIdentity {
+        &self.identity
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Open the pinned file for I/O (read, and write unless `read_only`;
+    /// `O_DIRECT` with `direct`), through its descriptor: no path lookup.
+    pub fn open(&self, read_only: bool, direct: bool) -> std::io::Result<File> {
+        reopen(&self.fd, read_only, direct)
+    }
+
+    /// As [`Pinned::open`], with the error naming the image.
+    pub fn open_err(&self, e: std::io::Error) -> IdentityError {
+        IdentityError::Reopen {
+            path: self.path.clone(),
+            proc: proc_fd(&self.fd),
+            source: e,
+        }
+    }
+
+    /// Whether `path` (looked at now, without following a final link) still
+    /// names this file: for a notice when a device outlives its name.
+    pub fn path_still_names_it(&self) -> bool {
+        let m = if self.identity.symlink {
+            std::fs::metadata(&self.path)
+        } else {
+            std::fs::symlink_metadata(&self.path)
+        };
+        m.is_ok_and(|m| (m.dev(), m.ino()) == (self.identity.dev, self.identity.ino))
+    }
+}
+
+/// Open the file `fd` refers to again, for I/O, through `/proc/self/fd`: the
+/// same inode, whatever its path names now (checked: device and inode).
+pub fn reopen(fd: &impl AsFd, read_only: bool, direct: bool) -> std::io::Result<File> {
+    let mut o = std::fs::OpenOptions::new();
+    o.read(true).write(!read_only);
+    let mut flags = libc::O_CLOEXEC | libc::O_NOCTTY;
+    if direct {
+        flags |= libc::O_DIRECT;
+    }
+    o.custom_flags(flags);
+    let f = o.open(proc_fd(fd))?;
+    let (a, b) = (rustix::fs::fstat(fd)?, rustix::fs::fstat(&f)?);
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino) {
+        return Err(std::io::Error::other(
+            "the descriptor reopened a different file",
+        ));
+    }
+    Ok(f)
+}
+
+fn proc_fd(fd: &impl AsFd) -> String {
+    format!("/proc/self/fd/{}", fd.as_fd().as_raw_fd())
+}
+
+fn open_err(path: &Path, source: std::io::Error) -> IdentityError {
+    IdentityError::Open {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn type_name(t: rustix::fs::FileType) -> &'static str {
+    use rustix::fs::FileType as T;
+    match t {
+        T::Fifo => "a FIFO",
+        T::Socket => "a socket",
+        T::CharacterDevice => "a character device",
+        T::Directory => "a directory",
+        T::Symlink => "a symbolic link",
+        _ => "an unknown kind of file",
+    }
+}
+
+/// An `O_PATH` descriptor of `path` (no side effect whatever it names).
+/// `no_symlinks`: fail with `ELOOP` if resolving it meets a symbolic link.
+fn open_path(path: &Path, no_symlinks: bool) -> std::io::Result<OwnedFd> {
+    let flags = OFlags::PATH | OFlags::CLOEXEC;
+    if !no_symlinks {
+        return Ok(rustix::fs::open(path, flags, Mode::empty())?);
+    }
+    match rustix::fs::openat2(
+        rustix::fs::CWD,
+        path,
+        flags,
+        Mode::empty(),
+        ResolveFlags::NO_SYMLINKS,
+    ) {
+        Ok(fd) => Ok(fd),
+        // No openat2 (before Linux 5.6, or a seccomp filter): follow, then
+        // compare the file's own name with the path as written.
+        Err(Errno::NOSYS | Errno::PERM) => {
+            let fd = rustix::fs::open(path, flags, Mode::empty())?;
+            let real = std::fs::read_link(proc_fd(&fd))?;
+            if Some(real) == lexical(path) {
+                Ok(fd)
+            } else {
+                Err(std::io::Error::from_raw_os_error(libc::ELOOP))
+            }
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// `path` made absolute and cleaned of `.` and `..` by its text alone.
+fn lexical(path: &Path) -> Option<PathBuf> {
+    let abs = std::path::absolute(path).ok()?;
+    let mut out = PathBuf::new();
+    for c in abs.components() {
+        match c {
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::CurDir => {}
+            other => out.push(other),
+        }
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,189 @@
+use super::*;
+use proptest::prelude::*;
+use std::time::{Duration, Instant};
+
+fn id(kind: FileKind, dev: u64, ino: u64, uid: u32, boot: &str) -> FileIdentity {
+    FileIdentity {
+        kind,
+        dev,
+        ino,
+        uid,
+        rdev: 0,
+        symlink: false,
+        target: None,
+        boot: boot.into(),
+    }
+}
+
+#[test]
+fn same_boot_needs_the_same_device_and_inode() {
+    let rec = id(FileKind::File, 1, 2, 0, "b1");
+    assert_eq!(mismatch(&rec, &rec.clone()), None);
+    assert!(mismatch(&rec, &id(FileKind::File, 9, 2, 0, "b1")).is_some());
+    assert!(mismatch(&rec, &id(FileKind::File, 1, 9, 0, "b1")).is_some());
+    assert!(mismatch(&rec, &id(FileKind::Block, 1, 2, 0, "b1")).is_some());
+}
+
+#[test]
+fn after_a_reboot_the_inode_and_owner_count_not_the_device() {
+    let rec = id(FileKind::File, 1, 2, 1000, "b1");
+    assert_eq!(mismatch(&rec, &id(FileKind::File, 7, 2, 1000, "b2")), None);
+    assert!(mismatch(&rec, &id(FileKind::File, 7, 3, 1000, "b2")).is_some());
+    assert!(mismatch(&rec, &id(FileKind::File, 7, 2, 0, "b2")).is_some());
+    // An unknown boot counts as another one.
+    let unknown = id(FileKind::File, 1, 2, 1000, "");
+    assert_eq!(
+        mismatch(&unknown, &id(FileKind::File, 7, 2, 1000, "")),
+        None
+    );
+    assert!(mismatch(&unknown, &id(FileKind::File, 1, 3, 1000, "")).is_some());
+}
+
+#[test]
+fn after_a_reboot_links_must_lead_to_the_same_name() {
+    let mut rec = id(FileKind::Block, 5, 6, 0, "b1");
+    rec.symlink = true;
+    rec.rdev = rustix::fs::makedev(8, 0);
+    rec.target = Some("/dev/sda".into());
+    let mut now = rec.clone();
+    now.boot = "b2".into();
+    now.rdev = rustix::fs::makedev(8, 16);
+    assert_eq!(mismatch(&rec, &now), None, "a renumbered disk, same name");
+    now.target = Some("/dev/sdb".into());
+    assert!(mismatch(&rec, &now).is_some());
+    // In the same boot the device number decides.
+    now.boot = "b1".into();
+    assert!(mismatch(&rec, &now).unwrap().contains("8:0"));
+}
+
+proptest! {
+    /// Within one boot, a file with another device or inode is never accepted;
+    /// the same one always is.
+    #[test]
+    fn one_boot_accepts_exactly_the_same_inode(dev in 0u64..4, ino in 0u64..4,
+                                               dev2 in 0u64..4, ino2 in 0u64..4,
+                                               uid in 0u32..3, link in any::<bool>()) {
+        let mut rec = id(FileKind::File, dev, ino, uid, "b");
+        rec.symlink = link;
+        let mut now = id(FileKind::File, dev2, ino2, uid, "b");
+        now.symlink = link;
+        prop_assert_eq!(mismatch(&rec, &now).is_none(), (dev, ino) == (dev2, ino2));
+    }
+
+    /// Across boots a file is accepted only with the same inode and owner.
+    #[test]
+    fn across_boots_inode_and_owner_decide(ino in 0u64..4, ino2 in 0u64..4,
+                                           uid in 0u32..3, uid2 in 0u32..3,
+                                           dev in 0u64..4, dev2 in 0u64..4) {
+        let rec = id(FileKind::File, dev, ino, uid, "b1");
+        let now = id(FileKind::File, dev2, ino2, uid2, "b2");
+        prop_assert_eq!(mismatch(&rec, &now).is_none(), ino == ino2 && uid == uid2);
+    }
+}
+
+fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().expect("tempdir")
+}
+
+#[test]
+fn first_open_records_the_file_and_whether_a_link_led_there() {
+    let d = tmp();
+    let img = d.path().join("a.img");
+    std::fs::write(&img, b"data").unwrap();
+    let p = Pinned::first(&img).unwrap();
+    let m = std::fs::metadata(&img).unwrap();
+    assert_eq!((p.identity().dev, p.identity().ino), (m.dev(), m.ino()));
+    assert_eq!(p.identity().kind, FileKind::File);
+    assert!(!p.identity().symlink);
+    assert_eq!(p.identity().boot, boot_id());
+
+    let link = d.path().join("link.img");
+    std::os::unix::fs::symlink(&img, &link).unwrap();
+    let q = Pinned::first(&link).unwrap();
+    assert!(q.identity().symlink);
+    assert_eq!(
+        q.identity().target.as_deref(),
+        Some(std::fs::canonicalize(&img).unwrap().as_path())
+    );
+    assert_eq!(q.identity().ino, p.identity().ino);
+}
+
+#[test]
+fn again_refuses_a_link_another_file_and_a_fifo() {
+    let d = tmp();
+    let img = d.path().join("a.img");
+    std::fs::write(&img, b"mine").unwrap();
+    let rec = Pinned::first(&img).unwrap().identity().clone();
+    assert!(Pinned::again(&img, &rec).is_ok());
+
+    let other = d.path().join("other");
+    std::fs::write(&other, b"secret").unwrap();
+    std::fs::rename(&img, d.path().join("moved.img")).unwrap();
+    std::os::unix::fs::symlink(&other, &img).unwrap();
+    let e = Pinned::again(&img, &rec).unwrap_err();
+    assert!(matches!(e, IdentityError::NowSymlink { .. }), "{e}");
+
+    std::fs::remove_file(&img).unwrap();
+    std::fs::copy(&other, &img).unwrap();
+    let e = Pinned::again(&img, &rec).unwrap_err();
+    assert!(matches!(e, IdentityError::Different { .. }), "{e}");
+
+    std::fs::remove_file(&img).unwrap();
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        &img,
+        rustix::fs::FileType::Fifo,
+        Mode::from_raw_mode(0o600),
+        0,
+    )
+    .unwrap();
+    let t = Instant::now();
+    let e = Pinned::again(&img, &rec).unwrap_err();
+    assert!(
+        matches!(e, IdentityError::NotAFile { what: "a FIFO", .. }),
+        "{e}"
+    );
+    let e = Pinned::first(&img).unwrap_err();
+    assert!(matches!(e, IdentityError::NotAFile { .. }), "{e}");
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "opening a FIFO blocked"
+    );
+}
+
+#[test]
+fn unrecorded_records_refuse_links_only() {
+    let d = tmp();
+    let img = d.path().join("a.img");
+    std::fs::write(&img, b"x").unwrap();
+    assert!(Pinned::unrecorded(&img).is_ok());
+    let link = d.path().join("l.img");
+    std::os::unix::fs::symlink(&img, &link).unwrap();
+    assert!(matches!(
+        Pinned::unrecorded(&link).unwrap_err(),
+        IdentityError::UnrecordedSymlink { .. }
+    ));
+}
+
+#[test]
+fn reopen_reaches_the_pinned_inode_whatever_the_path_names_now() {
+    use std::io::Read;
+    let d = tmp();
+    let img = d.path().join("a.img");
+    std::fs::write(&img, b"mine").unwrap();
+    let p = Pinned::first(&img).unwrap();
+    std::fs::rename(&img, d.path().join("moved.img")).unwrap();
+    std::fs::write(&img, b"theirs").unwrap();
+    assert!(!p.path_still_names_it());
+    let mut s = String::new();
+    p.open(true, false).unwrap().read_to_string(&mut s).unwrap();
+    assert_eq!(s, "mine");
+}
+
+#[test]
+fn lexical_cleans_dots() {
+    assert_eq!(
+        lexical(Path::new("/a/./b/../c")),
+        Some(PathBuf::from("/a/c"))
+    );
+}
