@@ -720,7 +720,7 @@ fn kernel_attach_respects_image_locks_both_ways() {
         }
         assert_ctl_error(&out, "busy");
         assert!(
-            out.stderr.contains(&format!("{} is in use", img.display()))
+            out.stderr.contains(&format!("{:?} is in use", img.display().to_string()))
                 && out.stderr.contains("pass --shared"),
             "{extra:?}: the daemon's message:\n{out}"
         );
@@ -769,11 +769,11 @@ fn kernel_attach_refuses_a_qcow2_image_unless_format_raw() {
     }
     assert_ctl_error(&out, "invalid");
     let want = format!(
-        "{} is a qcow2 image; loopd serves raw images only: convert it with 'qemu-img \
-         convert -f qcow2 -O raw {} {}', or pass --format raw to serve its bytes as they are",
-        img.display(),
-        img.display(),
-        dir.path().join("vm.raw").display()
+        "{:?} is a qcow2 image; loopd serves raw images only: convert it with 'qemu-img \
+         convert -f qcow2 -O raw {:?} {:?}', or pass --format raw to serve its bytes as they are",
+        path_str(&img),
+        path_str(&img),
+        path_str(&dir.path().join("vm.raw"))
     );
     assert!(out.stderr.contains(&want), "expected {want:?}:\n{out}");
     assert!(listed(&img).is_empty(), "a device was left behind");
