@@ -117,7 +117,7 @@ fn missing_device_comes_back_with_its_record() {
         "offset 4096 asked, 1048576 recorded",
         "tls_allow [\"bob\"] asked",
         "without these options to bring it back as recorded",
-        "`loopd detach rec` first",
+        "`loopd detach \"rec\"` first",
     ] {
         assert!(out.stderr.contains(want), "{want:?} missing:\n{out}");
     }
