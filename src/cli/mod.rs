@@ -354,6 +354,7 @@ pub fn print_status(v: &Value, json: bool) -> Result<()> {
         println!("tls_allow: {}", allow.join(" "));
     }
     println!("in_flight: {}", s(v, "in_flight"));
+    println!("budget_held: {}", s(v, "budget_held"));
     // Counters in the order they are declared (the JSON objects are sorted).
     for g in [Group::Requests, Group::Bytes, Group::Paths] {
         let parts: Vec<String> = COUNTERS
@@ -394,8 +395,8 @@ pub fn print_status_all(v: &Value, json: bool) -> Result<()> {
         return Ok(());
     }
     let header = [
-        "NAME", "STATE", "CLIENTS", "INFLIGHT", "READS", "WRITES", "RBYTES", "WBYTES", "ERRORS",
-        "P99US", "IMAGE",
+        "NAME", "STATE", "CLIENTS", "INFLIGHT", "BUDGET", "READS", "WRITES", "RBYTES", "WBYTES",
+        "ERRORS", "P99US", "IMAGE",
     ];
     let mut rows: Vec<Vec<String>> = vec![header.iter().map(|h| h.to_string()).collect()];
     for d in &devs {
@@ -410,6 +411,7 @@ pub fn print_status_all(v: &Value, json: bool) -> Result<()> {
             s(d, "state"),
             s(d, "clients"),
             s(d, "in_flight"),
+            s(d, "budget_held"),
             d["requests"]["read"].as_u64().unwrap_or(0).to_string(),
             d["requests"]["write"].as_u64().unwrap_or(0).to_string(),
             s(d, "bytes_read"),

@@ -19,6 +19,10 @@
 //!   detach that finds no clients knows none can appear later. A forced close
 //!   also sets `forced`: connections shut their sockets down, cancel their file
 //!   I/O and go.
+//! - Memory budget: `budget_held` counts the request buffers its connections
+//!   hold, so one device's clients can be refused past their share
+//!   ([`Export::hold`], one compare-and-swap per request with data) and
+//!   `status` can say who holds the budget.
 //! - Locks: `current` (RwLock, read on connect and on epoch change only),
 //!   `waiters` (held to register or wake), `control` (serialises control
 //!   operations on this one export; never taken by reactors).
@@ -27,7 +31,8 @@ use super::Device;
 use super::range_lock::Wake;
 use super::spec::DeviceSpec;
 use super::stats::Stats;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::SeqCst};
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
@@ -38,6 +43,10 @@ pub struct Export {
     current: RwLock<Arc<Device>>,
     epoch: AtomicU64,
     in_flight: AtomicU64,
+    /// Bytes of the memory budget its requests hold (see [`Export::hold`]).
+    budget_held: AtomicUsize,
+    /// Kept out of the budget's reserve (see [`Export::shun`]).
+    shunned: AtomicBool,
     frozen: AtomicBool,
     /// Client count, with [`CLOSED`] set once no client may join any more.
     clients: AtomicU32,
@@ -67,6 +76,8 @@ impl Export {
             current: RwLock::new(Arc::new(dev)),
             epoch: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
+            budget_held: AtomicUsize::new(0),
+            shunned: AtomicBool::new(false),
             frozen: AtomicBool::new(false),
             clients: AtomicU32::new(0),
             forced: AtomicBool::new(false),
@@ -126,6 +137,48 @@ impl Export {
     /// Data path: the request's file I/O is over.
     pub fn leave(&self) {
         self.in_flight.fetch_sub(1, SeqCst);
+    }
+
+    /// Data path: count `n` bytes of request buffers against this device's
+    /// share of the memory budget. `None`: refused (nothing counted), because
+    /// its requests already hold some and `n` more would pass `share`. A
+    /// device holding nothing may always take one request: `Some(true)` says
+    /// it held nothing (it may use the budget's reserve, unless shunned).
+    pub fn hold(&self, n: usize, share: usize) -> Option<bool> {
+        self.budget_held
+            .fetch_update(Relaxed, Relaxed, |h| {
+                (h == 0 || h.saturating_add(n) <= share).then(|| h.saturating_add(n))
+            })
+            .ok()
+            .map(|h| h == 0)
+    }
+
+    /// One of its connections was cut off for holding budget without reading
+    /// its replies: keep the device out of the budget's reserve until one of
+    /// its clients reads a reply ([`Export::forgive`]).
+    pub fn shun(&self) {
+        self.shunned.store(true, Relaxed);
+    }
+
+    pub fn shunned(&self) -> bool {
+        self.shunned.load(Relaxed)
+    }
+
+    /// Data path: a client of this device took reply bytes.
+    pub fn forgive(&self) {
+        if self.shunned.load(Relaxed) {
+            self.shunned.store(false, Relaxed);
+        }
+    }
+
+    /// Data path: `n` bytes counted by [`Export::hold`] were freed.
+    pub fn unhold(&self, n: usize) {
+        self.budget_held.fetch_sub(n, Relaxed);
+    }
+
+    /// Bytes of the memory budget this device's requests hold now.
+    pub fn budget_held(&self) -> usize {
+        self.budget_held.load(Relaxed)
     }
 
     pub fn in_flight(&self) -> u64 {

@@ -18,6 +18,7 @@
 //! slots, which is not freed or reused until the CQE arrives.
 
 use super::affinity::{Follow, Peer};
+use super::stall::Stall;
 use super::tls::TlsIo;
 use crate::device::Device;
 use crate::device::export::{ClientRef, Export};
@@ -31,6 +32,7 @@ use io_uring::opcode;
 use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Requests a connection may have between header and reply.
 pub const SLOTS: u16 = 128;
@@ -66,6 +68,9 @@ pub struct Slot {
     /// for FUA (which the last piece carries).
     pub rest: u64,
     pub rest_fua: bool,
+    /// Bytes of its device's share of the memory budget this request holds
+    /// ([`Export::hold`]), given back when the slot is released.
+    pub held: usize,
     /// The request as the engine tracks it (task, range, in-flight count).
     pub req: Request,
     pub hdr: [u8; MAX_REPLY_HEADER],
@@ -90,6 +95,7 @@ impl Slot {
             offset: 0,
             rest: 0,
             rest_fua: false,
+            held: 0,
             req: Request::default(),
             hdr: [0; MAX_REPLY_HEADER],
             hdr_len: 0,
@@ -204,6 +210,16 @@ pub struct Conn {
     pub tls: Option<Box<TlsIo>>,
     /// For the audit lines at connect and disconnect.
     pub audit: ConnAudit,
+    /// Set once nobody will read a reply (the connection is dead): the offload
+    /// workers skip this connection's block-status queries not yet started.
+    pub gone: Arc<AtomicBool>,
+    /// Sends and receives that moved bytes (progress, for [`super::stall`]).
+    pub sent: u64,
+    pub received: u64,
+    pub stall: Stall,
+    /// The kernel's own NBD client (a socket pair of this process, for
+    /// `--blockdev nbd`).
+    pub kernel: bool,
 }
 
 /// What the connect and disconnect lines say about a connection.
@@ -234,6 +250,12 @@ fn describe_peer(sock: &OwnedFd) -> String {
         ),
         Err(_) => "unknown peer".into(),
     }
+}
+
+/// Whether the other end of `sock` is this process: a socket pair the daemon
+/// made for the kernel's NBD client.
+fn own_socket_pair(sock: &OwnedFd) -> bool {
+    rustix::net::sockopt::socket_peercred(sock).is_ok_and(|c| c.pid == rustix::process::getpid())
 }
 
 impl Drop for Conn {
@@ -281,6 +303,7 @@ impl Conn {
             meta_context,
         };
         tracing::debug!("new connection to {:?}: {replies:?} replies", dev.name);
+        let kernel = own_socket_pair(&sock);
         let audit = ConnAudit {
             who: describe_peer(&sock),
             opened: std::time::Instant::now(),
@@ -332,6 +355,11 @@ impl Conn {
             moving: None,
             tls,
             audit,
+            gone: Arc::new(AtomicBool::new(false)),
+            sent: 0,
+            received: 0,
+            stall: Stall::default(),
+            kernel,
         }
     }
 
@@ -433,6 +461,11 @@ impl Conn {
         if slot.state == SlotState::Free {
             return;
         }
+        if slot.held > 0 {
+            // Before its buffers go back: a release they cause may wake a
+            // connection of this device refused its share.
+            self.export.unhold(std::mem::take(&mut slot.held));
+        }
         if let Some(t) = slot.req.release(&self.dev, &self.export, &mut io.pool)
             && t.op.has_data()
         {
@@ -449,9 +482,24 @@ impl Conn {
         self.free_slots.push(si);
     }
 
+    /// The client hung up (its socket closed or broke without NBD_CMD_DISC):
+    /// nobody will read a reply, so its requests take no further step. File
+    /// I/O in flight is cancelled where the kernel can, the pieces of a long
+    /// trim or write-zeroes not started are dropped, block-status queries not
+    /// started are skipped, and each slot (buffers, range, place in line, its
+    /// count in the export) is released when its last operation completes, so
+    /// the connection soon stops counting as a client. (After NBD_CMD_DISC a
+    /// client may half-close and still read its replies, as libnbd does: no
+    /// receive is posted then, and its requests are answered.)
+    pub(super) fn hang_up(&mut self, io: &mut Io, ci: u32) {
+        self.cancel_file_ops(io, ci);
+        self.kill(io, ci);
+    }
+
     /// The socket is unusable: drop queued replies and parked requests; requests
     /// with a file operation or receive in flight are released when it completes.
     pub fn kill(&mut self, io: &mut Io, ci: u32) {
+        self.gone.store(true, Ordering::Relaxed);
         self.dead = true;
         self.close_reading(io, ci);
         self.drop_unsent(io);
