@@ -185,6 +185,8 @@ pub struct Conn {
     pub dead: bool,
     pub slots: Box<[Slot]>,
     pub free_slots: Vec<u16>,
+    /// Bytes of the memory budget its requests hold (the sum of their slots'
+    /// `held`): it stops reading past the reactor's `per_conn_bytes`.
     pub bytes_held: usize,
     pub sendq: VecDeque<u16>,
     pub send_inflight: bool,
@@ -331,7 +333,10 @@ impl Conn {
             epoch,
             view,
             replies,
-            rbuf: AlignedBuf::new(RBUF),
+            // Outside the budget: bounded by --max-connections, not by what
+            // clients send, and counting it would let idle connections eat
+            // the reserve other devices' requests need.
+            rbuf: AlignedBuf::unbudgeted(RBUF),
             rstart: 0,
             rend: 0,
             recv: RecvState::Header,
@@ -464,13 +469,12 @@ impl Conn {
         if slot.held > 0 {
             // Before its buffers go back: a release they cause may wake a
             // connection of this device refused its share.
-            self.export.unhold(std::mem::take(&mut slot.held));
+            self.export.unhold(slot.held);
+            self.bytes_held = self
+                .bytes_held
+                .saturating_sub(std::mem::take(&mut slot.held));
         }
-        if let Some(t) = slot.req.release(&self.dev, &self.export, &mut io.pool)
-            && t.op.has_data()
-        {
-            self.bytes_held = self.bytes_held.saturating_sub(t.len as usize);
-        }
+        slot.req.release(&self.dev, &self.export, &mut io.pool);
         if let Some(e) = slot.extra.take() {
             io.pool.put(e);
         }

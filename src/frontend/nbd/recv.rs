@@ -20,6 +20,10 @@ use std::os::fd::AsRawFd;
 /// of two, so pieces of an aligned request stay aligned).
 pub(super) const PIECE: u32 = 1 << 31;
 
+/// Bytes of reply descriptors a BLOCK_STATUS holds (64-bit descriptors, the
+/// larger kind), counted against the budget's shares like a read's data.
+const STATUS_BYTES: usize = 16 * crate::device::status::MAX_DESCRIPTORS;
+
 /// The range a BLOCK_STATUS request asks the backing file about: a 64-bit
 /// length is cut to whole blocks below 4 GiB (the reply may cover less than
 /// asked; the client asks again from where it ends).
@@ -209,15 +213,25 @@ impl Conn {
             // WRITE_ZEROES or CACHE, which runs as pieces (`Slot::rest`); a
             // read's or write's length is at most MAX_PAYLOAD once valid.
             let piece = u32::try_from(req.len).unwrap_or(PIECE);
-            let mut held = 0;
-            if let Some(op @ (Op::Read | Op::Write)) = valid.ok().and_then(Command::op) {
-                let need = task::buffer_len(&self.dev, op, req.offset, piece);
-                held = buffer::capacity_for(need);
-                if !self.take_budget(io, need, held) {
-                    self.export.leave();
-                    io.parked.push(ci);
-                    return;
-                }
+            let need = match valid {
+                Ok(Command::BlockStatus) => STATUS_BYTES,
+                Ok(c) => match c.op() {
+                    Some(op @ (Op::Read | Op::Write)) => {
+                        task::buffer_len(&self.dev, op, req.offset, piece)
+                    }
+                    _ => 0,
+                },
+                Err(_) => 0,
+            };
+            let held = if need > 0 {
+                buffer::capacity_for(need)
+            } else {
+                0
+            };
+            if held > 0 && !self.take_budget(io, need, held) {
+                self.export.leave();
+                io.parked.push(ci);
+                return;
             }
             self.rstart += hlen;
             self.active = true;
@@ -227,6 +241,7 @@ impl Conn {
                 self.export.leave();
                 return;
             };
+            self.bytes_held += held;
             let slot = &mut self.slots[si as usize];
             slot.held = held;
             slot.cookie = req.cookie;
@@ -273,9 +288,6 @@ impl Conn {
             flags.fua &= self.slots[si as usize].rest == 0;
             let mut task = Task::plan(&self.dev, op, flags, req.offset, piece, &mut io.pool);
             let len = piece as usize;
-            if op.has_data() {
-                self.bytes_held += len;
-            }
             if op == Op::Write {
                 let have = self.avail().min(len);
                 let (s, e) = (self.rstart, self.rstart + have);
