@@ -245,9 +245,9 @@ fn clients_that_never_read_hold_only_their_devices_share() {
     while t0.elapsed() < Duration::from_secs(20) {
         k += 1;
         let off = (k % 64) * MIB;
-        let data = pattern_bytes(u8::try_from(k % 200).unwrap(), off, MIB as usize);
+        let data = pattern_bytes(u8::try_from(k % 200).unwrap(), off, 1 << 20);
         v.write(off, &data);
-        assert_bytes_eq(&v.read(off, MIB as u32), &data, off, "victim read-back");
+        assert_bytes_eq(&v.read(off, 1 << 20), &data, off, "victim read-back");
         v.read(128 * MIB + (k % 64) * 64 * KIB, 64 << 10);
         if k == 5 {
             // A new client of b: through the handshake and served.

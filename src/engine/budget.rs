@@ -9,10 +9,12 @@
 //! - The limit is enforced where a connection takes a new request: it reserves the
 //!   request's data buffer ([`super::buffer::Pool::reserve`]) before it parses the
 //!   request, and when the reservation fails it stops reading (backpressure)
-//!   instead of allocating. Small buffers taken elsewhere (connection receive
-//!   buffers, block-status descriptors, read-modify-write edges) are charged
+//!   instead of allocating; a BLOCK_STATUS reserves its reply descriptors the
+//!   same way. Small buffers taken elsewhere (read-modify-write edges, the
+//!   zero-fill of a write-zeroes the filesystem cannot allocate) are charged
 //!   without asking: they are bounded by connections × slots, not by clients'
-//!   lengths.
+//!   lengths. A connection's receive buffer is not charged (bounded by the
+//!   connection limit; charging it would let idle connections eat the reserve).
 //! - Shares, so that the holder is refused and not everyone. One connection
 //!   stops reading past [`Budget::per_connection`] bytes of requests. Each
 //!   device's export counts the buffers its requests hold (by capacity), and
@@ -89,7 +91,7 @@ impl Budget {
             limit: AtomicUsize::new(limit.max(MIN_LIMIT)),
             used: AtomicUsize::new(0),
             starved: AtomicUsize::new(0),
-            reply_timeout_ms: AtomicU64::new(DEFAULT_REPLY_TIMEOUT.as_millis() as u64),
+            reply_timeout_ms: AtomicU64::new(DEFAULT_REPLY_TIMEOUT.as_secs() * 1000),
             wakers: Mutex::new(Vec::new()),
         }
     }

@@ -357,7 +357,7 @@ mod tests {
         assert_eq!(q.take(), None, "the hung device's other jobs wait");
         // One of device 1's queries comes back: the next one starts.
         q.done(1);
-        assert_eq!(q.take(), Some((1, PER_DEVICE as u32)));
+        assert_eq!(q.take(), Some((1, 4)), "PER_DEVICE is 4");
     }
 
     #[test]
