@@ -45,8 +45,8 @@ pub struct Export {
     in_flight: AtomicU64,
     /// Bytes of the memory budget its requests hold (see [`Export::hold`]).
     budget_held: AtomicUsize,
-    /// Kept out of the budget's reserve (see [`Export::shun`]).
-    shunned: AtomicBool,
+    /// Kept out of the budget's reserve until then, in [`millis`] (0: not).
+    shunned_until: AtomicU64,
     frozen: AtomicBool,
     /// Client count, with [`CLOSED`] set once no client may join any more.
     clients: AtomicU32,
@@ -63,6 +63,13 @@ pub struct Export {
     pub stats: Arc<Stats>,
 }
 
+/// Milliseconds since the first call (a monotonic clock for deadlines).
+fn millis() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let ms = START.get_or_init(Instant::now).elapsed().as_millis();
+    u64::try_from(ms).unwrap_or(u64::MAX)
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -77,7 +84,7 @@ impl Export {
             epoch: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
             budget_held: AtomicUsize::new(0),
-            shunned: AtomicBool::new(false),
+            shunned_until: AtomicU64::new(0),
             frozen: AtomicBool::new(false),
             clients: AtomicU32::new(0),
             forced: AtomicBool::new(false),
@@ -154,21 +161,26 @@ impl Export {
     }
 
     /// One of its connections was cut off for holding budget without reading
-    /// its replies: keep the device out of the budget's reserve until one of
-    /// its clients reads a reply ([`Export::forgive`]).
-    pub fn shun(&self) {
-        self.shunned.store(true, Relaxed);
+    /// its replies: keep the device out of the budget's reserve for `d`, so
+    /// that what the cut freed goes to others first.
+    pub fn shun(&self, d: Duration) {
+        let until = millis().saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        self.shunned_until.store(until.max(1), Relaxed);
     }
 
+    /// Data path (only for a device that held nothing): whether it is kept out
+    /// of the budget's reserve. One load; the clock is read only while a
+    /// shunning is recorded.
     pub fn shunned(&self) -> bool {
-        self.shunned.load(Relaxed)
-    }
-
-    /// Data path: a client of this device took reply bytes.
-    pub fn forgive(&self) {
-        if self.shunned.load(Relaxed) {
-            self.shunned.store(false, Relaxed);
+        let until = self.shunned_until.load(Relaxed);
+        if until == 0 {
+            return false;
         }
+        if millis() < until {
+            return true;
+        }
+        self.shunned_until.store(0, Relaxed);
+        false
     }
 
     /// Data path: `n` bytes counted by [`Export::hold`] were freed.

@@ -30,7 +30,7 @@
 //!   that holds some and whose pending replies (or the payload of the write
 //!   it is receiving) made no progress for that long is disconnected by its
 //!   reactor, which frees what it held, and its device is kept out of the
-//!   reserve until one of its clients reads a reply. So a client that reads
+//!   reserve for as long again (so what the cut freed goes to others first). So a client that reads
 //!   its replies waits at worst about the deadline for each device whose
 //!   clients do not, and not at all when one device is attacked alone. The
 //!   kernel's own NBD client (`--blockdev nbd`) reads every reply it is sent:

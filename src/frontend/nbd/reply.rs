@@ -134,7 +134,6 @@ impl Conn {
         self.send_inflight = false;
         if res > 0 {
             self.sent += 1;
-            self.export.forgive();
         }
         let res = match self.tls.as_mut() {
             Some(tls) if res > 0 => match tls.sent(res as usize) {

@@ -12,7 +12,7 @@
 //! gets at least [`KERNEL_REPLY_TIMEOUT`]) it is cut off: its socket is shut
 //! down, its file I/O cancelled where the kernel can, and what it held freed
 //! as its operations complete; its device is kept out of the budget's reserve
-//! until one of its clients reads a reply. The cut is logged as an `audit:` line naming
+//! for as long again, so what the cut freed goes to others first. The cut is logged as an `audit:` line naming
 //! the peer and the device, at most one line a second (the others are counted
 //! in the device's `stalled_clients`). Cost on the data path: one counter
 //! increment per send and receive completion.
@@ -71,7 +71,7 @@ impl Conn {
 
     fn cut_stalled(&mut self, io: &mut Io, ci: u32, sending: bool, limit: Duration) {
         self.dev.stats.stalled_client();
-        self.export.shun();
+        self.export.shun(limit);
         let what = if sending {
             "its replies went unread"
         } else {
