@@ -395,8 +395,8 @@ pub fn print_status_all(v: &Value, json: bool) -> Result<()> {
         return Ok(());
     }
     let header = [
-        "NAME", "STATE", "CLIENTS", "INFLIGHT", "BUDGET", "READS", "WRITES", "RBYTES", "WBYTES",
-        "ERRORS", "P99US", "IMAGE",
+        "NAME", "STATE", "CLIENTS", "INFLIGHT", "READS", "WRITES", "RBYTES", "WBYTES", "ERRORS",
+        "P99US", "BUDGET", "IMAGE",
     ];
     let mut rows: Vec<Vec<String>> = vec![header.iter().map(|h| h.to_string()).collect()];
     for d in &devs {
@@ -411,13 +411,13 @@ pub fn print_status_all(v: &Value, json: bool) -> Result<()> {
             s(d, "state"),
             s(d, "clients"),
             s(d, "in_flight"),
-            s(d, "budget_held"),
             d["requests"]["read"].as_u64().unwrap_or(0).to_string(),
             d["requests"]["write"].as_u64().unwrap_or(0).to_string(),
             s(d, "bytes_read"),
             s(d, "bytes_written"),
             errors.to_string(),
             s(&d["latency"], "p99_us"),
+            s(d, "budget_held"),
             s(d, "image"),
         ]);
     }

@@ -16,6 +16,12 @@
 //! the connection's session index (for `user_data`) and `io` the reactor's ring
 //! and pools. Memory an SQE refers to belongs to the connection or one of its
 //! slots, which is not freed or reused until the CQE arrives.
+//!
+//! A client that hangs up without NBD_CMD_DISC gets no more work done
+//! ([`Conn::hang_up`]); one that holds memory budget others wait for without
+//! taking its replies is cut off ([`super::stall`]). Each slot records what it
+//! holds of its device's budget share (`Slot::held`) and gives it back when
+//! released.
 
 use super::affinity::{Follow, Peer};
 use super::stall::Stall;
