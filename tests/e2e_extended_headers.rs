@@ -444,3 +444,162 @@ fn raw_client_sees_extended_replies_byte_for_byte() {
     let a = allocated(&img);
     assert!(a <= 64 * KIB, "{a} bytes allocated after trimming 5 GiB");
 }
+
+// ---------------------------------------------------------------------------
+// 64-bit effect lengths that reach past the end of the file, and clients that
+// hang up in the middle of one (issue 22, point 13).
+
+const CMD_CACHE: u16 = 5;
+const CMD_WRITE_ZEROES: u16 = 6;
+const FLAG_FUA: u16 = 1;
+const FLAG_NO_HOLE: u16 = 2;
+const E62: u64 = 1 << 62;
+/// Longest a request with nothing to do (past the end of the file) may take.
+const PROMPT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Wait up to [`PROMPT`] for `c` to have a reply to read.
+#[track_caller]
+fn reply_within(c: &RawClient, what: &str) {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd {
+        fd: c.s.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = i32::try_from(PROMPT.as_millis()).expect("fits");
+    // SAFETY: one pollfd of a socket the client owns.
+    let n = unsafe { libc::poll(&mut p, 1, ms) };
+    assert!(n > 0, "{what}: no reply within {PROMPT:?}");
+}
+
+/// A temporary directory on tmpfs, whose files may be as large as 2^63 - 1
+/// bytes (ext4 stops at 16 TiB: a trim passing that fails with EFBIG early).
+fn tmpfs_dir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("loopd-e2e")
+        .tempdir_in("/dev/shm")
+        .expect("tempdir on tmpfs (/dev/shm)")
+}
+
+/// The issue's case: a window of 2^62 + 1 GiB over a 1 MiB file, and a TRIM of
+/// 2^62 bytes from 1 GiB (past the end of the file, inside the export), which
+/// ran as 2^31 pieces for hours. Past the end of the file there is nothing to
+/// trim, zero or cache (it reads as zeros already): each such request is
+/// answered at once, with FUA too; one straddling the end zeroes what is
+/// inside; one past the export's size is refused with the spec's error.
+#[test]
+fn huge_ranges_past_the_end_of_the_file_are_answered_at_once() {
+    let dir = tmpfs_dir();
+    let img = dir.path().join("small.img");
+    create_pattern_image(&img, MIB, 3);
+    let size = E62 + GIB;
+    let mut srv = Server::builder(&img)
+        .args(["--size-limit", &size.to_string()])
+        .start();
+    let mut c = extended_client(&srv);
+    let cases = [
+        (CMD_TRIM, 0, "TRIM"),
+        (CMD_TRIM, FLAG_FUA, "TRIM with FUA"),
+        (CMD_WRITE_ZEROES, 0, "WRITE_ZEROES"),
+        (
+            CMD_WRITE_ZEROES,
+            FLAG_NO_HOLE | FLAG_FUA,
+            "WRITE_ZEROES NO_HOLE FUA",
+        ),
+        (CMD_CACHE, 0, "CACHE"),
+    ];
+    for (cookie, (kind, flags, what)) in (1u64..).zip(cases) {
+        ext_request(&mut c, flags, kind, cookie, GIB, E62);
+        reply_within(
+            &c,
+            &format!("{what} of 2^62 bytes past the end of the file"),
+        );
+        assert_eq!(
+            ext_reply(&mut c),
+            (REPLY_FLAG_DONE, REPLY_TYPE_NONE, cookie, GIB, 0),
+            "{what}"
+        );
+    }
+    // Straddling the end of the file: the half inside is zeroed.
+    ext_request(&mut c, FLAG_NO_HOLE, CMD_WRITE_ZEROES, 20, MIB / 2, E62);
+    reply_within(&c, "WRITE_ZEROES from inside the file to 2^62");
+    assert_eq!(
+        ext_reply(&mut c),
+        (REPLY_FLAG_DONE, REPLY_TYPE_NONE, 20, MIB / 2, 0)
+    );
+    // Past the export's size: ENOSPC for a write-zeroes, EINVAL for a trim.
+    for (cookie, kind, errno) in [(21, CMD_WRITE_ZEROES, 28), (22, CMD_TRIM, 22)] {
+        ext_request(&mut c, 0, kind, cookie, GIB, size);
+        reply_within(&c, "a request past the export's size");
+        assert_eq!(
+            ext_reply(&mut c),
+            (REPLY_FLAG_DONE, REPLY_TYPE_ERROR, cookie, GIB, 6)
+        );
+        assert_eq!(c.read_u32(), errno);
+        assert_eq!(c.read_u16(), 0);
+    }
+    srv.assert_running();
+    srv.stop_ok();
+    assert_eq!(file_len(&img), MIB, "the file's size changed");
+    assert_bytes_eq(
+        &read_range(&img, 0, MIB / 2),
+        &pattern_bytes(3, 0, (MIB / 2) as usize),
+        0,
+        "before the zeroed half",
+    );
+    assert_file_filled(&img, MIB / 2, MIB / 2, 0, "the zeroed half");
+}
+
+/// CPU time (user + system, in clock ticks) of process `pid` so far.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("read /proc/PID/stat");
+    // Fields after the command (which may hold spaces) start after ") ".
+    let rest = &stat[stat.rfind(") ").expect("stat format") + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15, i.e. 12 and 13 after the state.
+    f[11].parse::<u64>().expect("utime") + f[12].parse::<u64>().expect("stime")
+}
+
+/// A client sends a TRIM of a whole 2^62-byte (sparse, tmpfs) image — 2^31
+/// pieces of real work — and hangs up. The work stops: the daemon's CPU time
+/// stops growing within a second or so, and a plain `detach` (no --force)
+/// succeeds because the client no longer counts.
+#[test]
+fn the_work_of_a_client_that_hung_up_stops() {
+    let dir = tmpfs_dir();
+    let img = dir.path().join("huge.img");
+    let f = std::fs::File::create(&img).expect("create image");
+    f.set_len(E62).expect("a 2^62-byte sparse file on tmpfs");
+    drop(f);
+    let srv = Server::builder(&img).with_control().start();
+    let pid = srv.pid();
+    let mut c = extended_client(&srv);
+    ext_request(&mut c, 0, CMD_TRIM, 1, 0, E62);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let t0 = cpu_ticks(pid);
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    let busy = cpu_ticks(pid) - t0;
+    assert!(
+        busy >= 10,
+        "the trim is not under way ({busy} ticks in 1 s)"
+    );
+    drop(c);
+    let gone = std::time::Instant::now();
+    // The client stops counting as soon as its last operation comes back.
+    srv.wait_clients("huge", 0, std::time::Duration::from_secs(5));
+    eprintln!("no client left {:?} after it hung up", gone.elapsed());
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    let t1 = cpu_ticks(pid);
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let after = cpu_ticks(pid) - t1;
+    eprintln!(
+        "CPU: {busy} ticks in 1 s while the trim ran, {after} ticks in 2 s after the client left"
+    );
+    assert!(
+        after <= 20,
+        "loopd kept working for a client that hung up: {after} ticks of CPU in 2 s"
+    );
+    let t = std::time::Instant::now();
+    srv.ctl_ok(&["detach", "huge"]);
+    assert!(t.elapsed() < PROMPT, "detach took {:?}", t.elapsed());
+}

@@ -720,7 +720,8 @@ fn kernel_attach_respects_image_locks_both_ways() {
         }
         assert_ctl_error(&out, "busy");
         assert!(
-            out.stderr.contains(&format!("{:?} is in use", img.display().to_string()))
+            out.stderr
+                .contains(&format!("{:?} is in use", img.display().to_string()))
                 && out.stderr.contains("pass --shared"),
             "{extra:?}: the daemon's message:\n{out}"
         );

@@ -362,6 +362,124 @@ fn block_status_on_a_paused_fuse_server_stalls_its_own_device_only() {
     drop(store);
 }
 
+/// Queries sent to the stuck device at once: twice the offload workers there
+/// were for all devices together before they were shared out per device.
+const STUCK_QUERIES: usize = 32;
+
+/// `nbdsh -c SCRIPT` with piped output, killed on drop.
+fn nbdsh_child(script: &str) -> Reaped {
+    Reaped(
+        tool("nbdsh")
+            .args(["-c", &format!("{NBDSH_PRELUDE}\n{script}")])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn nbdsh"),
+    )
+}
+
+/// What a finished child printed (stdout then stderr).
+fn output_of(c: &mut std::process::Child) -> String {
+    let mut out = String::new();
+    if let Some(mut o) = c.stdout.take() {
+        let _ = std::io::Read::read_to_string(&mut o, &mut out);
+    }
+    if let Some(mut o) = c.stderr.take() {
+        let _ = std::io::Read::read_to_string(&mut o, &mut out);
+    }
+    out
+}
+
+/// BLOCK_STATUS runs on offload workers (its fstat and lseeks can wait on the
+/// backing store). 32 queries to a device whose FUSE server is paused hold at
+/// most its share of the workers: another device's BLOCK_STATUS (what
+/// `qemu-img convert` and `nbdcopy` send first) is answered within
+/// HEALTHY_OP_MAX all through the stall. Before, the 32 held all 16 workers
+/// and every device's BLOCK_STATUS waited for the store (18 s of 20.5 in the
+/// issue).
+#[test]
+fn block_status_of_a_hung_store_holds_no_other_devices_workers() {
+    let dir = tempdir();
+    let store = FuseStore::start(dir.path());
+    let healthy_img = dir.path().join("healthy.img");
+    create_pattern_image(&healthy_img, 16 * MIB, 4);
+    let srv = Server::daemon().start();
+    for (img, name) in [(store.file(), "stuck"), (healthy_img.clone(), "healthy")] {
+        srv.ctl_ok(&[
+            "attach",
+            path_str(&img),
+            "--name",
+            name,
+            "--cache",
+            "buffered",
+        ]);
+    }
+    // Connect, then (once the FUSE server is paused and its cached attributes
+    // have expired) send every query at once and wait for the answers.
+    let mut stuck = nbdsh_child(&format!(
+        "g = connect({})\nimport time\nprint('connected', flush=True)\ntime.sleep(3)\n\
+         for i in range({STUCK_QUERIES}):\n    \
+         g.aio_block_status(65536, i * 65536, lambda m, o, e, err: 0)\n\
+         print('sent', flush=True)\n\
+         while g.aio_in_flight() > 0:\n    g.poll(-1)\n\
+         print('answered', flush=True)\n",
+        py_str(&srv.uri_for_name("stuck"))
+    ));
+    std::thread::sleep(Duration::from_millis(1500));
+    let paused = FusePaused(&store);
+    signal(&store.nbdfuse, libc::SIGSTOP);
+    std::thread::sleep(Duration::from_secs(3));
+    // The healthy device's client asks again and again for STUCK_FOR.
+    let mut healthy = nbdsh_child(&format!(
+        "g = connect({})\nimport time\nworst = 0.0\nn = 0\n\
+         end = time.monotonic() + {}\n\
+         while time.monotonic() < end:\n    \
+         t = time.monotonic()\n    \
+         g.block_status(65536, 0, lambda m, o, e, err: 0)\n    \
+         worst = max(worst, time.monotonic() - t)\n    n += 1\n    time.sleep(0.05)\n\
+         print('healthy', n, worst, flush=True)\n",
+        py_str(&srv.uri_for_name("healthy")),
+        STUCK_FOR.as_secs()
+    ));
+    let status = exit_within(
+        &mut healthy.0,
+        STUCK_FOR + Duration::from_secs(10),
+        "the healthy device's BLOCK_STATUS loop did not finish: a query hung behind the stuck store's",
+    );
+    let out = output_of(&mut healthy.0);
+    let line = out
+        .lines()
+        .find_map(|l| l.strip_prefix("healthy "))
+        .unwrap_or_else(|| panic!("nbdsh (healthy): {status}\n{out}"));
+    let mut f = line.split_whitespace();
+    let n: u32 = f.next().and_then(|v| v.parse().ok()).expect("count");
+    let worst: f64 = f.next().and_then(|v| v.parse().ok()).expect("worst");
+    eprintln!("healthy BLOCK_STATUS: {n} queries, worst {worst:.3} s while the other store hung");
+    assert!(
+        worst < HEALTHY_OP_MAX.as_secs_f64(),
+        "a healthy device's BLOCK_STATUS took {worst:.3} s while another device's store hung"
+    );
+    assert!(n >= 20, "only {n} healthy queries in {STUCK_FOR:?}");
+    assert!(
+        stuck.0.try_wait().expect("wait nbdsh").is_none(),
+        "the stuck device's queries were all answered: its store was not stuck"
+    );
+    // The store continues: every query of the stuck device is answered.
+    drop(paused);
+    let status = exit_within(
+        &mut stuck.0,
+        Duration::from_secs(30),
+        "the stuck device's queries never completed",
+    );
+    let out = output_of(&mut stuck.0);
+    assert!(
+        status.success() && out.contains("answered"),
+        "nbdsh (stuck): {status}\n{out}"
+    );
+    drop(srv);
+    drop(store);
+}
+
 /// Wait up to `within` for `child` to exit; its status (`what` says what did
 /// not happen otherwise).
 fn exit_within(

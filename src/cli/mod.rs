@@ -370,6 +370,7 @@ pub fn print_status(v: &Value, json: bool) -> Result<()> {
         println!("tls_allow: {}", allow.join(" "));
     }
     println!("in_flight: {}", s(v, "in_flight"));
+    println!("budget_held: {}", s(v, "budget_held"));
     // Counters in the order they are declared (the JSON objects are sorted).
     for g in [Group::Requests, Group::Bytes, Group::Paths] {
         let parts: Vec<String> = COUNTERS
@@ -411,7 +412,7 @@ pub fn print_status_all(v: &Value, json: bool) -> Result<()> {
     }
     let header = [
         "NAME", "STATE", "CLIENTS", "INFLIGHT", "READS", "WRITES", "RBYTES", "WBYTES", "ERRORS",
-        "P99US", "IMAGE",
+        "P99US", "BUDGET", "IMAGE",
     ];
     let mut rows: Vec<Vec<String>> = vec![header.iter().map(|h| h.to_string()).collect()];
     for d in &devs {
@@ -432,6 +433,7 @@ pub fn print_status_all(v: &Value, json: bool) -> Result<()> {
             s(d, "bytes_written"),
             errors.to_string(),
             s(&d["latency"], "p99_us"),
+            s(d, "budget_held"),
             s(d, "image"),
         ]);
     }

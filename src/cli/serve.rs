@@ -159,6 +159,12 @@ pub struct ServeArgs {
     /// new requests until replies are sent (backpressure).
     #[arg(long, value_name = "SIZE", value_parser = parse_budget)]
     memory_budget: Option<u64>,
+    /// Seconds a client holding part of the memory budget may leave its replies
+    /// unread (or a write's payload unsent) while other requests wait for
+    /// budget; then it is disconnected, with an audit line. The kernel's own
+    /// NBD client (--blockdev nbd) gets at least 120. 0 = never.
+    #[arg(long, value_name = "SECS", default_value_t = loopd::engine::budget::DEFAULT_REPLY_TIMEOUT.as_secs_f64())]
+    reply_timeout: f64,
     /// Benchmark switch: one lock for the whole device instead of byte ranges.
     #[arg(long, hide = true)]
     whole_device_lock: bool,
@@ -383,6 +389,9 @@ fn start(
     if a.max_connections == 0 {
         bail!("--max-connections must be at least 1");
     }
+    if !(0.0..=86_400.0).contains(&a.reply_timeout) {
+        bail!("--reply-timeout must be from 0 to 86400 seconds");
+    }
     let opts0 = ServeOptions {
         socket: a.socket.clone(),
         socket_mode: a.socket_mode,
@@ -410,6 +419,7 @@ fn start(
         memory_budget: a
             .memory_budget
             .map_or(0, |b| usize::try_from(b).unwrap_or(usize::MAX)),
+        reply_timeout: std::time::Duration::from_secs_f64(a.reply_timeout),
         metrics: a.metrics.clone(),
         metrics_mode: a.metrics_mode,
     };

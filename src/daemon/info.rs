@@ -141,6 +141,13 @@ pub struct DeviceStatus {
     pub paths: BTreeMap<String, u64>,
     /// Connections moved to the reactor on the CPU their client runs on.
     pub moves: u64,
+    /// Connections cut off for leaving their replies unread while holding
+    /// memory budget others waited for.
+    #[serde(default)]
+    pub stalled_clients: u64,
+    /// Bytes of the daemon's memory budget this device's requests hold now.
+    #[serde(default)]
+    pub budget_held: u64,
     pub errors: BTreeMap<String, u64>,
     pub latency: Latency,
 }
@@ -163,6 +170,8 @@ impl DeviceStatus {
             unaligned: snap.get(Group::Single, "unaligned"),
             paths: group(Group::Paths),
             moves: snap.get(Group::Single, "moves"),
+            stalled_clients: snap.get(Group::Single, "stalled_clients"),
+            budget_held: e.budget_held() as u64,
             errors: snap.errors().map(|(k, v)| (k.to_string(), v)).collect(),
             latency: Latency {
                 p50_us: p50,
@@ -186,6 +195,8 @@ impl DeviceStatus {
             unaligned: 0,
             paths: BTreeMap::new(),
             moves: 0,
+            stalled_clients: 0,
+            budget_held: 0,
             errors: BTreeMap::new(),
             latency: Latency {
                 p50_us: 0.0,

@@ -19,6 +19,10 @@
 //!   detach that finds no clients knows none can appear later. A forced close
 //!   also sets `forced`: connections shut their sockets down, cancel their file
 //!   I/O and go.
+//! - Memory budget: `budget_held` counts the request buffers its connections
+//!   hold, so one device's clients can be refused past their share
+//!   ([`Export::hold`], one compare-and-swap per request with data) and
+//!   `status` can say who holds the budget.
 //! - Locks: `current` (RwLock, read on connect and on epoch change only),
 //!   `waiters` (held to register or wake), `control` (serialises control
 //!   operations on this one export; never taken by reactors).
@@ -27,7 +31,8 @@ use super::Device;
 use super::range_lock::Wake;
 use super::spec::DeviceSpec;
 use super::stats::Stats;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::SeqCst};
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
@@ -38,6 +43,10 @@ pub struct Export {
     current: RwLock<Arc<Device>>,
     epoch: AtomicU64,
     in_flight: AtomicU64,
+    /// Bytes of the memory budget its requests hold (see [`Export::hold`]).
+    budget_held: AtomicUsize,
+    /// Kept out of the budget's reserve until then, in [`millis`] (0: not).
+    shunned_until: AtomicU64,
     frozen: AtomicBool,
     /// Client count, with [`CLOSED`] set once no client may join any more.
     clients: AtomicU32,
@@ -54,6 +63,13 @@ pub struct Export {
     pub stats: Arc<Stats>,
 }
 
+/// Milliseconds since the first call (a monotonic clock for deadlines).
+fn millis() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let ms = START.get_or_init(Instant::now).elapsed().as_millis();
+    u64::try_from(ms).unwrap_or(u64::MAX)
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -67,6 +83,8 @@ impl Export {
             current: RwLock::new(Arc::new(dev)),
             epoch: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
+            budget_held: AtomicUsize::new(0),
+            shunned_until: AtomicU64::new(0),
             frozen: AtomicBool::new(false),
             clients: AtomicU32::new(0),
             forced: AtomicBool::new(false),
@@ -126,6 +144,53 @@ impl Export {
     /// Data path: the request's file I/O is over.
     pub fn leave(&self) {
         self.in_flight.fetch_sub(1, SeqCst);
+    }
+
+    /// Data path: count `n` bytes of request buffers against this device's
+    /// share of the memory budget. `None`: refused (nothing counted), because
+    /// its requests already hold some and `n` more would pass `share`. A
+    /// device holding nothing may always take one request: `Some(true)` says
+    /// it held nothing (it may use the budget's reserve, unless shunned).
+    pub fn hold(&self, n: usize, share: usize) -> Option<bool> {
+        self.budget_held
+            .fetch_update(Relaxed, Relaxed, |h| {
+                (h == 0 || h.saturating_add(n) <= share).then(|| h.saturating_add(n))
+            })
+            .ok()
+            .map(|h| h == 0)
+    }
+
+    /// One of its connections was cut off for holding budget without reading
+    /// its replies: keep the device out of the budget's reserve for `d`, so
+    /// that what the cut freed goes to others first.
+    pub fn shun(&self, d: Duration) {
+        let until = millis().saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        self.shunned_until.store(until.max(1), Relaxed);
+    }
+
+    /// Data path (only for a device that held nothing): whether it is kept out
+    /// of the budget's reserve. One load; the clock is read only while a
+    /// shunning is recorded.
+    pub fn shunned(&self) -> bool {
+        let until = self.shunned_until.load(Relaxed);
+        if until == 0 {
+            return false;
+        }
+        if millis() < until {
+            return true;
+        }
+        self.shunned_until.store(0, Relaxed);
+        false
+    }
+
+    /// Data path: `n` bytes counted by [`Export::hold`] were freed.
+    pub fn unhold(&self, n: usize) {
+        self.budget_held.fetch_sub(n, Relaxed);
+    }
+
+    /// Bytes of the memory budget this device's requests hold now.
+    pub fn budget_held(&self) -> usize {
+        self.budget_held.load(Relaxed)
     }
 
     pub fn in_flight(&self) -> u64 {

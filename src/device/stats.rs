@@ -46,6 +46,9 @@ pub struct Stats {
     pub unaligned: AtomicU64,
     /// Connections moved to the reactor on their client's CPU.
     pub moves: AtomicU64,
+    /// Connections cut off for holding memory budget others waited for while
+    /// making no progress (replies unread).
+    pub stalled_clients: AtomicU64,
     /// Errors sent to clients, indexed by [`Errno::index`].
     pub errors: [AtomicU64; Errno::ALL.len()],
     /// Bit per errno index: whether a backing-file error of that kind was logged.
@@ -98,6 +101,11 @@ impl Stats {
             Path::Spliced => &self.spliced,
         };
         c.fetch_add(1, Relaxed);
+    }
+
+    /// Count a connection cut off by the progress deadline.
+    pub fn stalled_client(&self) {
+        self.stalled_clients.fetch_add(1, Relaxed);
     }
 
     /// Count a request not aligned to the block size.
@@ -234,6 +242,12 @@ pub const COUNTERS: &[Counter] = &[
         moves,
         "Connections moved to the reactor on their client's CPU."
     ),
+    counter!(
+        Single,
+        "stalled_clients",
+        stalled_clients,
+        "Connections cut off for leaving their replies unread while holding memory budget others waited for."
+    ),
 ];
 
 /// The counters' values at one moment (each read separately, relaxed).
@@ -283,7 +297,7 @@ impl Snapshot {
             .map(|(e, v)| (e.name(), v))
     }
 
-    /// `requests: read=1 … bytes: … paths: … unaligned=0 moves=0 errors: ENOSPC=1`
+    /// `requests: read=1 … bytes: … paths: … unaligned=0 moves=0 stalled_clients=0 errors: ENOSPC=1`
     /// (errors that are 0 left out; `none` when all are).
     pub fn summary(&self) -> String {
         let mut parts: Vec<String> = Vec::new();
@@ -463,7 +477,7 @@ mod tests {
         let line = snap.summary();
         assert!(line.starts_with("requests: read=1 write=1 "), "{line}");
         assert!(
-            line.contains(" spliced=1 unaligned=0 moves=0 errors: "),
+            line.contains(" spliced=1 unaligned=0 moves=0 stalled_clients=0 errors: "),
             "{line}"
         );
         assert!(

@@ -155,6 +155,15 @@ fn class_of(len: usize) -> Option<usize> {
     (idx < CLASSES).then_some(idx)
 }
 
+/// Capacity of the buffer [`Pool::get`] hands out for `len` bytes: what the
+/// request holding it is charged.
+pub fn capacity_for(len: usize) -> usize {
+    match class_of(len) {
+        Some(c) => 1 << (c + MIN_CLASS_SHIFT),
+        None => AlignedBuf::rounded(len),
+    }
+}
+
 /// A pool of aligned buffers in power-of-two size classes.
 #[derive(Default)]
 pub struct Pool {
@@ -179,9 +188,10 @@ impl Pool {
 
     /// Make sure the next [`Pool::get`] of `len` bytes is within the budget: an
     /// idle buffer of its class is there, or one is allocated now if the budget
-    /// has room (after freeing this pool's idle buffers if need be). False: the
-    /// budget is spent; the caller waits for a release.
-    pub fn reserve(&mut self, len: usize) -> bool {
+    /// has room below `upto` (after freeing this pool's idle buffers if need
+    /// be; see [`super::budget::Budget::try_charge_upto`]). False: the budget
+    /// is spent; the caller waits for a release.
+    pub fn reserve(&mut self, len: usize, upto: usize) -> bool {
         let Some(c) = class_of(len) else {
             return true; // larger than any request: not reached
         };
@@ -190,9 +200,9 @@ impl Pool {
         }
         let cap = 1 << (c + MIN_CLASS_SHIFT);
         let b = budget::global();
-        if !b.try_charge(cap) {
+        if !b.try_charge_upto(cap, upto) {
             self.trim();
-            if !b.try_charge(cap) {
+            if !b.try_charge_upto(cap, upto) {
                 return false;
             }
         }

@@ -8,7 +8,8 @@
 //! else the task's first [`super::task::FileOp`]), feeds completions to
 //! [`Task::complete`], calls [`conclude`] on the result, and finally
 //! [`Request::settle`] / [`Request::release`]. Nothing here calls back up into a
-//! frontend or the reactor.
+//! frontend or the reactor. A trim, write-zeroes or cache is clipped at the end
+//! of the backing file when it starts ([`super::clip`]).
 //!
 //! What may block: [`start`] runs only non-blocking calls (`RWF_NOWAIT`), except
 //! an inline buffered write on a local-disk filesystem without NOWAIT writes,
@@ -116,6 +117,22 @@ fn is_aligned(dev: &Device, task: &Task) -> bool {
 /// small whole-page buffered writes are copied in inline. Either counts its
 /// [`Path`]; otherwise the task's own path is counted.
 pub fn start(dev: &Device, task: &mut Task, pool: &mut Pool) -> Next {
+    if matches!(task.op, Op::Trim | Op::WriteZeroes | Op::Cache) {
+        // Under the range lock: a write that grew the file into this range
+        // has published its growth (see `conclude`).
+        let mut size = dev.file_size.load(Ordering::Relaxed);
+        if task.op == Op::WriteZeroes && dev.local_fs && task.passes(size) {
+            // Zeroing past the end loopd knows of: first make sure no other
+            // writer (`--shared`) grew the file. A local filesystem answers
+            // fstat from memory.
+            if let Ok(m) = dev.plain.metadata() {
+                dev.grew_to(m.len());
+                size = size.max(m.len());
+            }
+        }
+        task.clip_to_file(size);
+        return task.start();
+    }
     if task.op.has_data() {
         if task.op == Op::Read && task.path == Path::Buffered && dev.inline_reads && dev.local_fs {
             // Not on FUSE or network files: even a NOWAIT read can block there

@@ -12,6 +12,7 @@
 pub mod admit;
 pub mod budget;
 pub mod buffer;
+pub mod clip;
 pub mod exec;
 pub mod offload;
 pub mod ops;

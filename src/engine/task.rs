@@ -135,6 +135,9 @@ pub struct Task {
     align_len: usize,
     /// File offset just past this write, if it may grow the file.
     grows_to: Option<u64>,
+    /// Bytes a trim, write-zeroes or cache acts on: `len`, less what lies past
+    /// the end of the file ([`Task::clip_to_file`]).
+    effect: u32,
     /// `buf` was lent by the caller ([`Task::plan_lent`]): it goes back with
     /// [`Task::take_lent`], never into the pool.
     lent: bool,
@@ -229,6 +232,7 @@ impl Task {
             align,
             align_len: to_len(align),
             grows_to: None,
+            effect: len,
             lent: false,
         };
         match op {
@@ -269,6 +273,22 @@ impl Task {
             Op::Flush | Op::Cache => {}
         }
         t
+    }
+
+    /// Clip a trim, write-zeroes or cache to the part of its range before
+    /// `file_size` (see [`super::clip`]); past the end there is nothing to do,
+    /// and [`Task::start`] then only syncs (FUA) or answers at once.
+    pub fn clip_to_file(&mut self, file_size: u64) {
+        if matches!(self.op, Op::Trim | Op::WriteZeroes | Op::Cache) {
+            let n = super::clip::in_file(self.lock_start, u64::from(self.len), file_size);
+            // n <= len, a u32.
+            self.effect = u32::try_from(n).unwrap_or(self.len);
+        }
+    }
+
+    /// Whether a trim, write-zeroes or cache reaches past `file_size`.
+    pub fn passes(&self, file_size: u64) -> bool {
+        self.lock_start.saturating_add(u64::from(self.len)) > file_size
     }
 
     /// Whether this task touches the file under the range lock at all.
@@ -481,6 +501,7 @@ impl Task {
                 self.phase = Phase::Flush;
                 Next::Submit(FileOp(Kind::Fdatasync { fd: self.fd }))
             }
+            Op::Trim | Op::WriteZeroes if self.effect == 0 => self.sync_after_or_done(),
             Op::Trim | Op::WriteZeroes => {
                 let punch = self.op == Op::Trim || !self.flags.no_hole;
                 let mode = if punch {
@@ -493,19 +514,20 @@ impl Task {
                     fd: self.fd,
                     mode,
                     off: self.lock_start,
-                    len: u64::from(self.len),
+                    len: u64::from(self.effect),
                 }))
             }
-            Op::Cache if self.path == Path::Buffered => {
+            Op::Cache if self.path == Path::Buffered && self.effect > 0 => {
                 self.phase = Phase::WillNeed;
                 Next::Submit(FileOp(Kind::WillNeed {
                     fd: self.fd,
                     off: self.lock_start,
-                    len: u64::from(self.len),
+                    len: u64::from(self.effect),
                 }))
             }
             // Direct mode keeps the image out of the page cache on purpose, so a
-            // prefetch into it would only cost memory: CACHE succeeds as a no-op.
+            // prefetch into it would only cost memory: CACHE succeeds as a no-op
+            // (as it does past the end of the file).
             Op::Cache => Next::Done(Ok(0)),
         }
     }
@@ -521,7 +543,7 @@ impl Task {
     }
 
     fn zero_fill(&mut self, pool: &mut Pool) -> Next {
-        let total = self.len as usize;
+        let total = self.effect as usize;
         if self.done >= total {
             return self.sync_after_or_done();
         }

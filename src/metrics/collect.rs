@@ -210,6 +210,18 @@ pub fn render(daemon: &Daemon, p: &Process) -> String {
     );
     enc.sample("loopd_memory_budget_used_bytes", &[], b.used() as f64);
     enc.family(
+        "loopd_memory_budget_held_bytes",
+        Kind::Gauge,
+        "Bytes of request buffers the device's requests hold now (who holds the budget; its clients together may hold the limit less 64 MiB).",
+    );
+    for e in &exports {
+        enc.sample(
+            "loopd_memory_budget_held_bytes",
+            &[("device", &e.name)],
+            e.budget_held() as f64,
+        );
+    }
+    enc.family(
         "loopd_build_info",
         Kind::Gauge,
         "The loopd version (value 1).",

@@ -150,14 +150,40 @@ impl Reactor {
                 if since.elapsed() > DRAIN_TIMEOUT {
                     self.force_close_all();
                 }
-                if !self.timer_armed {
-                    self.timer_armed = true;
-                    let t: *const types::Timespec = &*self.timer;
-                    let e = opcode::Timeout::new(t)
-                        .build()
-                        .user_data(ud(TAG_TIMER, 0, 0));
-                    // SAFETY: `timer` is the reactor's own box (see `arm_wake`).
-                    unsafe { self.io.push(e) };
+                self.arm_timer();
+            }
+            if self.io.watch_stalls {
+                self.arm_timer();
+            }
+        }
+    }
+
+    /// Arm the one-second timer (draining, watching stalls), if it is not.
+    fn arm_timer(&mut self) {
+        if !self.timer_armed {
+            self.timer_armed = true;
+            let t: *const types::Timespec = &*self.timer;
+            let e = opcode::Timeout::new(t)
+                .build()
+                .user_data(ud(TAG_TIMER, 0, 0));
+            // SAFETY: `timer` is the reactor's own box (see `arm_wake`).
+            unsafe { self.io.push(e) };
+        }
+    }
+
+    /// The timer while budget is short somewhere: cut off connections that
+    /// hold budget and made no progress for the deadline (see
+    /// [`crate::frontend::nbd::stall`]).
+    fn look_for_stalls(&mut self) {
+        if !budget::global().anyone_starved() {
+            self.io.watch_stalls = false;
+            return;
+        }
+        for (ci, s) in self.sessions.iter_mut().enumerate() {
+            if let Some(c) = s.as_mut().and_then(Session::as_conn) {
+                let ci = conn_id(ci);
+                if c.stall_tick(&mut self.io, ci) {
+                    self.dirty.push(ci);
                 }
             }
         }
@@ -206,8 +232,10 @@ impl Reactor {
                 b.fed();
             }
             if b.anyone_starved() {
-                // Budget is short somewhere: give back what sits idle here.
+                // Budget is short somewhere: give back what sits idle here,
+                // and watch for connections holding it without progress.
                 self.io.pool.trim();
+                self.io.watch_stalls = true;
             }
             self.take_offloaded();
             let gen_now = CONTROL_GEN.load(Ordering::SeqCst);
@@ -222,6 +250,9 @@ impl Reactor {
         }
         if tag == TAG_TIMER {
             self.timer_armed = false;
+            if self.io.watch_stalls {
+                self.look_for_stalls();
+            }
             return;
         }
         if tag == TAG_CANCEL {

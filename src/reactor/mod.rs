@@ -23,6 +23,10 @@
 //!   reactor waits for every in-flight operation before dropping anything.
 //! - The only lock taken is the device's range lock, and only to decide; a request
 //!   that must wait is parked and retried when a release wakes this reactor.
+//! - While any reactor waits for memory budget, a one-second timer looks at
+//!   every connection here and cuts off those that hold budget without progress
+//!   for `--reply-timeout` (see [`crate::frontend::nbd::stall`]); the same timer
+//!   paces the drain on stop.
 //! - Large buffered reads are spliced (see [`crate::engine::splice`]): their file → pipe
 //!   and pipe → socket operations run on the kernel's io_uring workers, which may
 //!   block there, never this thread.

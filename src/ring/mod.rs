@@ -107,6 +107,11 @@ pub struct Io {
     pub inbox: Arc<Inbox>,
     /// Bytes of requests one connection may hold.
     pub per_conn_bytes: usize,
+    /// Bytes of request buffers the clients of one device may hold together.
+    pub device_share: usize,
+    /// Some reactor waits for budget: look for connections that hold some and
+    /// make no progress (the reactor's stall timer runs while this is set).
+    pub watch_stalls: bool,
     /// Marked starved in the budget (until the next wake-up).
     pub starved: bool,
     /// This reactor's registration with the budget.
@@ -129,6 +134,8 @@ impl Io {
             file_ops: 0,
             inbox: Arc::new(Inbox::new(waker)),
             per_conn_bytes: b.per_connection().min(per_conn_bytes),
+            device_share: b.device_share(),
+            watch_stalls: false,
             starved: false,
             budget_id,
         }
@@ -161,6 +168,7 @@ impl Io {
     /// A session was refused budget: be woken by the next release anywhere
     /// (the caller tries once more after this, so a release in between counts).
     pub fn starve(&mut self) {
+        self.watch_stalls = true;
         if !self.starved {
             self.starved = true;
             budget::global().starve(self.budget_id);

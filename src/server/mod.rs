@@ -118,6 +118,9 @@ pub struct ServeOptions {
     /// Bytes of request and reply buffers across the daemon (0 = the default,
     /// `engine::budget::DEFAULT_LIMIT`).
     pub memory_budget: usize,
+    /// How long a connection holding budget others wait for may make no
+    /// progress (zero: never cut off; see `engine::budget`).
+    pub reply_timeout: Duration,
     /// Prometheus endpoint: TCP `HOST:PORT`, or a Unix socket path (with a `/`).
     pub metrics: Option<String>,
     /// Mode of the metrics Unix socket.
@@ -145,6 +148,7 @@ impl Default for ServeOptions {
             ktls: true,
             control_idle: control::IDLE_TIMEOUT,
             memory_budget: 0,
+            reply_timeout: crate::engine::budget::DEFAULT_REPLY_TIMEOUT,
             metrics: None,
             metrics_mode: DEFAULT_SOCKET_MODE,
         }
@@ -446,6 +450,7 @@ pub fn run(
     } else {
         opts.reactors
     };
+    crate::engine::budget::global().set_reply_timeout(opts.reply_timeout);
     let reactors: Vec<Arc<ReactorHandle>> = (0..n)
         .map(|i| reactor::spawn(i, opts.poll, opts.memory_budget))
         .collect::<Result<_, _>>()?;

@@ -16,8 +16,15 @@
 //! the connection's session index (for `user_data`) and `io` the reactor's ring
 //! and pools. Memory an SQE refers to belongs to the connection or one of its
 //! slots, which is not freed or reused until the CQE arrives.
+//!
+//! A client that hangs up without NBD_CMD_DISC gets no more work done
+//! ([`Conn::hang_up`]); one that holds memory budget others wait for without
+//! taking its replies is cut off ([`super::stall`]). Each slot records what it
+//! holds of its device's budget share (`Slot::held`) and gives it back when
+//! released.
 
 use super::affinity::{Follow, Peer};
+use super::stall::Stall;
 use super::tls::TlsIo;
 use crate::device::Device;
 use crate::device::export::{ClientRef, Export};
@@ -31,6 +38,7 @@ use io_uring::opcode;
 use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Requests a connection may have between header and reply.
 pub const SLOTS: u16 = 128;
@@ -66,6 +74,9 @@ pub struct Slot {
     /// for FUA (which the last piece carries).
     pub rest: u64,
     pub rest_fua: bool,
+    /// Bytes of its device's share of the memory budget this request holds
+    /// ([`Export::hold`]), given back when the slot is released.
+    pub held: usize,
     /// The request as the engine tracks it (task, range, in-flight count).
     pub req: Request,
     pub hdr: [u8; MAX_REPLY_HEADER],
@@ -90,6 +101,7 @@ impl Slot {
             offset: 0,
             rest: 0,
             rest_fua: false,
+            held: 0,
             req: Request::default(),
             hdr: [0; MAX_REPLY_HEADER],
             hdr_len: 0,
@@ -179,6 +191,8 @@ pub struct Conn {
     pub dead: bool,
     pub slots: Box<[Slot]>,
     pub free_slots: Vec<u16>,
+    /// Bytes of the memory budget its requests hold (the sum of their slots'
+    /// `held`): it stops reading past the reactor's `per_conn_bytes`.
     pub bytes_held: usize,
     pub sendq: VecDeque<u16>,
     pub send_inflight: bool,
@@ -204,6 +218,16 @@ pub struct Conn {
     pub tls: Option<Box<TlsIo>>,
     /// For the audit lines at connect and disconnect.
     pub audit: ConnAudit,
+    /// Set once nobody will read a reply (the connection is dead): the offload
+    /// workers skip this connection's block-status queries not yet started.
+    pub gone: Arc<AtomicBool>,
+    /// Sends and receives that moved bytes (progress, for [`super::stall`]).
+    pub sent: u64,
+    pub received: u64,
+    pub stall: Stall,
+    /// The kernel's own NBD client (a socket pair of this process, for
+    /// `--blockdev nbd`).
+    pub kernel: bool,
 }
 
 /// What the connect and disconnect lines say about a connection.
@@ -234,6 +258,12 @@ pub(crate) fn describe_peer(sock: &OwnedFd) -> String {
         ),
         Err(_) => "unknown peer".into(),
     }
+}
+
+/// Whether the other end of `sock` is this process: a socket pair the daemon
+/// made for the kernel's NBD client.
+fn own_socket_pair(sock: &OwnedFd) -> bool {
+    rustix::net::sockopt::socket_peercred(sock).is_ok_and(|c| c.pid == rustix::process::getpid())
 }
 
 impl Drop for Conn {
@@ -281,6 +311,7 @@ impl Conn {
             meta_context,
         };
         tracing::debug!("new connection to {:?}: {replies:?} replies", dev.name);
+        let kernel = own_socket_pair(&sock);
         let audit = ConnAudit {
             who: describe_peer(&sock),
             opened: std::time::Instant::now(),
@@ -308,7 +339,10 @@ impl Conn {
             epoch,
             view,
             replies,
-            rbuf: AlignedBuf::new(RBUF),
+            // Outside the budget: bounded by --max-connections, not by what
+            // clients send, and counting it would let idle connections eat
+            // the reserve other devices' requests need.
+            rbuf: AlignedBuf::unbudgeted(RBUF),
             rstart: 0,
             rend: 0,
             recv: RecvState::Header,
@@ -332,6 +366,11 @@ impl Conn {
             moving: None,
             tls,
             audit,
+            gone: Arc::new(AtomicBool::new(false)),
+            sent: 0,
+            received: 0,
+            stall: Stall::default(),
+            kernel,
         }
     }
 
@@ -433,11 +472,15 @@ impl Conn {
         if slot.state == SlotState::Free {
             return;
         }
-        if let Some(t) = slot.req.release(&self.dev, &self.export, &mut io.pool)
-            && t.op.has_data()
-        {
-            self.bytes_held = self.bytes_held.saturating_sub(t.len as usize);
+        if slot.held > 0 {
+            // Before its buffers go back: a release they cause may wake a
+            // connection of this device refused its share.
+            self.export.unhold(slot.held);
+            self.bytes_held = self
+                .bytes_held
+                .saturating_sub(std::mem::take(&mut slot.held));
         }
+        slot.req.release(&self.dev, &self.export, &mut io.pool);
         if let Some(e) = slot.extra.take() {
             io.pool.put(e);
         }
@@ -449,9 +492,24 @@ impl Conn {
         self.free_slots.push(si);
     }
 
+    /// The client hung up (its socket closed or broke without NBD_CMD_DISC):
+    /// nobody will read a reply, so its requests take no further step. File
+    /// I/O in flight is cancelled where the kernel can, the pieces of a long
+    /// trim or write-zeroes not started are dropped, block-status queries not
+    /// started are skipped, and each slot (buffers, range, place in line, its
+    /// count in the export) is released when its last operation completes, so
+    /// the connection soon stops counting as a client. (After NBD_CMD_DISC a
+    /// client may half-close and still read its replies, as libnbd does: no
+    /// receive is posted then, and its requests are answered.)
+    pub(super) fn hang_up(&mut self, io: &mut Io, ci: u32) {
+        self.cancel_file_ops(io, ci);
+        self.kill(io, ci);
+    }
+
     /// The socket is unusable: drop queued replies and parked requests; requests
     /// with a file operation or receive in flight are released when it completes.
     pub fn kill(&mut self, io: &mut Io, ci: u32) {
+        self.gone.store(true, Ordering::Relaxed);
         self.dead = true;
         self.close_reading(io, ci);
         self.drop_unsent(io);

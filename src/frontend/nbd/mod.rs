@@ -10,6 +10,7 @@ mod recv;
 mod reply;
 mod run;
 mod splice;
+pub mod stall;
 mod status;
 pub mod tls;
 pub mod wire;

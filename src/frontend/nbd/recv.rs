@@ -1,11 +1,14 @@
 //! Reading requests: headers into the connection's buffer, write payloads
 //! straight into their task's buffer, rejected payloads thrown away. A request is
-//! taken only when a slot, the connection's byte allowance and the daemon's
-//! memory budget allow, and while its export is not frozen.
+//! taken only when a slot, the connection's byte allowance, its device's share
+//! of the memory budget and the budget itself allow, and while its export is
+//! not frozen. A client that hangs up (EOF or a broken socket before
+//! NBD_CMD_DISC) stops its requests ([`Conn::hang_up`]).
 
 use super::conn::{Conn, RBUF, RecvState, SlotState};
 use super::tls::Received;
 use crate::block::Op;
+use crate::engine::buffer;
 use crate::engine::task::{self, Task};
 use crate::frontend::nbd::proto::*;
 use crate::frontend::nbd::wire::{self, Command};
@@ -16,6 +19,10 @@ use std::os::fd::AsRawFd;
 /// Effect bytes of one piece of a request longer than a task can be (a power
 /// of two, so pieces of an aligned request stay aligned).
 pub(super) const PIECE: u32 = 1 << 31;
+
+/// Bytes of reply descriptors a BLOCK_STATUS holds (64-bit descriptors, the
+/// larger kind), counted against the budget's shares like a read's data.
+const STATUS_BYTES: usize = 16 * crate::device::status::MAX_DESCRIPTORS;
 
 /// The range a BLOCK_STATUS request asks the backing file about: a 64-bit
 /// length is cut to whole blocks below 4 GiB (the reply may cover less than
@@ -185,10 +192,7 @@ impl Conn {
             }
             let hdr = &self.rbuf.as_slice()[self.rstart..self.rstart + hlen];
             let req = match wire::parse_header(hdr, self.view.extended) {
-                Ok(r) => {
-                    self.audit.served += 1;
-                    r
-                }
+                Ok(r) => r,
                 Err(e) => {
                     self.audit.reason = "framing error";
                     self.export.leave();
@@ -200,32 +204,46 @@ impl Conn {
                     return;
                 }
             };
-            // The request's data buffer must fit in the daemon's memory budget
-            // before the request is taken; if it does not, read no further until
-            // budget is released (the header stays buffered).
+            // The request's data buffer must fit in its device's share and in
+            // the daemon's memory budget before the request is taken; if it
+            // does not, read no further until budget is released (the header
+            // stays buffered).
             let valid = wire::validate(&req, &self.view);
             // What one task does: all of a request but a 64-bit TRIM,
             // WRITE_ZEROES or CACHE, which runs as pieces (`Slot::rest`); a
             // read's or write's length is at most MAX_PAYLOAD once valid.
             let piece = u32::try_from(req.len).unwrap_or(PIECE);
-            if let Some(op @ (Op::Read | Op::Write)) = valid.ok().and_then(Command::op) {
-                let need = task::buffer_len(&self.dev, op, req.offset, piece);
-                if !io.pool.reserve(need) {
-                    io.starve();
-                    if !io.pool.reserve(need) {
-                        self.export.leave();
-                        io.parked.push(ci);
-                        return;
+            let need = match valid {
+                Ok(Command::BlockStatus) => STATUS_BYTES,
+                Ok(c) => match c.op() {
+                    Some(op @ (Op::Read | Op::Write)) => {
+                        task::buffer_len(&self.dev, op, req.offset, piece)
                     }
-                }
+                    _ => 0,
+                },
+                Err(_) => 0,
+            };
+            let held = if need > 0 {
+                buffer::capacity_for(need)
+            } else {
+                0
+            };
+            if held > 0 && !self.take_budget(io, need, held) {
+                self.export.leave();
+                io.parked.push(ci);
+                return;
             }
             self.rstart += hlen;
             self.active = true;
+            self.audit.served += 1;
             let Some(si) = self.free_slots.pop() else {
+                self.export.unhold(held);
                 self.export.leave();
                 return;
             };
+            self.bytes_held += held;
             let slot = &mut self.slots[si as usize];
+            slot.held = held;
             slot.cookie = req.cookie;
             slot.offset = req.offset;
             slot.rest = 0;
@@ -270,9 +288,6 @@ impl Conn {
             flags.fua &= self.slots[si as usize].rest == 0;
             let mut task = Task::plan(&self.dev, op, flags, req.offset, piece, &mut io.pool);
             let len = piece as usize;
-            if op.has_data() {
-                self.bytes_held += len;
-            }
             if op == Op::Write {
                 let have = self.avail().min(len);
                 let (s, e) = (self.rstart, self.rstart + have);
@@ -298,6 +313,38 @@ impl Conn {
         }
     }
 
+    /// Reserve the data buffer of a request (`need` bytes, `cap` as the pool
+    /// hands it out): `cap` of its device's share, then the buffer from the
+    /// daemon's budget, from its reserve only if the device held nothing (see
+    /// [`crate::engine::budget`]). False: refused, nothing held, and the
+    /// reactor marked starved (a release anywhere wakes it).
+    fn take_budget(&mut self, io: &mut Io, need: usize, cap: usize) -> bool {
+        let share = io.device_share;
+        let first = match self.export.hold(cap, share) {
+            Some(first) => first,
+            None => {
+                io.starve();
+                match self.export.hold(cap, share) {
+                    Some(first) => first,
+                    None => return false,
+                }
+            }
+        };
+        let upto = if first && !self.export.shunned() {
+            usize::MAX
+        } else {
+            share
+        };
+        if !io.pool.reserve(need, upto) {
+            io.starve();
+            if !io.pool.reserve(need, upto) {
+                self.export.unhold(cap);
+                return false;
+            }
+        }
+        true
+    }
+
     pub fn on_recv(&mut self, io: &mut Io, ci: u32, res: i32) {
         self.recv_inflight = false;
         let res = if self.tls.is_some() {
@@ -308,6 +355,9 @@ impl Conn {
         } else {
             res
         };
+        if res > 0 {
+            self.received += 1;
+        }
         if self.moving.is_some() && !self.read_closed {
             // Our cancel, or a receive that beat it: either way none is pending.
             self.cancel_sent = false;
@@ -335,6 +385,12 @@ impl Conn {
                 // A write cut off mid-payload was never acknowledged: drop it.
                 self.recv = RecvState::Header;
                 self.release_slot(io, slot);
+            }
+            if res != -libc::ECANCELED {
+                // Not our cancel: the client closed its socket without
+                // NBD_CMD_DISC (a hard disconnect), or it broke. Nobody will
+                // read a reply: its requests stop here.
+                self.hang_up(io, ci);
             }
             return;
         }

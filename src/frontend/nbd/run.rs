@@ -6,27 +6,34 @@ use super::conn::{Conn, SlotState};
 use super::recv::PIECE;
 use crate::block::Op;
 use crate::device::stats::Path;
-use crate::engine::exec;
 use crate::engine::ops;
 use crate::engine::splice::SPLICE_MIN;
 use crate::engine::task::{Next, Task};
+use crate::engine::{clip, exec};
 use crate::frontend::nbd::wire::{self, NbdErrno};
 use crate::ring::{Io, TAG_FILE, ud};
 use io_uring::squeue;
+use std::sync::atomic::Ordering;
 
 impl Conn {
     /// Start a planned request: take its range, then run its first operation.
     pub fn dispatch(&mut self, io: &mut Io, ci: u32, si: u16) {
+        if let Some(next) = self.begin(io, ci, si) {
+            self.advance(io, ci, si, next);
+        }
+    }
+
+    /// Take the range of slot `si`'s task and start it: its first step, or
+    /// `None` when it waits for its range or went to the splice path.
+    fn begin(&mut self, io: &mut Io, ci: u32, si: u16) -> Option<Next> {
         let dev = &self.dev;
         let slot = &mut self.slots[si as usize];
         if !slot.req.admit(dev, &io.waker) {
             slot.state = SlotState::WaitLock;
             io.lock_waiters.push((ci, si));
-            return;
+            return None;
         }
-        let Some(task) = slot.req.task.as_mut() else {
-            return;
-        };
+        let task = slot.req.task.as_mut()?;
         // A userspace TLS session sends from memory only.
         let splice = task.op == Op::Read
             && task.path == Path::Buffered
@@ -34,13 +41,10 @@ impl Conn {
             && self.tls.is_none()
             && task.len as usize >= SPLICE_MIN;
         if splice && self.start_splice(io, ci, si) {
-            return;
+            return None;
         }
-        let Some(task) = self.slots[si as usize].req.task.as_mut() else {
-            return;
-        };
-        let next = exec::start(&self.dev, task, &mut io.pool);
-        self.advance(io, ci, si, next);
+        let task = self.slots[si as usize].req.task.as_mut()?;
+        Some(exec::start(&self.dev, task, &mut io.pool))
     }
 
     /// Submit `e`, a file operation of slot `si`, counted in flight (per connection
@@ -73,44 +77,70 @@ impl Conn {
         unsafe { io.push(e.user_data(ud(TAG_FILE, ci, si))) };
     }
 
-    pub(super) fn advance(&mut self, io: &mut Io, ci: u32, si: u16, next: Next) {
-        match next {
-            // SAFETY: the op was yielded by this slot's task, which stays in the
-            // slot (buffers untouched) until its completion reaches `on_file`.
-            Next::Submit(op) => unsafe { self.submit_file_op(io, ci, si, ops::sqe(op)) },
-            Next::Done(r) => {
-                let task = self.slots[si as usize].req.task.as_ref();
-                let is_read = task.is_some_and(|t| t.op == Op::Read);
-                exec::conclude(&self.dev, task, &r);
-                if r.is_ok() && self.slots[si as usize].rest > 0 {
-                    self.next_piece(io, ci, si);
+    /// Take slot `si`'s request on from `next`: submit its operation, or, when
+    /// a step is done, start its next piece or queue its reply. A loop, not a
+    /// recursion: pieces that finish at once (a cache in direct mode) follow
+    /// one another here without growing the stack.
+    pub(super) fn advance(&mut self, io: &mut Io, ci: u32, si: u16, mut next: Next) {
+        loop {
+            match next {
+                Next::Submit(op) => {
+                    // SAFETY: the op was yielded by this slot's task, which
+                    // stays in the slot (buffers untouched) until its
+                    // completion reaches `on_file`.
+                    unsafe { self.submit_file_op(io, ci, si, ops::sqe(op)) };
                     return;
                 }
-                self.finish(io, ci, si, is_read, r);
+                Next::Done(r) => {
+                    let task = self.slots[si as usize].req.task.as_ref();
+                    let is_read = task.is_some_and(|t| t.op == Op::Read);
+                    exec::conclude(&self.dev, task, &r);
+                    if r.is_ok() && self.slots[si as usize].rest > 0 {
+                        match self.next_piece(io, ci, si) {
+                            Some(n) => {
+                                next = n;
+                                continue;
+                            }
+                            None => return,
+                        }
+                    }
+                    self.finish(io, ci, si, is_read, r);
+                    return;
+                }
             }
         }
     }
 
-    /// Run the next piece of a request longer than a task can be (see
-    /// [`super::conn::Slot::rest`]): the piece before gives up its range, the
-    /// next one takes its own.
-    fn next_piece(&mut self, io: &mut Io, ci: u32, si: u16) {
+    /// Plan and begin the next piece of a request longer than a task can be
+    /// (see [`super::conn::Slot::rest`]): the piece before gives up its range,
+    /// the next one takes its own. Past the end of the backing file there is
+    /// nothing left to do ([`crate::engine::clip`]): the pieces stop there,
+    /// and a FUA request gets the sync its last piece would have made.
+    fn next_piece(&mut self, io: &mut Io, ci: u32, si: u16) -> Option<Next> {
         let slot = &mut self.slots[si as usize];
         if let Some(t) = slot.req.ticket.take() {
             self.dev.lock.unlock(t);
         }
-        let Some(mut done) = slot.req.task.take() else {
-            return;
-        };
+        let mut done = slot.req.task.take()?;
         done.recycle(&mut io.pool);
         let off = done.offset + u64::from(done.len);
-        let len = u32::try_from(slot.rest).map_or(PIECE, |r| r.min(PIECE));
-        slot.rest -= u64::from(len);
-        let mut flags = done.flags;
-        flags.fua = slot.rest_fua && slot.rest == 0;
-        let task = Task::plan(&self.dev, done.op, flags, off, len, &mut io.pool);
+        let size = self.dev.file_size.load(Ordering::Relaxed);
+        let task = if clip::more_in_file(self.dev.offset, off, size) {
+            let len = u32::try_from(slot.rest).map_or(PIECE, |r| r.min(PIECE));
+            slot.rest -= u64::from(len);
+            let mut flags = done.flags;
+            flags.fua = slot.rest_fua && slot.rest == 0;
+            Task::plan(&self.dev, done.op, flags, off, len, &mut io.pool)
+        } else if slot.rest_fua {
+            slot.rest = 0;
+            Task::plan(&self.dev, Op::Flush, done.flags, off, 0, &mut io.pool)
+        } else {
+            slot.rest = 0;
+            slot.req.task = Some(done);
+            return Some(Next::Done(Ok(0)));
+        };
         slot.req.task = Some(task);
-        self.dispatch(io, ci, si);
+        self.begin(io, ci, si)
     }
 
     pub fn on_file(&mut self, io: &mut Io, ci: u32, si: u16, res: i32) {

@@ -36,6 +36,7 @@ impl Conn {
             conn: ci,
             slot: si,
             inbox: Arc::clone(&io.inbox),
+            gone: Arc::clone(&self.gone),
         });
     }
 
