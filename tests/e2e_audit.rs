@@ -294,3 +294,83 @@ fn failed_handshakes_cannot_flood_the_log() {
         "a forged line:\n{log}"
     );
 }
+
+/// Issue 22, point 8: a client allowed to an export cannot flood the log by
+/// connecting and hanging up as fast as it can (two audit lines a
+/// connection): its connect/disconnect lines are rate-limited per peer (a
+/// burst of 40, then 2 a second), the next line written for it says how many
+/// were left out, and another peer's connection is still logged at once.
+#[test]
+fn connecting_and_hanging_up_cannot_flood_the_log() {
+    use std::time::{Duration, Instant};
+    let dir = tempdir();
+    let img = dir.path().join("c.img");
+    create_sparse_image(&img, MIB);
+    let srv = Server::builder(&img).tcp().start();
+    let before = srv.stderr_text().len();
+    let t = Instant::now();
+    let mut n = 0u64;
+    while t.elapsed() < Duration::from_secs(3) {
+        let (c, size, _) = RawClient::handshake(srv.socket(), "c");
+        assert_eq!(size, MIB);
+        drop(c); // hang up without NBD_CMD_DISC
+        n += 1;
+    }
+    let flood_secs = t.elapsed().as_secs_f64();
+    // Another peer (TCP from 127.0.0.1) is logged at once, whatever uid 0 did.
+    qemu_io(&srv.tcp_uri(), &["read 0 4k"]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let log = loop {
+        let log = srv.stderr_text();
+        if log.contains("audit: NBD client 127.0.0.1:") {
+            break log;
+        }
+        assert!(Instant::now() < deadline, "no line for the TCP client:\n{log}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let unix_lines = |log: &str| {
+        log.lines()
+            .filter(|l| {
+                l.contains("audit: NBD client unix uid=0")
+                    && (l.contains(" connected to ") || l.contains(" disconnected from "))
+            })
+            .count()
+    };
+    let written = unix_lines(&log);
+    let bound = 40 + (2.0 * (flood_secs + 1.0)).ceil() as usize + 2;
+    eprintln!(
+        "{n} connections in {flood_secs:.1} s: {written} connect/disconnect lines, {} bytes of log",
+        log.len() - before
+    );
+    assert!(n >= 200, "only {n} connections in 3 s");
+    assert!(
+        written <= bound,
+        "{n} connections wrote {written} lines (at most {bound} expected):\n{log}"
+    );
+    assert!(log.len() - before < 16 * 1024, "{} bytes of log", log.len() - before);
+    // A second later the peer may write again, and says what was left out.
+    std::thread::sleep(Duration::from_millis(1100));
+    let (c, _, _) = RawClient::handshake(srv.socket(), "c");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let log = srv.stderr_text();
+        if let Some(l) = log.lines().rev().find(|l| {
+            l.contains("audit: NBD client unix uid=0") && l.contains("not logged: rate limit")
+        }) {
+            let left: u64 = l
+                .split(" (")
+                .last()
+                .and_then(|r| r.split(' ').next())
+                .and_then(|x| x.parse().ok())
+                .unwrap_or_else(|| panic!("no count in {l}"));
+            assert!(left > 0 && left <= 2 * n, "{l}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no line says what was left out:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(c);
+}

@@ -24,11 +24,12 @@
 //! released.
 
 use super::affinity::{Follow, Peer};
+use super::lines;
 use super::stall::Stall;
 use super::tls::TlsIo;
 use crate::device::Device;
 use crate::device::export::{ClientRef, Export};
-use crate::engine::admit::Permit;
+use crate::engine::admit::{PeerKey, Permit};
 use crate::engine::buffer::AlignedBuf;
 use crate::engine::exec::Request;
 use crate::engine::splice::{MAX_PIPES, Pipe, PipePool, part_len};
@@ -234,6 +235,8 @@ pub struct Conn {
 pub struct ConnAudit {
     /// The peer: `ADDR:PORT`, or `unix uid=U pid=P`.
     pub who: String,
+    /// The peer as the rate limit of these lines counts it ([`super::lines`]).
+    pub key: PeerKey,
     pub opened: std::time::Instant,
     /// Requests read.
     pub served: u64,
@@ -241,22 +244,25 @@ pub struct ConnAudit {
     pub reason: &'static str,
 }
 
-/// Who is at the other end of `sock`.
-pub(crate) fn describe_peer(sock: &OwnedFd) -> String {
+/// Who is at the other end of `sock`, for log lines and for their rate limit.
+fn describe_peer(sock: &OwnedFd) -> (String, PeerKey) {
     let ip = rustix::net::getpeername(sock)
         .ok()
         .flatten()
         .and_then(|a| std::net::SocketAddr::try_from(a).ok());
     if let Some(ip) = ip {
-        return ip.to_string();
+        return (ip.to_string(), PeerKey::of_ip(ip.ip()));
     }
     match rustix::net::sockopt::socket_peercred(sock) {
-        Ok(c) => format!(
-            "unix uid={} pid={}",
-            c.uid.as_raw(),
-            c.pid.as_raw_nonzero().get()
+        Ok(c) => (
+            format!(
+                "unix uid={} pid={}",
+                c.uid.as_raw(),
+                c.pid.as_raw_nonzero().get()
+            ),
+            PeerKey::Uid(c.uid.as_raw()),
         ),
-        Err(_) => "unknown peer".into(),
+        Err(_) => ("unknown peer".into(), PeerKey::Unknown),
     }
 }
 
@@ -268,14 +274,17 @@ fn own_socket_pair(sock: &OwnedFd) -> bool {
 
 impl Drop for Conn {
     fn drop(&mut self) {
-        tracing::info!(
-            "audit: NBD client {} disconnected from {:?} after {:.1} s, {} requests: {}",
-            self.audit.who,
-            self.export.name,
-            self.audit.opened.elapsed().as_secs_f64(),
-            self.audit.served,
-            self.audit.reason
-        );
+        if let Some(skipped) = lines::admit(self.audit.key) {
+            tracing::info!(
+                "audit: NBD client {} disconnected from {} after {:.1} s, {} requests: {}{}",
+                self.audit.who,
+                crate::text::quoted(&self.export.name),
+                self.audit.opened.elapsed().as_secs_f64(),
+                self.audit.served,
+                self.audit.reason,
+                lines::left_out(skipped)
+            );
+        }
     }
 }
 
@@ -312,18 +321,23 @@ impl Conn {
         };
         tracing::debug!("new connection to {:?}: {replies:?} replies", dev.name);
         let kernel = own_socket_pair(&sock);
+        let (who, key) = describe_peer(&sock);
         let audit = ConnAudit {
-            who: describe_peer(&sock),
+            who,
+            key,
             opened: std::time::Instant::now(),
             served: 0,
             reason: "closed",
         };
-        tracing::info!(
-            "audit: NBD client {} connected to {:?}, tls {}",
-            audit.who,
-            export.name,
-            if encrypted { "yes" } else { "no" }
-        );
+        if let Some(skipped) = lines::admit(audit.key) {
+            tracing::info!(
+                "audit: NBD client {} connected to {}, tls {}{}",
+                audit.who,
+                crate::text::quoted(&export.name),
+                if encrypted { "yes" } else { "no" },
+                lines::left_out(skipped)
+            );
+        }
         // SAFETY: msghdr and iovec are plain C structs for which all-zero is valid.
         let msg: libc::msghdr = unsafe { std::mem::zeroed() };
         let iov = [libc::iovec {

@@ -5,6 +5,7 @@
 pub mod affinity;
 pub mod conn;
 pub mod handshake;
+pub mod lines;
 pub mod proto;
 mod recv;
 mod reply;

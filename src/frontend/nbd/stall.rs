@@ -13,15 +13,14 @@
 //! down, its file I/O cancelled where the kernel can, and what it held freed
 //! as its operations complete; its device is kept out of the budget's reserve
 //! for as long again, so what the cut freed goes to others first. The cut is logged as an `audit:` line naming
-//! the peer and the device, at most one line a second (the others are counted
-//! in the device's `stalled_clients`). Cost on the data path: one counter
+//! the peer and the device, rate-limited per peer with its connect and
+//! disconnect lines ([`super::lines`]; every cut is counted in the device's
+//! `stalled_clients`). Cost on the data path: one counter
 //! increment per send and receive completion.
 
 use super::conn::{Conn, RecvState};
 use crate::engine::budget::{self, KERNEL_REPLY_TIMEOUT};
 use crate::ring::Io;
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// How often a reactor looks at its connections while budget is short.
@@ -77,18 +76,15 @@ impl Conn {
         } else {
             "the payload of its write stopped"
         };
-        if let Some(more) = may_log() {
-            let more = match more {
-                0 => String::new(),
-                n => format!(" ({n} more since the last such line)"),
-            };
+        if let Some(skipped) = super::lines::admit(self.audit.key) {
             tracing::warn!(
                 "audit: closing NBD client {} of {}: {what} for {} s while it held {} bytes \
-                 of the memory budget that other requests waited for{more}",
+                 of the memory budget that other requests waited for{}",
                 self.audit.who,
                 crate::text::quoted(&self.export.name),
                 limit.as_secs(),
                 self.bytes_held,
+                super::lines::left_out(skipped)
             );
         }
         self.audit.reason = if sending {
@@ -104,21 +100,3 @@ impl Conn {
     }
 }
 
-/// Whether a cut-off line may be logged now (at most one a second); if so,
-/// how many were not logged since the last.
-fn may_log() -> Option<u64> {
-    static START: OnceLock<Instant> = OnceLock::new();
-    static LAST: AtomicU64 = AtomicU64::new(0);
-    static QUIET: AtomicU64 = AtomicU64::new(0);
-    let now = START.get_or_init(Instant::now).elapsed().as_secs() + 1;
-    let last = LAST.load(Ordering::Relaxed);
-    if now > last
-        && LAST
-            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-            .is_ok()
-    {
-        return Some(QUIET.swap(0, Ordering::Relaxed));
-    }
-    QUIET.fetch_add(1, Ordering::Relaxed);
-    None
-}
