@@ -325,7 +325,10 @@ fn connecting_and_hanging_up_cannot_flood_the_log() {
         if log.contains("audit: NBD client 127.0.0.1:") {
             break log;
         }
-        assert!(Instant::now() < deadline, "no line for the TCP client:\n{log}");
+        assert!(
+            Instant::now() < deadline,
+            "no line for the TCP client:\n{log}"
+        );
         std::thread::sleep(Duration::from_millis(100));
     };
     let unix_lines = |log: &str| {
@@ -347,7 +350,11 @@ fn connecting_and_hanging_up_cannot_flood_the_log() {
         written <= bound,
         "{n} connections wrote {written} lines (at most {bound} expected):\n{log}"
     );
-    assert!(log.len() - before < 16 * 1024, "{} bytes of log", log.len() - before);
+    assert!(
+        log.len() - before < 16 * 1024,
+        "{} bytes of log",
+        log.len() - before
+    );
     // A second later the peer may write again, and says what was left out.
     std::thread::sleep(Duration::from_millis(1100));
     let (c, _, _) = RawClient::handshake(srv.socket(), "c");

@@ -346,7 +346,7 @@ fn warn_if_renamed(name: &str, dev: &Device) {
             "device {name:?}: {} no longer names the file the device serves (moved, replaced or \
              now a link); the device keeps that file, and after a restart it stays missing until \
              `loopd attach` of the path accepts the file it names then",
-            dev.path.display()
+            quoted_path(&dev.path)
         );
     }
 }

@@ -13,7 +13,7 @@
 //!
 //! Contract: one process-wide table behind a mutex, taken once per connect and
 //! once per disconnect (never per request); at most [`MAX_PEERS`] peers are
-//! remembered (full buckets are forgotten first, then the oldest).
+//! remembered (peers whose bucket is full again are forgotten first, then all).
 
 use crate::engine::admit::PeerKey;
 use std::collections::HashMap;
@@ -92,16 +92,17 @@ impl Lines {
     }
 
     /// Make room: forget peers whose bucket is full again and who have
-    /// nothing left out (they are as if new), else the least recently seen.
+    /// nothing left out (they are as if new); if that frees nothing, forget
+    /// every peer (so making room costs O(1) per admitted line, amortised,
+    /// even against more peers than the table holds: they start afresh, still
+    /// under the overall bucket).
     fn forget(&mut self, now: Instant) {
         self.peers.retain(|_, b| {
             b.refill(PEER_BURST, PEER_RATE, now);
             b.tokens < PEER_BURST || b.skipped > 0
         });
-        if self.peers.len() >= MAX_PEERS
-            && let Some(oldest) = self.peers.iter().min_by_key(|(_, b)| b.at).map(|(k, _)| *k)
-        {
-            self.peers.remove(&oldest);
+        if self.peers.len() >= MAX_PEERS / 2 {
+            self.peers.clear();
         }
     }
 }
@@ -152,9 +153,7 @@ mod tests {
         let t0 = Instant::now();
         let mut l = Lines::new(t0);
         let flood = PeerKey::Uid(6);
-        let written = (0..10_000)
-            .filter(|_| l.admit(flood, t0).is_some())
-            .count();
+        let written = (0..10_000).filter(|_| l.admit(flood, t0).is_some()).count();
         assert_eq!(written, 40);
         assert_eq!(l.admit(PeerKey::Uid(7), t0), Some(0));
     }

@@ -21,7 +21,7 @@
 use super::conn::{Conn, RecvState};
 use crate::engine::budget::{self, KERNEL_REPLY_TIMEOUT};
 use crate::ring::Io;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How often a reactor looks at its connections while budget is short.
 pub const TICK: Duration = Duration::from_secs(1);
@@ -99,4 +99,3 @@ impl Conn {
         self.kill(io, ci);
     }
 }
-
