@@ -442,7 +442,9 @@ fn loop_without_partscan_has_no_partition_nodes() {
         out.stdout.lines().collect::<Vec<_>>(),
         vec![path_str(&dev.dev)]
     );
-    let (dev2, out2) = KernelLoop::attach(&img, &["--json", "--read-only"]);
+    // The same image a second time (read-only, beside the first device, which
+    // writes it): loopd's lock rules want --shared for that.
+    let (dev2, out2) = KernelLoop::attach(&img, &["--json", "--read-only", "--shared"]);
     assert!(
         Json::parse(&out2.stdout).at("partitions").arr().is_empty(),
         "{out2}"
