@@ -388,8 +388,8 @@ fn connecting_and_hanging_up_cannot_flood_the_log() {
 fn refused_in_the_clear(d: u8, to: std::net::SocketAddr) {
     use std::io::{Read, Write};
     let from = std::net::Ipv4Addr::new(127, 0, 0, d);
-    let mut s = common::flood::connect_from(from, to, std::time::Duration::from_secs(5))
-        .expect("connect");
+    let mut s =
+        common::flood::connect_from(from, to, std::time::Duration::from_secs(5)).expect("connect");
     let mut hello = [0u8; 18];
     s.read_exact(&mut hello).expect("greeting");
     let mut out = 3u32.to_be_bytes().to_vec();
@@ -484,7 +484,11 @@ fn decoy_peers_cannot_crowd_out_a_refusal() {
         lines.len(),
         peers.len()
     );
-    assert!(peers.len() <= 16, "lines of {} peers: {peers:?}", peers.len());
+    assert!(
+        peers.len() <= 16,
+        "lines of {} peers: {peers:?}",
+        peers.len()
+    );
     assert!(lines.len() <= 16 * 3, "{} lines", lines.len());
     assert!(grew < 16 * 1024, "{grew} bytes of log:\n{log}");
     let count = log

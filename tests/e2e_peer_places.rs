@@ -55,7 +55,8 @@ fn read_ok(s: &mut TcpStream, handle: u64, expect: &[u8]) -> Result<(), String> 
     s.read_exact(&mut reply)
         .map_err(|e| format!("no reply: {e}"))?;
     let mut data = vec![0u8; 4096];
-    s.read_exact(&mut data).map_err(|e| format!("no data: {e}"))?;
+    s.read_exact(&mut data)
+        .map_err(|e| format!("no data: {e}"))?;
     if reply[4..8] != [0; 4] || data != expect {
         return Err(format!("bad reply {reply:?}"));
     }
@@ -131,7 +132,10 @@ fn one_peer_holding_every_place_does_not_lock_out_another() {
     eprintln!("the other peer was served in {took:?}");
     assert!(took < PER_CLIENT, "served after {took:?}");
     // The holder's newest connection made room; the others still serve.
-    assert!(closed(&mut held[3]), "the newest of the holder's connections is closed");
+    assert!(
+        closed(&mut held[3]),
+        "the newest of the holder's connections is closed"
+    );
     for (i, s) in held[..3].iter_mut().enumerate() {
         read_ok(s, 20 + i as u64, &expect).expect("the holder's older connections go on");
     }

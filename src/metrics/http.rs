@@ -260,24 +260,30 @@ fn make_room(conns: &mut Vec<Conn>) -> bool {
             stuck: c.stuck,
         })
         .collect();
-    let found = victim_checked(&mut standings, now, STALL, |_| true, |ask| {
-        let mut fds: Vec<PollFd<'_>> = ask
-            .iter()
-            .map(|&i| PollFd::from_borrowed_fd(conns[i].sock.fd(), PollFlags::IN))
-            .collect();
-        let zero = Timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        if !matches!(poll(&mut fds, Some(&zero)), Ok(n) if n > 0) {
-            return Vec::new();
-        }
-        fds.iter()
-            .zip(ask)
-            .filter(|(f, _)| !f.revents().is_empty())
-            .map(|(_, &i)| i)
-            .collect()
-    });
+    let found = victim_checked(
+        &mut standings,
+        now,
+        STALL,
+        |_| true,
+        |ask| {
+            let mut fds: Vec<PollFd<'_>> = ask
+                .iter()
+                .map(|&i| PollFd::from_borrowed_fd(conns[i].sock.fd(), PollFlags::IN))
+                .collect();
+            let zero = Timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            if !matches!(poll(&mut fds, Some(&zero)), Ok(n) if n > 0) {
+                return Vec::new();
+            }
+            fds.iter()
+                .zip(ask)
+                .filter(|(f, _)| !f.revents().is_empty())
+                .map(|(_, &i)| i)
+                .collect()
+        },
+    );
     match found {
         Some(i) => {
             conns.swap_remove(i);

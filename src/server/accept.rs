@@ -47,7 +47,6 @@ mod room;
 
 use super::Listener;
 use super::pending::{Fate, Pending, Who, step};
-use room::{Limit, Which};
 use super::quiet::Lines;
 use crate::daemon::Daemon;
 use crate::engine::admit::{Admission, PeerKey};
@@ -57,6 +56,7 @@ use crate::frontend::nbd::tls::TlsIo;
 use crate::reactor::{NewConn, ReactorHandle};
 use crate::tls::TlsContext;
 use crate::tls::ktls::KtlsError;
+use room::{Limit, Which};
 use rustix::event::{PollFd, PollFlags, poll};
 use rustix::net::AddressFamily;
 use rustls::ServerConnection;

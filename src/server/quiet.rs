@@ -294,7 +294,10 @@ mod tests {
         b.tick(t0 + WINDOW);
         assert_eq!((b.more, b.logging, b.since), (0, 0, None));
         assert!(b.peers.is_empty());
-        assert!(logged(&mut b, t0 + WINDOW, PeerKey::Uid(0)), "a new window logs again");
+        assert!(
+            logged(&mut b, t0 + WINDOW, PeerKey::Uid(0)),
+            "a new window logs again"
+        );
     }
 
     /// F5: three decoy peers repeating a refusal do not keep a fourth
@@ -308,7 +311,10 @@ mod tests {
                 logged(&mut b, t0, v4(d));
             }
             if round == 40 {
-                assert!(logged(&mut b, t0, v4(5)), "the fourth peer's line is logged");
+                assert!(
+                    logged(&mut b, t0, v4(5)),
+                    "the fourth peer's line is logged"
+                );
             }
         }
         let s = b.summary();

@@ -180,7 +180,8 @@ fn run(
             PollFlags::IN
         };
         let closed: Vec<usize> = {
-            let mut fds: Vec<PollFd<'_>> = socks.iter().map(|s| PollFd::new(&s.fd, watch)).collect();
+            let mut fds: Vec<PollFd<'_>> =
+                socks.iter().map(|s| PollFd::new(&s.fd, watch)).collect();
             let ts = rustix::event::Timespec {
                 tv_sec: 0,
                 tv_nsec: 20_000_000,

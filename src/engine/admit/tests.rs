@@ -157,10 +157,16 @@ fn a_client_whose_bytes_wait_unread_is_not_taken_for_silent() {
         at(B, now, 10, Some(5)),
     ]);
     // The oldest silent one has sent its first bytes meanwhile.
-    let got = victim_checked(&mut all, now, STALL, |_| true, |ask| {
-        assert_eq!(ask, [0, 1, 2]);
-        vec![0]
-    });
+    let got = victim_checked(
+        &mut all,
+        now,
+        STALL,
+        |_| true,
+        |ask| {
+            assert_eq!(ask, [0, 1, 2]);
+            vec![0]
+        },
+    );
     assert_eq!(got, Some(1));
     assert_eq!(all[0].heard, Some(now));
     // Everyone has: the choice among them stands.
@@ -185,10 +191,16 @@ fn a_client_blocked_on_our_reply_counts_as_silent() {
     ]);
     let mut probed = Vec::new();
     let mut all2 = all.clone();
-    let got = victim_checked(&mut all2, now, STALL, |_| true, |ask| {
-        probed = ask.to_vec();
-        ask.to_vec() // everyone asked has bytes waiting
-    });
+    let got = victim_checked(
+        &mut all2,
+        now,
+        STALL,
+        |_| true,
+        |ask| {
+            probed = ask.to_vec();
+            ask.to_vec() // everyone asked has bytes waiting
+        },
+    );
     assert_eq!(got, Some(1), "the stuck client goes first");
     assert!(!probed.contains(&1), "its unread bytes are not asked about");
     assert_eq!(all2[1].heard, all[1].heard, "and do not count as talk");
@@ -229,11 +241,17 @@ fn one_choice_probes_once_and_costs_linear_time() {
     all = counted(all);
     let mut calls = 0;
     let t = Instant::now();
-    let got = victim_checked(&mut all, now, STALL, |_| true, |ask| {
-        calls += 1;
-        assert_eq!(ask.len(), n as usize);
-        ask.to_vec()
-    });
+    let got = victim_checked(
+        &mut all,
+        now,
+        STALL,
+        |_| true,
+        |ask| {
+            calls += 1;
+            assert_eq!(ask.len(), n as usize);
+            ask.to_vec()
+        },
+    );
     let took = t.elapsed();
     assert_eq!(calls, 1, "one probe for all");
     assert!(got.is_some());
