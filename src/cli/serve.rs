@@ -82,7 +82,8 @@ pub struct ServeArgs {
     max_connections: usize,
     /// NBD connections at most from one peer (IPv4 address, IPv6 /64,
     /// Unix-socket user), handshakes included; past it that peer's newcomer
-    /// is refused (one of its own silent handshakes makes room first).
+    /// is refused, unless one of its own handshakes (the one with least sign
+    /// of life) can make room.
     /// Default: no limit of its own (up to --max-connections, shared out
     /// between peers when it is reached).
     #[arg(long, value_name = "N")]

@@ -416,8 +416,13 @@ impl Reactor {
             }
             Err((mut c, ticket)) => {
                 c.moving = None;
+                let given_up = ticket.as_ref().is_some_and(|t| t.given_up());
                 self.sessions[ci as usize] = Some(Session::Nbd(c));
                 self.tickets[ci as usize] = ticket;
+                if given_up {
+                    // Its place went to a newcomer while it was away.
+                    self.close_given_up(ci);
+                }
                 self.dirty.push(ci);
             }
         }
