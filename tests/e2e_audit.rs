@@ -381,3 +381,132 @@ fn connecting_and_hanging_up_cannot_flood_the_log() {
     }
     drop(c);
 }
+
+/// One plaintext client from the loopback address `127.0.0.D` under `--tls
+/// require`: greeting, flags, `NBD_OPT_EXPORT_NAME` in the clear; loopd
+/// refuses and closes.
+fn refused_in_the_clear(d: u8, to: std::net::SocketAddr) {
+    use std::io::{Read, Write};
+    let from = std::net::Ipv4Addr::new(127, 0, 0, d);
+    let mut s =
+        common::flood::connect_from(from, to, std::time::Duration::from_secs(5)).expect("connect");
+    let mut hello = [0u8; 18];
+    s.read_exact(&mut hello).expect("greeting");
+    let mut out = 3u32.to_be_bytes().to_vec();
+    out.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    out.extend_from_slice(&NBD_OPT_EXPORT_NAME.to_be_bytes());
+    out.extend_from_slice(&1u32.to_be_bytes());
+    out.push(b'd');
+    s.write_all(&out).expect("send");
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest);
+}
+
+/// Review F5 (issue 22, points 7 and 8): refusals are rate-limited per
+/// peer, so three decoy peers (127.0.0.2–4) repeating a refusal of one kind
+/// cannot keep a fourth peer's one refusal (127.0.0.5) out of the log; the
+/// window's count names the peers with their counts. And 1,000 refusals from
+/// 200 addresses write a bounded amount of log: the first lines of 16 peers,
+/// then one count.
+#[test]
+fn decoy_peers_cannot_crowd_out_a_refusal() {
+    use std::time::{Duration, Instant};
+    let dir = tempdir();
+    let pki = common::pki::Pki::new(dir.path().join("pki"));
+    let certs = pki.server_dir("server");
+    let img = dir.path().join("d.img");
+    create_sparse_image(&img, MIB);
+    let srv = Server::builder(&img)
+        .tcp_only()
+        .with_control()
+        .args(["--tls", "require", "--tls-certs", path_str(&certs)])
+        .start();
+    let to: std::net::SocketAddr = format!("127.0.0.1:{}", srv.port()).parse().unwrap();
+    let before = srv.stderr_text().len();
+    let mut total = 0u64;
+    for round in 0..20 {
+        for d in 2..=4 {
+            refused_in_the_clear(d, to);
+            total += 1;
+        }
+        if round == 10 {
+            refused_in_the_clear(5, to);
+            total += 1;
+        }
+    }
+    let refusal = "refused: client sent NBD_OPT_EXPORT_NAME without TLS";
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let log = srv.stderr_text();
+        if log
+            .lines()
+            .any(|l| l.contains("audit: NBD client 127.0.0.5:") && l.contains(refusal))
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the fourth peer's refusal is not in the log:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Many addresses, in the same window.
+    for _ in 0..5 {
+        for d in 10..210 {
+            refused_in_the_clear(d, to);
+            total += 1;
+        }
+    }
+    // The count comes when the window ends (10 s after the first line).
+    let summary = "more NBD clients refused for TLS in the last 10 s";
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let log = loop {
+        let log = srv.stderr_text();
+        if log.contains(summary) {
+            break log;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no count of the refusals:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let grew = log.len() - before;
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains(refusal)).collect();
+    let mut peers: Vec<&str> = lines
+        .iter()
+        .filter_map(|l| l.split("audit: NBD client ").nth(1)?.split(':').next())
+        .collect();
+    peers.sort_unstable();
+    peers.dedup();
+    eprintln!(
+        "{total} refusals from 204 peers: {} lines from {} peers, {grew} bytes of log",
+        lines.len(),
+        peers.len()
+    );
+    assert!(
+        peers.len() <= 16,
+        "lines of {} peers: {peers:?}",
+        peers.len()
+    );
+    assert!(lines.len() <= 16 * 3, "{} lines", lines.len());
+    assert!(grew < 16 * 1024, "{grew} bytes of log:\n{log}");
+    let count = log
+        .lines()
+        .find(|l| l.contains(summary))
+        .expect("the count");
+    let n: u64 = count
+        .split("audit: ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count in {count}"));
+    assert_eq!(n, total - lines.len() as u64, "{count}");
+    for d in 2..=4 {
+        assert!(
+            count.contains(&format!("127.0.0.{d} (17)")),
+            "the decoys are named with their counts: {count}"
+        );
+    }
+    assert!(count.contains("other peers"), "{count}");
+}

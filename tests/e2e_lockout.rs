@@ -131,6 +131,7 @@ fn nbdinfo_client(uri: &str) -> Result<Duration, String> {
 fn served_under_attack(
     what: &str,
     flood: Flood,
+    attackers: usize,
     min_ok: usize,
     mut client: impl FnMut() -> Result<Duration, String>,
 ) {
@@ -171,7 +172,7 @@ fn served_under_attack(
         ok.len()
     );
     assert!(
-        stats.connects >= ATTACKERS as u64,
+        stats.connects >= attackers as u64,
         "{what}: the attack never got going: {stats:?}"
     );
 }
@@ -221,10 +222,68 @@ fn silent_sockets_do_not_lock_out_clients() {
             Behaviour::Silent,
             ATTACK + Duration::from_secs(5),
         );
-        served_under_attack(&what, flood, 20, || {
+        served_under_attack(&what, flood, ATTACKERS, 20, || {
             plain_client(srv.socket(), srv.name(), &expect)
         });
         no_false_limit(&srv.stderr_text(), max.unwrap_or(1024));
+    }
+}
+
+/// The bytes of a client that never reads what it is sent: the client
+/// flags, 2,000 options loopd does not know (each answered with an error
+/// reply, 49 bytes: more than the socket holds, so loopd stops reading and
+/// waits for the client to take its replies), then a few bytes more, which
+/// sit unread.
+fn never_reading_script() -> Vec<u8> {
+    let mut b = 3u32.to_be_bytes().to_vec();
+    for _ in 0..2_000 {
+        b.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        b.extend_from_slice(&0x4c44_0001u32.to_be_bytes());
+        b.extend_from_slice(&0u32.to_be_bytes());
+    }
+    b.extend_from_slice(b"more");
+    b
+}
+
+/// Review F4: clients that send options and never read the replies,
+/// reconnecting whenever they are closed. Their bytes wait unread because
+/// loopd waits for them to take its replies: that is not talking, so they
+/// do not outrank a client mid-handshake (before, each choice marked them as
+/// just heard and closed the legitimate client instead; and each choice
+/// re-ran once per handshake, O(n²)). At `--max-connections 300` with 400
+/// such clients, and at the default limits with 1,200.
+#[test]
+fn clients_that_never_read_replies_do_not_lock_out_clients() {
+    let _serial = one_at_a_time();
+    raise_nofile(3_000);
+    let dir = tempdir();
+    let img = dir.path().join("u.img");
+    create_pattern_image(&img, 4 * MIB, 6);
+    let expect = read_range(&img, 0, 4096);
+    for (max, attackers) in [(Some(300usize), 400usize), (None, 1_200)] {
+        let mut b = Server::builder(&img);
+        if let Some(m) = max {
+            b = b.args(["--max-connections", &m.to_string()]);
+        }
+        let srv = b.start();
+        let what = format!(
+            "never reading, --max-connections {}, {attackers} attackers",
+            max.map_or("default".into(), |m| m.to_string())
+        );
+        let flood = Flood::start(
+            Target::Unix(srv.socket().to_path_buf()),
+            attackers,
+            Behaviour::Unread(never_reading_script()),
+            ATTACK + Duration::from_secs(5),
+        );
+        served_under_attack(&what, flood, attackers, 20, || {
+            plain_client(srv.socket(), srv.name(), &expect)
+        });
+        let log = srv.stderr_text();
+        assert!(
+            log.contains("not taking its replies"),
+            "the closed handshakes are named as not taking their replies:\n{log}"
+        );
     }
 }
 
@@ -271,21 +330,13 @@ fn silent_sockets_do_not_lock_out_tls_clients() {
             Behaviour::Silent,
             ATTACK + Duration::from_secs(5),
         );
-        served_under_attack(&what, flood, 10, || nbdinfo_client(&uri));
+        served_under_attack(&what, flood, ATTACKERS, 10, || nbdinfo_client(&uri));
         no_false_limit(&srv.stderr_text(), max.unwrap_or(1024));
     }
 }
 
-/// A TCP connection to `to` from the loopback address `from` (the whole of
-/// 127/8 is loopback: a second peer on one machine).
 fn connect_from(from: std::net::Ipv4Addr, to: std::net::SocketAddr) -> std::net::TcpStream {
-    use rustix::net::{AddressFamily, SocketType, bind, connect, socket};
-    let fd = socket(AddressFamily::INET, SocketType::STREAM, None).expect("socket");
-    bind(&fd, &std::net::SocketAddr::from((from, 0))).expect("bind the source address");
-    connect(&fd, &to).expect("connect");
-    let s = std::net::TcpStream::from(fd);
-    s.set_read_timeout(Some(PER_CLIENT)).unwrap();
-    s
+    common::flood::connect_from(from, to, PER_CLIENT).expect("connect from a loopback address")
 }
 
 /// Read the greeting and send the client flags: the client has spoken.

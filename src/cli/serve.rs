@@ -72,11 +72,22 @@ pub struct ServeArgs {
     no_ktls: bool,
     /// NBD connections at most, handshakes included. At it a newcomer takes
     /// the place of the handshake that shows least sign of life (silent
-    /// longest, from the peer holding most); only when every place is held by
-    /// a connection past its handshake is it closed at once. Lowered to what
+    /// longest, from the peer holding most); else, if another peer (IPv4
+    /// address, IPv6 /64, Unix-socket user) holds two places more than the
+    /// newcomer's, that peer's newest connection is closed for it; else the
+    /// newcomer, whose peer holds as many as anyone, is closed at once. One
+    /// peer may use every place while nobody else wants one. Lowered to what
     /// the open-file limit allows.
     #[arg(long, value_name = "N", default_value_t = server::DEFAULT_MAX_CONNECTIONS)]
     max_connections: usize,
+    /// NBD connections at most from one peer (IPv4 address, IPv6 /64,
+    /// Unix-socket user), handshakes included; past it that peer's newcomer
+    /// is refused, unless one of its own handshakes (the one with least sign
+    /// of life) can make room.
+    /// Default: no limit of its own (up to --max-connections, shared out
+    /// between peers when it is reached).
+    #[arg(long, value_name = "N")]
+    max_connections_per_peer: Option<usize>,
     /// Seconds a client has for its whole handshake (from connecting until it
     /// selects an export). One silent a quarter of it (at most 2 s) after
     /// connecting is the first to go when room is needed.
@@ -389,6 +400,9 @@ fn start(
     if a.max_connections == 0 {
         bail!("--max-connections must be at least 1");
     }
+    if a.max_connections_per_peer == Some(0) {
+        bail!("--max-connections-per-peer must be at least 1");
+    }
     if !(0.0..=86_400.0).contains(&a.reply_timeout) {
         bail!("--reply-timeout must be from 0 to 86400 seconds");
     }
@@ -403,6 +417,7 @@ fn start(
         poll: std::time::Duration::from_micros(a.poll_us),
         control: None,
         max_connections: a.max_connections,
+        max_connections_per_peer: a.max_connections_per_peer.unwrap_or(0),
         handshake_timeout: std::time::Duration::from_secs_f64(a.handshake_timeout),
         no_list: a.no_list,
         tls: match a.tls {

@@ -6,9 +6,11 @@
 //! at once, so a connection has [`HEAD_DEADLINE`] for it and [`DEADLINE`] for
 //! the whole exchange. The listener is always served: when the table is full a
 //! newcomer takes the place of the connection that shows least sign of life
-//! (`engine::admit::victim_checked`: silent since it connected first, then quiet the
-//! longest, from the peer — IPv4 address, IPv6 /64, Unix uid — holding the most
-//! places), so slow or silent connections, however many, churn among
+//! (`engine::admit::victim_checked`: silent since it connected first — or
+//! blocked on a reply it does not take —, then quiet the longest, from the
+//! peer — IPv4 address, IPv6 /64, Unix uid — holding the most places; one
+//! choice costs one pass and one `poll`), so slow or silent connections,
+//! however many, churn among
 //! themselves while a real scrape, which talks at once, is answered. Each turn
 //! serves the connections that are ready before it accepts at most
 //! [`ACCEPT_BATCH`] newcomers.
@@ -18,6 +20,7 @@ use super::request::{self, Parsed};
 use crate::daemon::Daemon;
 use crate::engine::admit::{PeerKey, Standing, victim_checked};
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
+use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpListener;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -104,6 +107,9 @@ struct Conn {
     opened: Instant,
     /// When bytes last moved, either way (`None`: none yet).
     heard: Option<Instant>,
+    /// Since when its reply has waited for it to take more, with no
+    /// progress (`None`: not blocked on its reply).
+    stuck: Option<Instant>,
     deadline: Instant,
     inbuf: Vec<u8>,
     /// The reply, once the request is read; `sent` bytes of it are out.
@@ -209,6 +215,7 @@ fn accept_some(l: &Listener, conns: &mut Vec<Conn>, warned: &mut Option<Instant>
                     peer,
                     opened: now,
                     heard: None,
+                    stuck: None,
                     deadline: now + DEADLINE,
                     inbuf: Vec::new(),
                     reply: None,
@@ -235,29 +242,48 @@ fn accept_some(l: &Listener, conns: &mut Vec<Conn>, warned: &mut Option<Instant>
 }
 
 /// Close the connection with least sign of life; false if there is none.
+/// One pass and one `poll` (over those waiting for their request), whatever
+/// the number of connections.
 fn make_room(conns: &mut Vec<Conn>) -> bool {
     let now = Instant::now();
+    let mut held: HashMap<PeerKey, usize> = HashMap::new();
+    for c in conns.iter() {
+        *held.entry(c.peer).or_default() += 1;
+    }
     let mut standings: Vec<Standing> = conns
         .iter()
         .map(|c| Standing {
             peer: c.peer,
+            held: held.get(&c.peer).copied().unwrap_or(0),
             opened: c.opened,
             heard: c.heard,
+            stuck: c.stuck,
         })
         .collect();
-    let found = victim_checked(&mut standings, now, STALL, |i| {
-        let mut fds = [PollFd::from_borrowed_fd(conns[i].sock.fd(), PollFlags::IN)];
-        let zero = Timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        let waiting = matches!(poll(&mut fds, Some(&zero)), Ok(n) if n > 0);
-        if waiting {
-            // Its request arrived while the loop was accepting.
-            conns[i].heard = Some(now);
-        }
-        waiting
-    });
+    let found = victim_checked(
+        &mut standings,
+        now,
+        STALL,
+        |_| true,
+        |ask| {
+            let mut fds: Vec<PollFd<'_>> = ask
+                .iter()
+                .map(|&i| PollFd::from_borrowed_fd(conns[i].sock.fd(), PollFlags::IN))
+                .collect();
+            let zero = Timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            if !matches!(poll(&mut fds, Some(&zero)), Ok(n) if n > 0) {
+                return Vec::new();
+            }
+            fds.iter()
+                .zip(ask)
+                .filter(|(f, _)| !f.revents().is_empty())
+                .map(|(_, &i)| i)
+                .collect()
+        },
+    );
     match found {
         Some(i) => {
             conns.swap_remove(i);
@@ -274,13 +300,19 @@ fn service(c: &mut Conn, daemon: &Daemon, process: &Process) -> bool {
             match c.sock.write(&reply[c.sent..]) {
                 Ok(0) => return false,
                 Ok(n) => {
-                    c.heard = Some(Instant::now());
+                    let now = Instant::now();
+                    c.heard = Some(now);
+                    c.stuck = Some(now);
                     c.sent += n;
                     if c.sent == reply.len() {
                         return false;
                     }
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return true,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    // Silent from its last progress on, whatever it sends.
+                    c.stuck.get_or_insert_with(Instant::now);
+                    return true;
+                }
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(_) => return false,
             }

@@ -8,6 +8,7 @@ use super::poll::AdaptivePoll;
 use super::session::Session;
 use super::{CONTROL_GEN, DRAIN_TIMEOUT, conn_id};
 use crate::device::range_lock::Wake;
+use crate::engine::admit::Ticket;
 use crate::engine::budget;
 use crate::frontend::nbd::affinity::{self, CpuLoad};
 use crate::frontend::nbd::conn::{BYTES_BUDGET, Conn};
@@ -28,6 +29,8 @@ pub(super) struct Reactor {
     handle: Arc<ReactorHandle>,
     wake_buf: Box<u64>,
     sessions: Vec<Option<Session>>,
+    /// The place ticket of each session that is an NBD connection (same index).
+    tickets: Vec<Option<Arc<Ticket>>>,
     free: Vec<u32>,
     retry_locks: bool,
     /// Sessions to service after this batch of completions.
@@ -64,6 +67,7 @@ impl Reactor {
             handle,
             wake_buf: Box::new(0),
             sessions: Vec::new(),
+            tickets: Vec::new(),
             free: Vec::new(),
             retry_locks: false,
             dirty: Vec::new(),
@@ -278,6 +282,7 @@ impl Reactor {
     fn on_msg(&mut self, m: Msg) {
         match m {
             Msg::Conn(nc) => {
+                let ticket = Arc::clone(nc.permit.ticket());
                 let c = Box::new(Conn::new(
                     nc.sock,
                     nc.client,
@@ -288,11 +293,20 @@ impl Reactor {
                     nc.tls,
                     nc.encrypted,
                 ));
-                self.adopt(Session::Nbd(c));
+                self.adopt(Session::Nbd(c), Some(ticket));
             }
-            Msg::Moved(mut c) => {
+            Msg::Moved(mut c, ticket) => {
                 c.moving = None;
-                self.adopt(Session::Nbd(c));
+                self.adopt(Session::Nbd(c), ticket);
+            }
+            Msg::GiveUp(t) => {
+                let here = self
+                    .tickets
+                    .iter()
+                    .position(|x| x.as_ref().is_some_and(|x| Arc::ptr_eq(x, &t)));
+                if let Some(ci) = here {
+                    self.close_given_up(conn_id(ci));
+                }
             }
             Msg::Peers(all, always) => {
                 self.peers = all;
@@ -314,7 +328,7 @@ impl Reactor {
                 return;
             }
         };
-        let ci = self.adopt(Session::Ublk(Box::new(queue)));
+        let ci = self.adopt(Session::Ublk(Box::new(queue)), None);
         if let Some(Some(Session::Ublk(queue))) = self.sessions.get_mut(ci as usize) {
             queue.start(&mut self.io, ci);
         }
@@ -329,7 +343,7 @@ impl Reactor {
     fn adopt_stragglers(&mut self) -> bool {
         let mut any = false;
         while let Ok(m) = self.rx.try_recv() {
-            any |= matches!(m, Msg::Conn(_) | Msg::Moved(_));
+            any |= matches!(m, Msg::Conn(_) | Msg::Moved(..));
             self.on_msg(m);
         }
         any
@@ -393,38 +407,66 @@ impl Reactor {
             return;
         };
         let dev = Arc::clone(&c.dev);
-        match peer.take_moved(c) {
+        let ticket = self.tickets.get_mut(ci as usize).and_then(Option::take);
+        match peer.take_moved(c, ticket) {
             Ok(()) => {
                 dev.stats.moves.fetch_add(1, Ordering::Relaxed);
                 self.free.push(ci);
                 self.handle.load.fetch_sub(1, Ordering::Relaxed);
             }
-            Err(mut c) => {
+            Err((mut c, ticket)) => {
                 c.moving = None;
+                let given_up = ticket.as_ref().is_some_and(|t| t.given_up());
                 self.sessions[ci as usize] = Some(Session::Nbd(c));
+                self.tickets[ci as usize] = ticket;
+                if given_up {
+                    // Its place went to a newcomer while it was away.
+                    self.close_given_up(ci);
+                }
                 self.dirty.push(ci);
             }
         }
     }
 
-    fn adopt(&mut self, mut s: Session) -> u32 {
+    /// Take session `s` (with its place's ticket, for a connection).
+    fn adopt(&mut self, mut s: Session, ticket: Option<Arc<Ticket>>) -> u32 {
         if self.stopping.is_some()
             && let Some(c) = s.as_conn()
         {
             c.read_closed = true;
         }
+        let given_up = ticket.as_ref().is_some_and(|t| t.given_up());
         let ci = match self.free.pop() {
             Some(i) => {
                 self.sessions[i as usize] = Some(s);
+                self.tickets[i as usize] = ticket;
                 i
             }
             None => {
                 self.sessions.push(Some(s));
+                self.tickets.push(ticket);
                 conn_id(self.sessions.len() - 1)
             }
         };
+        if given_up {
+            // Its place went to a newcomer while it was on its way here.
+            self.close_given_up(ci);
+        }
         self.dirty.push(ci);
         ci
+    }
+
+    /// Close connection `ci`, whose place went to another peer's newcomer
+    /// (see `engine::admit`): its socket is shut down, its requests get no
+    /// further step, and the disconnect line says why.
+    fn close_given_up(&mut self, ci: u32) {
+        if let Some(s) = self.sessions.get_mut(ci as usize).and_then(Option::as_mut) {
+            s.kill(&mut self.io, ci);
+            if let Some(c) = s.as_conn() {
+                c.audit.reason = "closed to make room for another peer (--max-connections)";
+            }
+            self.dirty.push(ci);
+        }
     }
 
     fn begin_stop(&mut self) {
@@ -476,6 +518,7 @@ impl Reactor {
             if s.service(&mut self.io, ci) {
                 // Dropping the session drops its client registration.
                 self.sessions[ci as usize] = None;
+                self.tickets[ci as usize] = None;
                 self.free.push(ci);
                 self.handle.load.fetch_sub(1, Ordering::Relaxed);
             } else if s.as_conn().is_some_and(|c| c.ready_to_move()) {

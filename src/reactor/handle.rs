@@ -4,7 +4,7 @@
 use super::event_loop::Reactor;
 use crate::device::export::{ClientRef, Export};
 use crate::device::range_lock::Wake;
-use crate::engine::admit::Permit;
+use crate::engine::admit::{Permit, Ticket};
 use crate::engine::budget;
 use crate::frontend::nbd::affinity::Peer;
 use crate::frontend::nbd::conn::Conn;
@@ -57,8 +57,11 @@ pub struct NewConn {
 
 pub(super) enum Msg {
     Conn(NewConn),
-    /// A connection moving here from another reactor, nothing of it in flight.
-    Moved(Box<Conn>),
+    /// A connection moving here from another reactor, nothing of it in flight,
+    /// with its place's ticket.
+    Moved(Box<Conn>, Option<Arc<Ticket>>),
+    /// This connection's place went to a newcomer: close it if it is here.
+    GiveUp(Arc<Ticket>),
     /// Every reactor of the server (for moving connections), sent once at start,
     /// and whether to follow clients on an idle machine too.
     Peers(Vec<Arc<ReactorHandle>>, bool),
@@ -157,20 +160,31 @@ impl ReactorHandle {
         let _ = self.post(Msg::Peers(all, always));
     }
 
-    /// Hand over a connection moving from another reactor; it comes back if this
-    /// reactor is stopping (or gone).
-    pub(super) fn take_moved(&self, c: Box<Conn>) -> Result<(), Box<Conn>> {
+    /// Hand over a connection moving from another reactor (with its place's
+    /// ticket); it comes back if this reactor is stopping (or gone).
+    pub(super) fn take_moved(
+        &self,
+        c: Box<Conn>,
+        t: Option<Arc<Ticket>>,
+    ) -> Result<(), (Box<Conn>, Option<Arc<Ticket>>)> {
         if !self.open.load(Ordering::SeqCst) {
-            return Err(c);
+            return Err((c, t));
         }
         self.load.fetch_add(1, Ordering::Relaxed);
-        self.post(Msg::Moved(c)).or_else(|m| {
+        self.post(Msg::Moved(c, t)).or_else(|m| {
             self.load.fetch_sub(1, Ordering::Relaxed);
             match m {
-                Msg::Moved(c) => Err(c),
+                Msg::Moved(c, t) => Err((c, t)),
                 _ => Ok(()),
             }
         })
+    }
+
+    /// The place of the connection holding `t` went to a newcomer: if it
+    /// lives here, it is closed (its socket shut down). The accept loop tells
+    /// every reactor; one moving meanwhile is closed where it arrives.
+    pub fn close_given_up(&self, t: Arc<Ticket>) {
+        let _ = self.post(Msg::GiveUp(t));
     }
 
     /// Whether the reactor is waiting for work or turned within the last

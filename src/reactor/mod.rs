@@ -13,7 +13,11 @@
 //!   receive, send or file operation) the whole `Conn`, unparsed bytes included,
 //!   goes to the other reactor's channel. While it lives here its socket I/O and
 //!   its requests' file I/O all go through this reactor's ring, and no other
-//!   thread touches it.
+//!   thread touches it. When its place goes to another peer's newcomer (see
+//!   [`crate::engine::admit`]), the accept loop tells every reactor; the one
+//!   holding it — or the one it moves to — shuts its socket down and drops
+//!   it once its operations in flight complete. Each reactor keeps its
+//!   connections' place tickets beside them for that.
 //! - `user_data` = `tag << 56 | conn << 16 | slot`: the tag says what completed
 //!   (wake-up, receive, send, file op, cancel), `conn` indexes `conns`, `slot` the
 //!   connection's slot table. A connection's index is reused only after every

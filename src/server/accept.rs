@@ -16,38 +16,47 @@
 //! - Limits, and who pays for them. There is no fixed count of handshakes: a
 //!   newcomer is never turned away while a handshake can make room. The real
 //!   limits are `--max-connections` (connections in all, handshakes included,
-//!   counted by a [`Permit`] that stays with the connection), the process's
+//!   counted by a [`Permit`](crate::engine::admit::Permit) that stays with the
+//!   connection), `--max-connections-per-peer` if set, the process's
 //!   descriptors, and [`HANDSHAKE_MEMORY`] for the buffers of all handshakes.
 //!   When one is reached, the handshake that shows least sign of life is
-//!   closed ([`victim_checked`]): one silent since it connected for longer than the
-//!   stall time (a quarter of `--handshake-timeout`, at most 2 s; a real client
-//!   answers the greeting at once) first, then one that spoke and went quiet,
-//!   then one silent but younger, and a client that is talking last; among
-//!   equals, from the peer (IPv4 address, IPv6 /64, Unix uid) holding the most
-//!   handshakes, so one peer's flood takes places from itself. Only when every
-//!   place is held by a connection past its handshake is a newcomer refused
-//!   (accepted and closed at once: it sees the connection closed, not a hang),
-//!   and the line says which limit. When the process is out of descriptors with
-//!   no handshake to close, one descriptor kept in reserve is given up to accept
-//!   and close the client, so the listener never spins and the control plane
-//!   keeps the descriptors it needs.
+//!   closed (`engine::admit::victim_checked`): one silent since it connected,
+//!   or blocked on a reply it does not take, for longer than the stall time (a
+//!   quarter of `--handshake-timeout`, at most 2 s; a real client answers the
+//!   greeting at once) first, then one that spoke and went quiet, then one
+//!   silent but younger, and a client that is talking last; among equals,
+//!   from the peer (IPv4 address, IPv6 /64, Unix uid) holding the most
+//!   places, so one peer's flood takes places from itself. At
+//!   `--max-connections` a peer holding two places more than the newcomer's
+//!   gives one up even if it is a connection past its handshake, and a
+//!   newcomer whose peer holds as many as anyone is refused (see [`room`]).
+//!   A refused newcomer is accepted and closed at once (it sees the connection
+//!   closed, not a hang), and the line says which limit. When the process is
+//!   out of descriptors with no handshake to close, one descriptor kept in
+//!   reserve is given up to accept and close the client, so the listener never
+//!   spins and the control plane keeps the descriptors it needs.
 //! - Log lines clients can cause (refusals, evictions, timeouts, listings) go
-//!   through [`Lines`]: each names the peer, and at most a few of each kind are
-//!   written per window, the rest counted (see [`super::quiet`]).
+//!   through [`Lines`]: each names the peer, and at most a few of each kind
+//!   from each peer (and a few peers' worth) are written per window, the rest
+//!   counted (see [`super::quiet`]).
 //! - What may block: nothing but `poll`. Choosing the export takes the daemon's
-//!   table lock for a lookup only.
+//!   table lock for a lookup only; admitting takes the admission's lock for a
+//!   few map operations.
+
+mod room;
 
 use super::Listener;
 use super::pending::{Fate, Pending, Who, step};
 use super::quiet::Lines;
 use crate::daemon::Daemon;
-use crate::engine::admit::{Admission, PeerKey, victim_checked};
+use crate::engine::admit::{Admission, PeerKey};
 use crate::frontend::nbd::affinity::Peer;
 use crate::frontend::nbd::handshake::{Handshake, Policy};
 use crate::frontend::nbd::tls::TlsIo;
 use crate::reactor::{NewConn, ReactorHandle};
 use crate::tls::TlsContext;
 use crate::tls::ktls::KtlsError;
+use room::{Limit, Which};
 use rustix::event::{PollFd, PollFlags, poll};
 use rustix::net::AddressFamily;
 use rustls::ServerConnection;
@@ -78,28 +87,6 @@ pub struct AcceptConfig {
     pub tls: Option<Arc<TlsContext>>,
     /// Hand TLS sessions to the kernel (kTLS) where it can take them.
     pub ktls: bool,
-}
-
-/// Which limit made room necessary.
-#[derive(Debug, Clone, Copy)]
-enum Limit {
-    Connections(usize),
-    Descriptors,
-    Memory,
-}
-
-impl std::fmt::Display for Limit {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Limit::Connections(max) => write!(f, "--max-connections {max} reached"),
-            Limit::Descriptors => f.write_str("out of file descriptors"),
-            Limit::Memory => write!(
-                f,
-                "handshakes hold {} MiB of buffers",
-                HANDSHAKE_MEMORY >> 20
-            ),
-        }
-    }
 }
 
 /// The loop's state.
@@ -270,41 +257,6 @@ impl<'a> AcceptLoop<'a> {
         }
     }
 
-    /// Close the handshake that shows least sign of life, because `limit` is
-    /// reached; false if there is none.
-    fn evict(&mut self, limit: Limit) -> bool {
-        let now = Instant::now();
-        let mut standings: Vec<_> = self.pending.iter().map(Pending::standing).collect();
-        let stall = self.stall();
-        let pending = &mut self.pending;
-        let found = victim_checked(&mut standings, now, stall, |i| {
-            let waiting = has_input(&pending[i].sock);
-            if waiting {
-                // Its bytes arrived while the loop was accepting: it spoke.
-                pending[i].heard = Some(now);
-            }
-            waiting
-        });
-        let Some(i) = found else {
-            return false;
-        };
-        let p = self.remove(i);
-        let quiet = now.saturating_duration_since(p.heard.unwrap_or(p.opened));
-        let how = if p.heard.is_some() {
-            "quiet"
-        } else {
-            "silent since it connected"
-        };
-        self.lines.evicted.hit(now, p.who.key, || {
-            format!(
-                "closing the NBD handshake of {}, {how} for {:.1} s, to make room: {limit}",
-                p.who.name,
-                quiet.as_secs_f64()
-            )
-        });
-        true
-    }
-
     /// Accept up to [`ACCEPT_BATCH`] clients waiting on listener `li`.
     fn accept_some(&mut self, li: usize) {
         for _ in 0..ACCEPT_BATCH {
@@ -325,7 +277,7 @@ impl<'a> AcceptLoop<'a> {
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
                     // A handshake's descriptor makes room; else refuse.
-                    if self.evict(Limit::Descriptors) {
+                    if self.evict(Limit::Descriptors, Which::Any) {
                         continue;
                     }
                     self.refuse_without_fds(li);
@@ -362,23 +314,9 @@ impl<'a> AcceptLoop<'a> {
     }
 
     fn admit(&mut self, sock: OwnedFd, who: Who) {
-        let max = self.cfg.admission.max();
-        let mut permit = self.cfg.admission.try_admit();
-        // At --max-connections a handshake makes room (its permit goes with
-        // it); a connection past its handshake never does.
-        while permit.is_none() && self.evict(Limit::Connections(max)) {
-            permit = self.cfg.admission.try_admit();
-        }
-        let Some(permit) = permit else {
-            let open = self.cfg.admission.open();
-            self.lines.refused.hit(Instant::now(), who.key, || {
-                format!(
-                    "refusing new NBD clients: --max-connections {max} reached, {open} \
-                     connections open and none in its handshake; {} closed",
-                    who.name
-                )
-            });
-            return; // dropping the socket closes it
+        // Dropping the socket of a refused client closes it.
+        let Some(permit) = self.place_for(&who) else {
+            return;
         };
         if rustix::io::ioctl_fionbio(&sock, true).is_err() {
             return;
@@ -398,7 +336,7 @@ impl<'a> AcceptLoop<'a> {
 
     /// Close handshakes until their memory is within [`HANDSHAKE_MEMORY`].
     fn fit_memory(&mut self) {
-        while self.held > HANDSHAKE_MEMORY && self.evict(Limit::Memory) {}
+        while self.held > HANDSHAKE_MEMORY && self.evict(Limit::Memory, Which::Any) {}
     }
 
     /// Move handshake `i` on as far as its socket allows; hand it to a reactor
@@ -441,6 +379,8 @@ impl<'a> AcceptLoop<'a> {
         let Some(r) = pick_reactor(self.reactors) else {
             return;
         };
+        // From now on its place may go to another peer's newcomer.
+        self.cfg.admission.established(&p.permit);
         let domain = rustix::net::sockopt::socket_domain(&p.sock).ok();
         widen_send_buffer(&p.sock, domain);
         let peer = Peer::of(&p.sock, domain);
@@ -518,16 +458,6 @@ fn pick_reactor(reactors: &[Arc<ReactorHandle>]) -> Option<&Arc<ReactorHandle>> 
         let load = r.load.load(std::sync::atomic::Ordering::Relaxed);
         (!r.making_progress(), load)
     })
-}
-
-/// Whether bytes (or the end of the stream) wait to be read on `sock`.
-pub(super) fn has_input(sock: &OwnedFd) -> bool {
-    let mut fds = [PollFd::new(sock, PollFlags::IN)];
-    let zero = rustix::event::Timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    matches!(poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
 }
 
 /// A spare descriptor (see [`AcceptLoop::refuse_without_fds`]).

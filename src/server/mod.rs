@@ -101,6 +101,9 @@ pub struct ServeOptions {
     pub control: Option<PathBuf>,
     /// NBD connections at most (handshakes included).
     pub max_connections: usize,
+    /// NBD connections at most from one peer (0: no limit of its own; at
+    /// `max_connections` places are shared out, see `engine::admit`).
+    pub max_connections_per_peer: usize,
     /// Deadline for a client's whole handshake.
     pub handshake_timeout: Duration,
     /// Refuse `NBD_OPT_LIST`.
@@ -140,6 +143,7 @@ impl Default for ServeOptions {
             poll: Duration::ZERO,
             control: None,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_connections_per_peer: 0,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             no_list: false,
             tls: TlsMode::Off,
@@ -488,7 +492,11 @@ pub fn run(
         return Err(ServerError::Blockdev(msg));
     }
     daemon.run_janitor();
-    let admission = Admission::new(connection_limit(opts.max_connections, n));
+    let max = connection_limit(opts.max_connections, n);
+    let admission = match opts.max_connections_per_peer {
+        0 => Admission::new(max),
+        per_peer => Admission::with_per_peer(max, per_peer),
+    };
 
     let name = daemon
         .export("")

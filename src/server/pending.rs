@@ -8,9 +8,11 @@
 //! (handed to the reactor with it). Nothing here blocks.
 //!
 //! A pending handshake knows who its client is ([`Who`]: the peer named in log
-//! lines, and the key limits count it under), when it connected and when its
-//! last bytes arrived (what the accept loop weighs when it must close one), and
-//! roughly how much memory it holds. [`step`] writes the audit line of every
+//! lines, and the key limits count it under), when it connected, when its
+//! last bytes arrived, and since when a reply has waited for it to take it
+//! (what the accept loop weighs when it must close one: a client blocked on
+//! our reply is silent, whatever it sends meanwhile), and roughly how much
+//! memory it holds. [`step`] writes the audit line of every
 //! refusal, naming the peer, through the accept loop's rate-limited [`Lines`].
 
 use super::quiet::Lines;
@@ -77,6 +79,11 @@ pub(super) struct Pending {
     pub opened: Instant,
     /// When its last bytes arrived (`None`: it has sent nothing).
     pub heard: Option<Instant>,
+    /// When it last took bytes we sent (the greeting included).
+    pub progress: Option<Instant>,
+    /// Since when a reply has waited for it to take more, with no progress
+    /// (`None`: nothing waits to be sent). It counts as silent meanwhile.
+    pub stuck: Option<Instant>,
     /// Memory it held when last serviced ([`Pending::held`]), as the accept
     /// loop's total counts it.
     pub counted: usize,
@@ -121,6 +128,8 @@ impl Pending {
             who,
             opened,
             heard: None,
+            progress: None,
+            stuck: None,
             counted: 0,
             hs,
             sent: 0,
@@ -134,12 +143,28 @@ impl Pending {
         }
     }
 
-    /// What the choice of whom to close knows of it.
-    pub fn standing(&self) -> Standing {
+    /// What the choice of whom to close knows of it; `held`: places its
+    /// peer holds.
+    pub fn standing(&self, held: usize) -> Standing {
         Standing {
             peer: self.who.key,
+            held,
             opened: self.opened,
-            heard: self.heard,
+            // Once it has spoken, taking our replies is a sign of life too.
+            heard: self.heard.map(|h| self.progress.map_or(h, |p| p.max(h))),
+            stuck: self.stuck,
+        }
+    }
+
+    /// A send moved `n` bytes and more waits (`n` zero: nothing moved): the
+    /// reply is stuck from the last progress on.
+    fn sent_some(&mut self, n: usize) {
+        if n > 0 {
+            let now = Instant::now();
+            self.progress = Some(now);
+            self.stuck = Some(now);
+        } else if self.stuck.is_none() {
+            self.stuck = Some(Instant::now());
         }
     }
 
@@ -208,14 +233,21 @@ fn flush(p: &mut Pending) -> Io {
                     &p.hs.out[p.sent..],
                     rustix::net::SendFlags::NOSIGNAL,
                 ) {
-                    Ok(n) => p.sent += n,
-                    Err(rustix::io::Errno::AGAIN) => return Io::WouldBlock,
+                    Ok(n) => {
+                        p.sent += n;
+                        p.sent_some(n);
+                    }
+                    Err(rustix::io::Errno::AGAIN) => {
+                        p.sent_some(0);
+                        return Io::WouldBlock;
+                    }
                     Err(rustix::io::Errno::INTR) => continue,
                     Err(e) => return Io::Failed(e.to_string()),
                 }
             }
             p.hs.out.clear();
             p.sent = 0;
+            p.stuck = None;
             Io::Done(0)
         }
         Some(t) => {
@@ -225,14 +257,22 @@ fn flush(p: &mut Pending) -> Io {
                 }
                 p.hs.out.clear();
             }
+            let mut moved = 0;
             while t.wants_write() {
                 match t.write_tls(&mut SockW(&p.sock)) {
-                    Ok(_) => {}
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => return Io::WouldBlock,
+                    Ok(n) => moved += n,
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                        p.sent_some(moved);
+                        return Io::WouldBlock;
+                    }
                     Err(e) if e.kind() == ErrorKind::Interrupted => {}
                     Err(e) => return Io::Failed(e.to_string()),
                 }
             }
+            if moved > 0 {
+                p.progress = Some(Instant::now());
+            }
+            p.stuck = None;
             Io::Done(0)
         }
     }

@@ -1,7 +1,9 @@
 //! Attackers for the denial-of-service tests: a thread holding many sockets to
-//! a server that never send a byte (or send a little, slowly), reconnecting
-//! every one the server closes, for a bounded time; and a raise of this
-//! process's open-file limit so it can hold them.
+//! a server that never send a byte (or send a little, slowly, or send a lot
+//! and never read the replies), reconnecting every one the server closes, for
+//! a bounded time; a TCP connection from a chosen loopback address (a second
+//! peer on one machine); and a raise of this process's open-file limit so it
+//! can hold them.
 
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsFd, OwnedFd};
@@ -43,6 +45,9 @@ pub enum Behaviour {
     Silent,
     /// Sends these bytes one at a time, one every `every`, then nothing.
     Trickle { bytes: Vec<u8>, every: Duration },
+    /// Sends these bytes at once (as fast as the socket takes them) and never
+    /// reads a byte of what the server sends back.
+    Unread(Vec<u8>),
 }
 
 /// What an attack did, once it ended.
@@ -134,8 +139,22 @@ fn run(
                 }
             }
         }
-        // Trickle what is due.
+        // Send what is due.
         let now = Instant::now();
+        if let Behaviour::Unread(bytes) = how {
+            for s in socks.iter_mut() {
+                while s.sent < bytes.len() {
+                    match rustix::net::send(
+                        &s.fd,
+                        &bytes[s.sent..],
+                        rustix::net::SendFlags::NOSIGNAL,
+                    ) {
+                        Ok(n) => s.sent += n,
+                        Err(_) => break,
+                    }
+                }
+            }
+        }
         if let Behaviour::Trickle { bytes, every } = how {
             for s in socks.iter_mut() {
                 if s.sent < bytes.len() && s.next <= now {
@@ -152,12 +171,17 @@ fn run(
                 }
             }
         }
-        // Wait for the server to close some (or send them something).
+        // Wait for the server to close some (or send them something; an
+        // attacker that never reads only looks for the hang-up).
+        let unread = matches!(how, Behaviour::Unread(_));
+        let watch = if unread {
+            PollFlags::RDHUP
+        } else {
+            PollFlags::IN
+        };
         let closed: Vec<usize> = {
-            let mut fds: Vec<PollFd<'_>> = socks
-                .iter()
-                .map(|s| PollFd::new(&s.fd, PollFlags::IN))
-                .collect();
+            let mut fds: Vec<PollFd<'_>> =
+                socks.iter().map(|s| PollFd::new(&s.fd, watch)).collect();
             let ts = rustix::event::Timespec {
                 tv_sec: 0,
                 tv_nsec: 20_000_000,
@@ -173,6 +197,10 @@ fn run(
         };
         let mut gone = Vec::new();
         for i in closed {
+            if unread {
+                gone.push(i);
+                continue;
+            }
             loop {
                 match rustix::io::read(socks[i].fd.as_fd(), &mut scratch) {
                     Ok(0) => {
@@ -195,6 +223,25 @@ fn run(
         }
     }
     st
+}
+
+/// A TCP connection to `to` from the loopback address `from` (the whole of
+/// 127/8 is loopback: a second peer on one machine), with `timeout` for
+/// reads and writes.
+pub fn connect_from(
+    from: std::net::Ipv4Addr,
+    to: SocketAddr,
+    timeout: Duration,
+) -> std::io::Result<TcpStream> {
+    use rustix::net::{AddressFamily, SocketType, bind, connect, socket};
+    let fd = socket(AddressFamily::INET, SocketType::STREAM, None)?;
+    bind(&fd, &SocketAddr::from((from, 0)))?;
+    connect(&fd, &to)?;
+    let s = TcpStream::from(fd);
+    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
+    s.set_nodelay(true)?;
+    Ok(s)
 }
 
 /// Raise this test process's open-file soft limit to its hard limit; returns
