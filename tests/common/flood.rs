@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 pub enum Target {
     Unix(PathBuf),
     Tcp(SocketAddr),
+    /// TCP from another loopback address (another peer than 127.0.0.1).
+    TcpFrom(std::net::Ipv4Addr, SocketAddr),
 }
 
 impl Target {
@@ -28,6 +30,14 @@ impl Target {
                 let _ = s.set_nonblocking(true);
                 OwnedFd::from(s)
             }),
+            Target::TcpFrom(from, to) => {
+                connect_from(*from, *to, Duration::from_secs(1))
+                    .ok()
+                    .map(|s| {
+                        let _ = s.set_nonblocking(true);
+                        OwnedFd::from(s)
+                    })
+            }
             Target::Tcp(a) => TcpStream::connect_timeout(a, Duration::from_secs(1))
                 .ok()
                 .map(|s| {
