@@ -249,12 +249,16 @@ impl Budget {
     }
 
     /// A reactor was refused: it is woken by the next release. Call before the
-    /// last try, so a release between the two cannot be missed. `me` (the
-    /// reactor's registration) is not woken by the reclaim call-out to the others,
-    /// which free their idle pooled buffers.
+    /// last try, so a release between the two cannot be missed. The first to
+    /// starve calls the others out to free their idle pooled buffers (and
+    /// watch for late replies); `me` (the reactor's registration) is not
+    /// woken by it. Later ones do not: waking a reactor that then retries a
+    /// refused connection of its own, starves and wakes the first, and so
+    /// on, would keep two reactors spinning while budget is short.
     pub fn starve(&self, me: usize) {
-        self.starved.fetch_add(1, Ordering::SeqCst);
-        self.wake_all(Some(me));
+        if self.starved.fetch_add(1, Ordering::SeqCst) == 0 {
+            self.wake_all(Some(me));
+        }
     }
 
     /// A starved reactor was woken (it marks itself starved again if still refused).
