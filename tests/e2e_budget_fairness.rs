@@ -406,7 +406,8 @@ fn trickle_once(mut s: UnixStream, i: usize, stop: &AtomicBool) -> bool {
     s.set_write_timeout(Some(Duration::from_millis(500)))
         .unwrap();
     let off = (i as u64 % 4) * 32 * MIB;
-    let req = RawClient::request_bytes(REQUEST_MAGIC, 0, NBD_CMD_WRITE, 1, off, LEN as u32);
+    let len = u32::try_from(LEN).expect("32 MiB");
+    let req = RawClient::request_bytes(REQUEST_MAGIC, 0, NBD_CMD_WRITE, 1, off, len);
     if s.write_all(&req).is_err() {
         return true;
     }

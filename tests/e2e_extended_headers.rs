@@ -674,7 +674,7 @@ fn write_zeroes_pieces_stop_where_the_file_says_it_ends() {
         .start();
     let mut c = extended_client(&srv);
     // Another writer (sharing the image on purpose) appends 1 MiB at 2.5 GiB.
-    let theirs = pattern_bytes(9, 0, MIB as usize);
+    let theirs = pattern_bytes(9, 0, 1 << 20);
     let w = std::fs::OpenOptions::new()
         .write(true)
         .open(&img)
