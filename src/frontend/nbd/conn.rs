@@ -199,6 +199,9 @@ pub struct Conn {
     /// a cancel of it has been submitted.
     pub poll_inflight: bool,
     pub poll_cancel_sent: bool,
+    /// The poll failed (not cancelled): none is posted again, rather than
+    /// one a turn.
+    pub poll_failed: bool,
     /// No more requests will be read (EOF, DISC, error or shutdown).
     pub read_closed: bool,
     /// The socket is broken: replies are dropped, not sent.
@@ -372,6 +375,7 @@ impl Conn {
             recv_inflight: false,
             poll_inflight: false,
             poll_cancel_sent: false,
+            poll_failed: false,
             read_closed: false,
             dead: false,
             slots: (0..SLOTS).map(|_| Slot::new()).collect(),
@@ -557,6 +561,14 @@ impl Conn {
     pub fn on_poll(&mut self, io: &mut Io, ci: u32, res: i32) {
         self.poll_inflight = false;
         self.poll_cancel_sent = false;
+        if res < 0 && res != -libc::ECANCELED {
+            tracing::debug!(
+                "hang-up poll failed on a connection to {:?}: errno {}",
+                self.dev.name,
+                -res
+            );
+            self.poll_failed = true;
+        }
         if res <= 0 || self.dead {
             return; // our cancel, or nothing seen
         }

@@ -133,6 +133,7 @@ impl Conn {
         self.take_requests(io, ci);
         if !(self.recv_inflight
             || self.poll_inflight
+            || self.poll_failed
             || self.read_closed
             || self.dead
             || self.moving.is_some())
@@ -376,13 +377,13 @@ impl Conn {
             }
             return true;
         }
-        if first
-            && !self.export.shunned()
-            && b.reserve_turn(key)
-            && io.pool.reserve(need, usize::MAX)
-        {
-            b.turn_taken(key);
-            return true;
+        if first {
+            if self.export.shunned() {
+                b.turn_taken(key); // out of line too, not to hold up others
+            } else if b.reserve_turn(key) && io.pool.reserve(need, usize::MAX) {
+                b.turn_taken(key);
+                return true;
+            }
         }
         self.export.unhold(cap);
         false
