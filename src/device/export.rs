@@ -29,7 +29,7 @@
 //!   request when nobody waits). The counter and the flag saying someone
 //!   waits are `SeqCst`, both sides, so the waiter's second try and the
 //!   releaser's look cannot both miss each other (see
-//!   `crate::engine::budget`, whose orderings these follow).
+//!   the engine's budget module, whose orderings these follow).
 //! - Locks: `current` (RwLock, read on connect and on epoch change only),
 //!   `waiters` and `share_waiters` (held to register or wake), `control`
 //!   (serialises control operations on this one export; never taken by

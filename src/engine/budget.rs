@@ -28,10 +28,11 @@
 //!   starved mode below.
 //! - The reserve, the rest: only devices that hold nothing may take from it,
 //!   one request each (their later requests are held to the share), and in
-//!   turn: a device whose request fits neither in the share nor in what is
-//!   left of the reserve takes a place in line ([`Budget::reserve_turn`]),
-//!   and the device at the head of the line takes the next room that frees,
-//!   before any device behind it. A place not asked for again within
+//!   turn: while nobody waits, such a request takes what is left of the
+//!   reserve if it fits; a device whose request fits neither in the share nor
+//!   there takes a place in line ([`Budget::reserve_turn`]), and the device
+//!   at the head of the line takes the next room that frees, before any
+//!   device behind it (and before newcomers). A place not asked for again within
 //!   [`LINE_STALE`] lapses (its client is gone; waiting connections ask at
 //!   every release and every second).
 //! - The progress deadline ([`Budget::reply_timeout`], `--reply-timeout`):
@@ -54,9 +55,9 @@
 //!   [`KERNEL_REPLY_TIMEOUT`] at least, four times the kernel's own request
 //!   timeout, so only one truly stuck is cut. ublk queues use buffers
 //!   outside the budget. Cost per request with data: one compare-and-swap on
-//!   its export's counter when taken, one subtraction and one load when
-//!   freed, and a plain store of the reactor's tick count when its reply is
-//!   queued.
+//!   its export's counter and, for a device that held nothing, one load of
+//!   the line's length when taken; one subtraction and one load when freed;
+//!   a plain store of the reactor's tick count when its reply is queued.
 //! - A reactor whose connection was refused by the daemon's budget (not a
 //!   device's share) marks itself starved ([`Budget::starve`]) and tries once
 //!   more; any release while a reactor is starved wakes every registered
@@ -304,6 +305,12 @@ impl Budget {
         };
         self.line_len.store(line.len(), Ordering::Relaxed);
         turn
+    }
+
+    /// Whether no device waits for the reserve (one load): a device that
+    /// holds nothing may then take from it without a turn.
+    pub fn line_empty(&self) -> bool {
+        self.line_len.load(Ordering::Relaxed) == 0
     }
 
     /// Device `key` got its request in (from the reserve, or from the share

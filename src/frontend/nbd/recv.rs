@@ -363,7 +363,10 @@ impl Conn {
         let b = budget::global();
         // The device's key in the reserve's line.
         let key = Arc::as_ptr(&self.export) as usize;
-        if io.pool.reserve(need, share) {
+        let reserve = first && !self.export.shunned();
+        if io.pool.reserve(need, share)
+            || reserve && b.line_empty() && io.pool.reserve(need, usize::MAX)
+        {
             if first {
                 b.turn_taken(key); // one load unless someone is in line
             }
@@ -377,13 +380,12 @@ impl Conn {
             }
             return true;
         }
-        if first {
-            if self.export.shunned() {
-                b.turn_taken(key); // out of line too, not to hold up others
-            } else if b.reserve_turn(key) && io.pool.reserve(need, usize::MAX) {
-                b.turn_taken(key);
-                return true;
-            }
+        if reserve && b.reserve_turn(key) && io.pool.reserve(need, usize::MAX) {
+            b.turn_taken(key);
+            return true;
+        }
+        if first && !reserve {
+            b.turn_taken(key); // shunned: out of line too, not to hold up others
         }
         self.export.unhold(cap);
         false
