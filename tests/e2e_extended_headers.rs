@@ -271,6 +271,11 @@ fn expect_opt_reply(c: &mut RawClient, opt: u32) -> (u32, Vec<u8>) {
 }
 
 fn ext_request(c: &mut RawClient, flags: u16, kind: u16, cookie: u64, off: u64, len: u64) {
+    c.send(&ext_header(flags, kind, cookie, off, len));
+}
+
+/// The 32 bytes of an extended request header.
+fn ext_header(flags: u16, kind: u16, cookie: u64, off: u64, len: u64) -> Vec<u8> {
     let mut b = Vec::with_capacity(32);
     b.extend_from_slice(&EXT_REQUEST_MAGIC.to_be_bytes());
     b.extend_from_slice(&flags.to_be_bytes());
@@ -278,7 +283,7 @@ fn ext_request(c: &mut RawClient, flags: u16, kind: u16, cookie: u64, off: u64, 
     b.extend_from_slice(&cookie.to_be_bytes());
     b.extend_from_slice(&off.to_be_bytes());
     b.extend_from_slice(&len.to_be_bytes());
-    c.send(&b);
+    b
 }
 
 fn ext_reply(c: &mut RawClient) -> ExtReply {
@@ -602,4 +607,99 @@ fn the_work_of_a_client_that_hung_up_stops() {
     let t = std::time::Instant::now();
     srv.ctl_ok(&["detach", "huge"]);
     assert!(t.elapsed() < PROMPT, "detach took {:?}", t.elapsed());
+}
+
+/// The second case of a client gone (review F3): a client pipelines
+/// 128 TRIMs of 2^50 bytes inside a sparse 2^62-byte image on tmpfs (2^19
+/// pieces of real work each), then one more request, which no free slot can
+/// take, so loopd stops reading its socket, and hangs up. No receive is
+/// posted, yet the hang-up is seen: within a few seconds the client no longer
+/// counts, the daemon's CPU time stops growing, and a plain `detach` succeeds.
+#[test]
+fn a_client_that_hangs_up_while_its_reads_are_paused_is_noticed() {
+    let dir = tmpfs_dir();
+    let img = dir.path().join("huge.img");
+    let f = std::fs::File::create(&img).expect("create image");
+    f.set_len(E62).expect("a 2^62-byte sparse file on tmpfs");
+    drop(f);
+    let srv = Server::builder(&img).with_control().start();
+    let pid = srv.pid();
+    let mut c = extended_client(&srv);
+    let mut all = Vec::new();
+    for k in 0..128u64 {
+        all.extend(ext_header(0, CMD_TRIM, k + 1, k << 52, 1 << 50));
+    }
+    // The 129th: every slot is busy for minutes, so it stays unread.
+    all.extend(ext_header(0, CMD_TRIM, 129, 0, 4096));
+    c.send(&all);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let t0 = cpu_ticks(pid);
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    let busy = cpu_ticks(pid) - t0;
+    assert!(
+        busy >= 10,
+        "the trims are not under way ({busy} ticks in 1 s)"
+    );
+    drop(c);
+    let gone = std::time::Instant::now();
+    srv.wait_clients("huge", 0, std::time::Duration::from_secs(5));
+    eprintln!("no client left {:?} after it hung up", gone.elapsed());
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    let t1 = cpu_ticks(pid);
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let after = cpu_ticks(pid) - t1;
+    eprintln!("CPU: {busy} ticks in 1 s while the trims ran, {after} in 2 s after the client left");
+    assert!(
+        after <= 20,
+        "loopd kept working for a client that hung up: {after} ticks of CPU in 2 s"
+    );
+    let t = std::time::Instant::now();
+    srv.ctl_ok(&["detach", "huge"]);
+    assert!(t.elapsed() < PROMPT, "detach took {:?}", t.elapsed());
+}
+
+/// Review F12: on a `--shared` image another writer grew the file behind
+/// loopd's back, past the end loopd knows of, which falls on a piece's
+/// boundary (2 GiB). A 64-bit WRITE_ZEROES over the window asks the file
+/// where it ends before it stops: that writer's bytes are zeroed too, and
+/// the file keeps its size.
+#[test]
+fn write_zeroes_pieces_stop_where_the_file_says_it_ends() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempdir();
+    let img = dir.path().join("grown.img");
+    create_sparse_image(&img, 2 * GIB);
+    let mut srv = Server::builder(&img)
+        .args(["--shared", "--size-limit", &(4 * GIB).to_string()])
+        .start();
+    let mut c = extended_client(&srv);
+    // Another writer (sharing the image on purpose) appends 1 MiB at 2.5 GiB.
+    let theirs = pattern_bytes(9, 0, 1 << 20);
+    let w = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&img)
+        .expect("open the image as another writer");
+    w.write_all_at(&theirs, 2 * GIB + GIB / 2)
+        .expect("their write");
+    w.sync_all().expect("sync");
+    drop(w);
+    let size = file_len(&img);
+    assert_eq!(size, 2 * GIB + GIB / 2 + MIB);
+    ext_request(&mut c, 0, CMD_WRITE_ZEROES, 1, 0, 4 * GIB);
+    reply_within(&c, "WRITE_ZEROES of the whole 4 GiB window");
+    assert_eq!(
+        ext_reply(&mut c),
+        (REPLY_FLAG_DONE, REPLY_TYPE_NONE, 1, 0, 0),
+        "write-zeroes answered"
+    );
+    assert_file_filled(
+        &img,
+        2 * GIB + GIB / 2,
+        MIB,
+        0,
+        "the other writer's bytes past loopd's known end",
+    );
+    assert_eq!(file_len(&img), size, "the file's size changed");
+    drop(c);
+    srv.stop_ok();
 }

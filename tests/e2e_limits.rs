@@ -10,7 +10,7 @@ use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
-const BUDGET_MIB: u64 = 64;
+const BUDGET_MIB: u64 = 128;
 /// What the daemon holds besides request and reply buffers: its code and
 /// libraries, thread stacks, the rings, each connection's 64 KiB receive buffer
 /// and slot table, small charged buffers. Measured at about 12 MiB idle.
@@ -131,20 +131,34 @@ fn memory_budget_bounds_peak_rss_buffered() {
     budget_holds("buffered");
 }
 
+/// A budget must hold the largest request's buffer (64 MiB: 32 MiB bounced
+/// with its alignment blocks) twice: in the share and in the reserve (review
+/// F7: with 64M the reserve was 32 MiB, too small for another device's
+/// largest request). 64M and 16M are refused, 128M accepted.
 #[test]
 fn memory_budget_below_the_largest_request_is_refused() {
-    let out = loopd_run(["serve", "--memory-budget", "16M", "/nonexistent.img"]);
-    assert!(!out.success(), "a 16M budget was accepted");
+    for small in ["16M", "64M", "127M"] {
+        let out = loopd_run(["serve", "--memory-budget", small, "/nonexistent.img"]);
+        assert!(!out.success(), "a {small} budget was accepted");
+        assert!(
+            out.stderr.contains("too small") && out.stderr.contains("at least 128M"),
+            "{small}: no reason given: {}",
+            out.stderr
+        );
+    }
+    let out = loopd_run(["serve", "--memory-budget", "128M", "/nonexistent.img"]);
     assert!(
-        out.stderr.contains("too small"),
-        "no reason given: {}",
+        !out.stderr.contains("too small"),
+        "128M was refused: {}",
         out.stderr
     );
 }
 
 /// A connection refused budget waits — its request is neither dropped nor
 /// failed — and resumes when a connection on the other reactor frees what it
-/// held; one client pipelining past the budget gets every reply, in full.
+/// held (here the device's share: 64 MiB of a 128M budget, which a's two
+/// unread 32 MiB replies hold); one client pipelining past the budget gets
+/// every reply, in full.
 #[test]
 fn a_refused_request_waits_for_budget_freed_on_another_reactor() {
     let dir = tempdir();
@@ -155,7 +169,7 @@ fn a_refused_request_waits_for_budget_freed_on_another_reactor() {
             "--cache",
             "direct",
             "--memory-budget",
-            "64M",
+            "128M",
             "--reactors",
             "2",
             "--no-follow",
@@ -166,9 +180,10 @@ fn a_refused_request_waits_for_budget_freed_on_another_reactor() {
     let (mut a, _, _) = RawClient::handshake(srv.socket(), &name);
     let (mut b, _, _) = RawClient::handshake(srv.socket(), &name);
     a.send_request(0, NBD_CMD_READ, 1, 0, BIG);
+    a.send_request(0, NBD_CMD_READ, 3, 128 * MIB, BIG);
     std::thread::sleep(Duration::from_millis(500));
     b.send_request(0, NBD_CMD_READ, 2, 64 * MIB, BIG);
-    // a's 32 MiB reply waits unread, so b's read does not fit.
+    // a's 32 MiB replies wait unread, so b's read does not fit.
     b.s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
     let mut first = [0u8; 16];
     let early = std::io::Read::read(&mut b.s, &mut first);
@@ -196,7 +211,16 @@ fn a_refused_request_waits_for_budget_freed_on_another_reactor() {
         "b waited {:?}",
         t.elapsed()
     );
-    // One client, eight 32 MiB reads in flight: four times the budget.
+    let (err, h) = a.read_simple_reply();
+    assert_eq!((err, h), (0, 3));
+    let got = a.read_exact(BIG as usize);
+    assert_bytes_eq(
+        &got,
+        &pattern_bytes(5, 128 * MIB, BIG as usize),
+        128 * MIB,
+        "a's second read",
+    );
+    // One client, eight 32 MiB reads in flight: twice the budget.
     for k in 0..8u64 {
         a.send_request(0, NBD_CMD_READ, 10 + k, k * u64::from(BIG), BIG);
     }

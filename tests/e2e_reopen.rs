@@ -320,6 +320,85 @@ fn records_without_an_identity_refuse_links() {
     );
 }
 
+/// Review F11: a state record of an older loopd names a path in a directory
+/// a user owns (`fs.protected_hardlinks` off, or a file the user may read
+/// but not write), and before the first restart of the new loopd the user
+/// hard-links a root-only file there. The record has no identity to compare,
+/// so the file is trusted only if its directory's owner can have put it
+/// there, as theirs: two links (or root's file in the user's directory) are
+/// refused with a reason that says to attach it again; nothing of the secret
+/// is served; the user's own image next to it comes back.
+#[test]
+fn records_without_an_identity_refuse_files_the_directory_owner_did_not_put_there() {
+    let dir = tempdir();
+    let (secret, secret_bytes) = secret(dir.path());
+    let user_dir = dir.path().join("user");
+    std::fs::create_dir(&user_dir).unwrap();
+    std::fs::set_permissions(&user_dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let own = user_dir.join("own.img");
+    create_pattern_image(&own, SIZE, 6);
+    let linked = user_dir.join("linked.img");
+    std::fs::hard_link(&secret, &linked).unwrap();
+    // Another of root's files, with one link, in the user's directory.
+    let moved = user_dir.join("moved.img");
+    std::fs::copy(&secret, &moved).unwrap();
+    let user = rustix::process::Uid::from_raw(4242);
+    for p in [&user_dir, &own] {
+        rustix::fs::chown(p.as_path(), Some(user), None).expect("chown (tests run as root)");
+    }
+    let state = dir.path().join("o.state");
+    let put = |name: &str, image: &Path| {
+        format!(
+            "{{\"put\":{{\"image\":\"{}\",\"name\":\"{name}\",\"offset\":0,\"cache\":\"auto\",\"read_only\":false,\"autoclear\":false}}}}\n",
+            image.display()
+        )
+    };
+    std::fs::write(
+        &state,
+        format!(
+            "{{\"loopd_state\":1}}\n{}{}{}",
+            put("own", &own),
+            put("linked", &linked),
+            put("moved", &moved)
+        ),
+    )
+    .unwrap();
+    let sock = dir.path().join("o.sock");
+    let srv = Server::daemon()
+        .socket_path(&sock)
+        .arg("--state")
+        .arg(&state)
+        .start();
+    wait_device(&srv, "own", "live", "", Duration::from_secs(5));
+    wait_device(
+        &srv,
+        "linked",
+        "missing",
+        "2 hard links",
+        Duration::from_secs(5),
+    );
+    wait_device(
+        &srv,
+        "moved",
+        "missing",
+        "belongs to uid 0",
+        Duration::from_secs(5),
+    );
+    let reason = srv.device("linked").unwrap().at("reason").str().to_owned();
+    assert!(
+        reason.contains("older loopd") && reason.contains("loopd attach"),
+        "{reason}"
+    );
+    assert_secret_safe(&client_tries(&sock, "linked"), &secret, &secret_bytes);
+    let moved_bytes = std::fs::read(&moved).unwrap();
+    assert!(!client_tries(&sock, "moved").contains(SECRET_HEX));
+    assert_eq!(
+        std::fs::read(&moved).unwrap(),
+        moved_bytes,
+        "moved.img was written"
+    );
+}
+
 /// After a reboot device numbers may change (btrfs subvolumes, NFS, tmpfs,
 /// renumbered disks): a record from another boot (its boot id and device
 /// number rewritten here) comes back on the same inode and owner, and is then

@@ -30,8 +30,17 @@
 //!   [`IdentityError::Different`], [`IdentityError::NotAFile`]) with what to do.
 //! - A record without an identity (a state file of an older loopd) is re-opened
 //!   as if its first open had followed no link ([`Pinned::unrecorded`]): a path
-//!   that goes through one is refused; otherwise the file found is trusted and
-//!   its identity recorded from then on.
+//!   that goes through one is refused. Nothing proves the file found is the one
+//!   attached, so it is trusted only if nobody but the owner of its directory
+//!   (or root) can have put it there, as theirs ([`unrecorded_doubt`]): it has
+//!   one link (a hard link to someone else's file has two, and needs no write
+//!   permission on that file, where `fs.protected_hardlinks` is off), its
+//!   directory is writable by its owner alone, and the file belongs to that
+//!   owner, or the directory to root. Otherwise it is refused
+//!   ([`IdentityError::UnrecordedDoubt`]), saying to attach it again; a
+//!   trusted file's identity is recorded from then on. The directory and the
+//!   file are opened in turn (`O_PATH`, no link followed), so the facts
+//!   checked are those of the file opened.
 //! - A reconfiguration (`set`, `resize`) never looks at the path: it re-opens
 //!   the device's own [`Pinned`] file.
 //!
@@ -119,6 +128,11 @@ pub enum IdentityError {
          symbolic link, so it is not opened; attach {} again under the device's name \
          (`loopd attach {} --name NAME`) to accept the file it names now", crate::text::quoted_path(.path), crate::text::quoted_path(.path), crate::text::quoted_path(.path))]
     UnrecordedSymlink { path: PathBuf },
+    #[error(
+        "{} was recorded by an older loopd without its file's identity, and {why}: another \
+         user may have put it there, so it is not opened; attach {} again under the device's \
+         name (`loopd attach {} --name NAME`) to accept the file it names now", crate::text::quoted_path(.path), crate::text::quoted_path(.path), crate::text::quoted_path(.path))]
+    UnrecordedDoubt { path: PathBuf, why: String },
     #[error(
         "{} now names a different file ({why}) than when the device was attached, so it is \
          not opened; detach the device, or attach {} again under the device's name \
@@ -241,17 +255,42 @@ impl Pinned {
     }
 
     /// A re-open of a device recorded without an identity (an older state
-    /// file): the path must go through no symbolic link.
+    /// file): the path must go through no symbolic link, and the file must be
+    /// one only its directory's owner (or root) can have put there (see the
+    /// module documentation).
     pub fn unrecorded(path: &Path) -> Result<Pinned, IdentityError> {
-        match open_path(path, true) {
-            Ok(fd) => Self::pin(path, fd, false),
+        let (dir, fd) = match open_in_dir(path) {
+            Ok(both) => both,
             Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
-                Err(IdentityError::UnrecordedSymlink {
+                return Err(IdentityError::UnrecordedSymlink {
                     path: path.to_path_buf(),
-                })
+                });
             }
-            Err(source) => Err(open_err(path, source)),
+            Err(source) => return Err(open_err(path, source)),
+        };
+        let d = rustix::fs::fstat(&dir).map_err(|e| open_err(path, e.into()))?;
+        let f = rustix::fs::fstat(&fd).map_err(|e| open_err(path, e.into()))?;
+        // nlink_t is 32 bits on some targets.
+        #[allow(clippy::useless_conversion)]
+        let (file, in_dir) = (
+            Facts {
+                uid: f.st_uid,
+                mode: f.st_mode,
+                nlink: u64::from(f.st_nlink),
+            },
+            Facts {
+                uid: d.st_uid,
+                mode: d.st_mode,
+                nlink: u64::from(d.st_nlink),
+            },
+        );
+        if let Some(why) = unrecorded_doubt(&file, &in_dir) {
+            return Err(IdentityError::UnrecordedDoubt {
+                path: path.to_path_buf(),
+                why,
+            });
         }
+        Self::pin(path, fd, false)
     }
 
     fn pin(path: &Path, fd: OwnedFd, symlink: bool) -> Result<Pinned, IdentityError> {
@@ -330,6 +369,66 @@ impl Pinned {
         };
         m.is_ok_and(|m| (m.dev(), m.ino()) == (self.identity.dev, self.identity.ino))
     }
+}
+
+/// What [`unrecorded_doubt`] looks at of a file or directory (`stat`).
+#[derive(Debug, Clone, Copy)]
+pub struct Facts {
+    pub uid: u32,
+    pub mode: u32,
+    pub nlink: u64,
+}
+
+/// Why the file found for a record without an identity is not trusted, if
+/// it is not (pure: the rule of the module documentation). `file` is the
+/// file, `dir` the directory holding it.
+pub fn unrecorded_doubt(file: &Facts, dir: &Facts) -> Option<String> {
+    let regular = file.mode & libc::S_IFMT == libc::S_IFREG;
+    if regular && file.nlink != 1 {
+        return Some(format!("it has {} hard links", file.nlink));
+    }
+    if dir.mode & 0o022 != 0 {
+        return Some(format!(
+            "its directory may be written by others than its owner (mode {:o})",
+            dir.mode & 0o7777
+        ));
+    }
+    if file.uid != dir.uid && dir.uid != 0 {
+        return Some(format!(
+            "it belongs to uid {} and its directory to uid {}",
+            file.uid, dir.uid
+        ));
+    }
+    None
+}
+
+/// `O_PATH` descriptors of the directory holding `path` and of the file in
+/// it, neither reached through a symbolic link (`ELOOP` if one is met).
+fn open_in_dir(path: &Path) -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let name = path
+        .file_name()
+        .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let dir = open_path(parent, true)?;
+    let flags = OFlags::PATH | OFlags::CLOEXEC;
+    let fd = match rustix::fs::openat2(&dir, name, flags, Mode::empty(), ResolveFlags::NO_SYMLINKS)
+    {
+        Ok(fd) => fd,
+        // No openat2: one name, opened without following it.
+        Err(Errno::NOSYS | Errno::PERM) => {
+            let fd = rustix::fs::openat(&dir, name, flags | OFlags::NOFOLLOW, Mode::empty())?;
+            let st = rustix::fs::fstat(&fd)?;
+            if rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Symlink {
+                return Err(std::io::Error::from_raw_os_error(libc::ELOOP));
+            }
+            fd
+        }
+        Err(e) => return Err(e.into()),
+    };
+    Ok((dir, fd))
 }
 
 /// Open the file `fd` refers to again, for I/O, through `/proc/self/fd`: the

@@ -166,14 +166,17 @@ pub struct ServeArgs {
     #[arg(long, value_name = "US", default_value_t = loopd::reactor::poll::DEFAULT_MAX_US)]
     poll_us: u64,
     /// Memory for request and reply buffers across the whole daemon, e.g. 512M
-    /// [default: 256M; at least 64M]. When it is spent, connections stop reading
+    /// [default: 256M; at least 128M]. When it is spent, connections stop reading
     /// new requests until replies are sent (backpressure).
     #[arg(long, value_name = "SIZE", value_parser = parse_budget)]
     memory_budget: Option<u64>,
-    /// Seconds a client holding part of the memory budget may leave its replies
-    /// unread (or a write's payload unsent) while other requests wait for
-    /// budget; then it is disconnected, with an audit line. The kernel's own
-    /// NBD client (--blockdev nbd) gets at least 120. 0 = never.
+    /// Seconds within which a client holding part of the memory budget must take
+    /// each reply once it is queued (and send each write's payload once its
+    /// header is read) while other requests wait for budget; then it is
+    /// disconnected, with an audit line. Reading slowly is not enough: a client
+    /// must take what it has outstanding within this (3.2 MiB/s for one 32 MiB
+    /// read at a time with 10). The kernel's own NBD client (--blockdev nbd)
+    /// gets at least 120. 0 = never.
     #[arg(long, value_name = "SECS", default_value_t = loopd::engine::budget::DEFAULT_REPLY_TIMEOUT.as_secs_f64())]
     reply_timeout: f64,
     /// Benchmark switch: one lock for the whole device instead of byte ranges.
@@ -596,7 +599,8 @@ fn parse_budget(s: &str) -> Result<u64, String> {
     let b = loopd::size::parse_size(s).map_err(|e| e.to_string())?;
     if b < min {
         return Err(format!(
-            "{b} bytes is too small: the largest request needs at least {}M",
+            "{b} bytes is too small: the largest request's buffer must fit in a device's \
+             share and again in the reserve kept for other devices, so at least {}M",
             min >> 20
         ));
     }

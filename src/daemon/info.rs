@@ -141,7 +141,7 @@ pub struct DeviceStatus {
     pub paths: BTreeMap<String, u64>,
     /// Connections moved to the reactor on the CPU their client runs on.
     pub moves: u64,
-    /// Connections cut off for leaving their replies unread while holding
+    /// Connections cut off for not taking a reply in time while holding
     /// memory budget others waited for.
     #[serde(default)]
     pub stalled_clients: u64,

@@ -200,6 +200,7 @@ impl CtlError {
                     IdentityError::Open { .. }
                     | IdentityError::NowSymlink { .. }
                     | IdentityError::UnrecordedSymlink { .. }
+                    | IdentityError::UnrecordedDoubt { .. }
                     | IdentityError::Different { .. }
                     | IdentityError::Reopen { .. } => ErrorCode::Io,
                 },

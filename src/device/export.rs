@@ -22,10 +22,18 @@
 //! - Memory budget: `budget_held` counts the request buffers its connections
 //!   hold, so one device's clients can be refused past their share
 //!   ([`Export::hold`], one compare-and-swap per request with data) and
-//!   `status` can say who holds the budget.
+//!   `status` can say who holds the budget. A reactor whose request was
+//!   refused registers in `share_waiters` ([`Export::wait_share`]) and tries
+//!   again; [`Export::unhold`] wakes the registered reactors once this
+//!   device's requests gave some back (one subtraction and one load per
+//!   request when nobody waits). The counter and the flag saying someone
+//!   waits are `SeqCst`, both sides, so the waiter's second try and the
+//!   releaser's look cannot both miss each other (see
+//!   the engine's budget module, whose orderings these follow).
 //! - Locks: `current` (RwLock, read on connect and on epoch change only),
-//!   `waiters` (held to register or wake), `control` (serialises control
-//!   operations on this one export; never taken by reactors).
+//!   `waiters` and `share_waiters` (held to register or wake), `control`
+//!   (serialises control operations on this one export; never taken by
+//!   reactors).
 
 use super::Device;
 use super::range_lock::Wake;
@@ -47,6 +55,10 @@ pub struct Export {
     budget_held: AtomicUsize,
     /// Kept out of the budget's reserve until then, in [`millis`] (0: not).
     shunned_until: AtomicU64,
+    /// Reactors with a request refused by this device's share, woken by
+    /// [`Export::unhold`]; `share_wanted` says the list is not empty.
+    share_waiters: Mutex<Vec<Arc<dyn Wake>>>,
+    share_wanted: AtomicBool,
     frozen: AtomicBool,
     /// Client count, with [`CLOSED`] set once no client may join any more.
     clients: AtomicU32,
@@ -85,6 +97,8 @@ impl Export {
             in_flight: AtomicU64::new(0),
             budget_held: AtomicUsize::new(0),
             shunned_until: AtomicU64::new(0),
+            share_waiters: Mutex::new(Vec::new()),
+            share_wanted: AtomicBool::new(false),
             frozen: AtomicBool::new(false),
             clients: AtomicU32::new(0),
             forced: AtomicBool::new(false),
@@ -152,12 +166,19 @@ impl Export {
     /// device holding nothing may always take one request: `Some(true)` says
     /// it held nothing (it may use the budget's reserve, unless shunned).
     pub fn hold(&self, n: usize, share: usize) -> Option<bool> {
+        // SeqCst: a waiter's second try, against `unhold` (module doc).
         self.budget_held
-            .fetch_update(Relaxed, Relaxed, |h| {
+            .fetch_update(SeqCst, SeqCst, |h| {
                 (h == 0 || h.saturating_add(n) <= share).then(|| h.saturating_add(n))
             })
             .ok()
             .map(|h| h == 0)
+    }
+
+    /// Count `n` bytes whatever the share: a request already taken takes a
+    /// buffer back (a spliced read that falls back to copying).
+    pub fn hold_taken(&self, n: usize) {
+        self.budget_held.fetch_add(n, SeqCst);
     }
 
     /// One of its connections was cut off for holding budget without reading
@@ -183,9 +204,34 @@ impl Export {
         false
     }
 
-    /// Data path: `n` bytes counted by [`Export::hold`] were freed.
+    /// A request of the reactor `waker` wakes was refused by this device's
+    /// share: wake it at the next [`Export::unhold`]. Call before trying
+    /// again, so a release between the two is not missed.
+    pub fn wait_share(&self, waker: &Arc<dyn Wake>) {
+        let mut w = lock(&self.share_waiters);
+        if !w.iter().any(|x| Arc::ptr_eq(x, waker)) {
+            w.push(Arc::clone(waker));
+        }
+        self.share_wanted.store(true, SeqCst);
+    }
+
+    /// Data path: `n` bytes counted by [`Export::hold`] were freed; a reactor
+    /// waiting for this device's share is woken.
     pub fn unhold(&self, n: usize) {
-        self.budget_held.fetch_sub(n, Relaxed);
+        if n == 0 {
+            return;
+        }
+        self.budget_held.fetch_sub(n, SeqCst);
+        if self.share_wanted.load(SeqCst) {
+            let waiters = {
+                let mut w = lock(&self.share_waiters);
+                self.share_wanted.store(false, SeqCst);
+                std::mem::take(&mut *w)
+            };
+            for w in waiters {
+                w.wake();
+            }
+        }
     }
 
     /// Bytes of the memory budget this device's requests hold now.
@@ -402,6 +448,37 @@ mod tests {
         drop(a);
         drop(b);
         assert_eq!(e.clients(), 0);
+    }
+
+    struct Count(std::sync::atomic::AtomicUsize);
+    impl Wake for Count {
+        fn wake(&self) {
+            self.0.fetch_add(1, SeqCst);
+        }
+    }
+
+    /// A request refused by its device's share is woken when that device's
+    /// requests give theirs back — also when no buffer is freed then (a
+    /// spliced read), which a wake-up on freed buffers alone would miss.
+    #[test]
+    fn unhold_wakes_a_reactor_waiting_for_the_share_once() {
+        let (e, _d) = export();
+        let c = Arc::new(Count(std::sync::atomic::AtomicUsize::new(0)));
+        let w: Arc<dyn Wake> = c.clone();
+        let share = 8 << 20;
+        assert_eq!(e.hold(6 << 20, share), Some(true));
+        assert_eq!(e.hold(4 << 20, share), None, "past the share");
+        e.unhold(1 << 20);
+        assert_eq!(c.0.load(SeqCst), 0, "nobody registered: no wake-up");
+        e.wait_share(&w);
+        e.wait_share(&w); // registered once
+        assert_eq!(e.hold(4 << 20, share), None);
+        e.unhold(1 << 20);
+        assert_eq!(c.0.load(SeqCst), 1);
+        e.unhold(1 << 20);
+        assert_eq!(c.0.load(SeqCst), 1, "woken once per registration");
+        assert_eq!(e.hold(4 << 20, share), Some(false));
+        assert_eq!(e.budget_held(), 7 << 20);
     }
 
     #[test]

@@ -9,15 +9,20 @@
 //!   the file into that range before it is seen): only the bytes before the
 //!   end are punched, zeroed or read ahead ([`in_file`]);
 //! - the pieces of a request longer than a task (an extended header's 64-bit
-//!   length, run 2 GiB at a time) stop at the first one that starts past the
-//!   end ([`more_in_file`]), so a 2^62-byte trim past the end of a small file
-//!   is two pieces, not 2^31.
+//!   length, run 2 GiB at a time) stop at the end: a trim or cache at the
+//!   first piece that starts past it ([`more_in_file`]), a write-zeroes after
+//!   the first piece clipped there; so a 2^62-byte trim past the end of a
+//!   small file is one or two pieces, not 2^31.
 //!
-//! Bytes past the end that another process wrote behind loopd's back (the image
-//! lock keeps writers out unless the device is `--shared`) are not zeroed: the
-//! file size loopd knows is the one it saw at open, grown by its own writes and
-//! by `resize`, and refreshed from `fstat` before a write-zeroes is clipped on
-//! a local filesystem.
+//! Which end: a trim and a cache are advisory (NBD lets a server keep data a
+//! trim names), so they use the file size loopd knows — the one it saw at
+//! open, grown by its own writes and by `resize` — and may leave bytes another
+//! process wrote past it behind loopd's back (the image lock keeps such
+//! writers out unless the device is `--shared`). A write-zeroes must leave
+//! zeros: a piece reaching past the size loopd knows first asks the file
+//! (`statx` through the engine, which a network filesystem answers off the
+//! reactor; see `Task::start_sized`), is clipped where the file says it ends,
+//! and only such a piece stops the ones after it.
 
 /// Bytes of a range of `len` bytes at file offset `foff` that lie before
 /// `file_size` (0 when it starts at or past the end). Never more than `len`,

@@ -120,17 +120,14 @@ pub fn start(dev: &Device, task: &mut Task, pool: &mut Pool) -> Next {
     if matches!(task.op, Op::Trim | Op::WriteZeroes | Op::Cache) {
         // Under the range lock: a write that grew the file into this range
         // has published its growth (see `conclude`).
-        let mut size = dev.file_size.load(Ordering::Relaxed);
-        if task.op == Op::WriteZeroes && dev.local_fs && task.passes(size) {
-            // Zeroing past the end loopd knows of: first make sure no other
-            // writer (`--shared`) grew the file. A local filesystem answers
-            // fstat from memory.
-            if let Ok(m) = dev.plain.metadata() {
-                dev.grew_to(m.len());
-                size = size.max(m.len());
-            }
-        }
+        let size = dev.file_size.load(Ordering::Relaxed);
         task.clip_to_file(size);
+        if task.op == Op::WriteZeroes && task.passes(size) {
+            // Zeroing past the end loopd knows of: another writer
+            // (`--shared`) may have grown the file. Ask the file first, through
+            // the engine (a network filesystem may take its time to answer).
+            return task.start_sized(pool);
+        }
         return task.start();
     }
     if task.op.has_data() {
@@ -191,6 +188,9 @@ pub fn start(dev: &Device, task: &mut Task, pool: &mut Pool) -> Next {
 /// error and log the first backing-file error of each kind (later ones are only
 /// counted, so a failing disk cannot flood the log).
 pub fn conclude(dev: &Device, task: Option<&Task>, r: &Result<u32, Errno>) {
+    if let Some(size) = task.and_then(Task::size_seen) {
+        dev.grew_to(size);
+    }
     match (r, task.and_then(Task::grows_to)) {
         (Ok(_), Some(end)) => dev.grew_to(end),
         (Err(e), _) => log_backing_error(dev, *e, task),

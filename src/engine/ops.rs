@@ -31,6 +31,10 @@ pub fn sqe(op: FileOp) -> squeue::Entry {
             .offset(off)
             .mode(mode)
             .build(),
+        Kind::Statx { fd, buf } => opcode::Statx::new(types::Fd(fd), c"".as_ptr(), buf.cast())
+            .flags(libc::AT_EMPTY_PATH | libc::AT_STATX_FORCE_SYNC)
+            .mask(libc::STATX_SIZE)
+            .build(),
         Kind::WillNeed { fd, off, len } => {
             opcode::Fadvise::new(types::Fd(fd), len_i64(len), libc::POSIX_FADV_WILLNEED)
                 .offset(off)

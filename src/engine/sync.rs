@@ -69,6 +69,27 @@ pub(crate) unsafe fn run_op(op: FileOp) -> i32 {
             let mode = rustix::fs::FallocateFlags::from_bits_retain(mode as u32);
             rustix::fs::fallocate(fd, mode, off, len).map_or_else(errno_of, |()| 0)
         }
+        Kind::Statx { fd, buf } => {
+            // SAFETY: fd is the device's open file; `buf` points at a
+            // `libc::statx` in the task's edge buffer, alive and untouched
+            // until we return (the caller's contract).
+            let r = unsafe {
+                libc::statx(
+                    fd,
+                    c"".as_ptr(),
+                    libc::AT_EMPTY_PATH | libc::AT_STATX_FORCE_SYNC,
+                    libc::STATX_SIZE,
+                    buf,
+                )
+            };
+            if r == 0 {
+                0
+            } else {
+                -std::io::Error::last_os_error()
+                    .raw_os_error()
+                    .unwrap_or(libc::EIO)
+            }
+        }
         Kind::WillNeed { fd, off, len } => {
             // SAFETY: fd is the device's open file, alive for the task's lifetime.
             let fd = unsafe { BorrowedFd::borrow_raw(fd) };

@@ -57,6 +57,12 @@ pub(crate) enum Kind {
         off: u64,
         len: u64,
     },
+    /// `statx(fd, "", AT_EMPTY_PATH | AT_STATX_FORCE_SYNC, STATX_SIZE)` into
+    /// `buf`, a `libc::statx` in the task's edge buffer.
+    Statx {
+        fd: RawFd,
+        buf: *mut libc::statx,
+    },
 }
 
 /// What an inline `RWF_NOWAIT` write achieved.
@@ -89,6 +95,9 @@ enum Phase {
     RmwTail,
     /// Writing the span from `buf`; `done` bytes so far.
     WriteSpan,
+    /// `statx` in flight: the file's size, before a write-zeroes past the
+    /// end loopd knows of is clipped.
+    Size,
     /// `fallocate` in flight.
     Allocate,
     /// Writing zeros (fallback when the filesystem cannot `fallocate`).
@@ -138,6 +147,8 @@ pub struct Task {
     /// Bytes a trim, write-zeroes or cache acts on: `len`, less what lies past
     /// the end of the file ([`Task::clip_to_file`]).
     effect: u32,
+    /// The file's size as the task asked it ([`Task::start_sized`]).
+    size_seen: Option<u64>,
     /// `buf` was lent by the caller ([`Task::plan_lent`]): it goes back with
     /// [`Task::take_lent`], never into the pool.
     lent: bool,
@@ -233,6 +244,7 @@ impl Task {
             align_len: to_len(align),
             grows_to: None,
             effect: len,
+            size_seen: None,
             lent: false,
         };
         match op {
@@ -289,6 +301,38 @@ impl Task {
     /// Whether a trim, write-zeroes or cache reaches past `file_size`.
     pub fn passes(&self, file_size: u64) -> bool {
         self.lock_start.saturating_add(u64::from(self.len)) > file_size
+    }
+
+    /// Whether a trim, write-zeroes or cache was clipped: part of its range
+    /// lies past the end of the file (as last seen).
+    pub fn clipped(&self) -> bool {
+        matches!(self.op, Op::Trim | Op::WriteZeroes | Op::Cache) && self.effect < self.len
+    }
+
+    /// The file's size the task found by asking the file, if it did.
+    pub fn size_seen(&self) -> Option<u64> {
+        self.size_seen
+    }
+
+    /// First operation of a write-zeroes that reaches past the end of the
+    /// file as loopd knows it: first ask the file its size (another writer
+    /// of a `--shared` image may have grown it), through a `statx` the
+    /// engine runs like any operation (off the reactor, also on a network
+    /// filesystem); then clip and start. If the file cannot say, the clip
+    /// already made stands.
+    pub fn start_sized(&mut self, pool: &mut Pool) -> Next {
+        if self.op != Op::WriteZeroes {
+            return self.start();
+        }
+        let mut b = pool.get(std::mem::size_of::<libc::statx>());
+        b.as_mut_slice().fill(0);
+        let buf = b.as_mut_ptr().cast::<libc::statx>();
+        self.edge = Some(b);
+        self.phase = Phase::Size;
+        Next::Submit(FileOp(Kind::Statx {
+            fd: self.plain_fd,
+            buf,
+        }))
     }
 
     /// Whether this task touches the file under the range lock at all.
@@ -619,6 +663,24 @@ impl Task {
                 }
                 self.done += res as usize;
                 self.write_span()
+            }
+            Phase::Size => {
+                if let Some(b) = self.edge.take() {
+                    if res == 0 {
+                        // SAFETY: the buffer holds a `libc::statx` the kernel
+                        // filled (4096-aligned, larger than the struct); read
+                        // it unaligned anyway, it costs nothing here.
+                        let st =
+                            unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<libc::statx>()) };
+                        if st.stx_mask & libc::STATX_SIZE != 0 {
+                            self.size_seen = Some(st.stx_size);
+                            self.clip_to_file(st.stx_size);
+                        }
+                    }
+                    pool.put(b);
+                }
+                self.phase = Phase::Start;
+                self.start()
             }
             Phase::Allocate => {
                 if res >= 0 {

@@ -175,14 +175,17 @@ impl Reactor {
         }
     }
 
-    /// The timer while budget is short somewhere: cut off connections that
-    /// hold budget and made no progress for the deadline (see
-    /// [`crate::frontend::nbd::stall`]).
+    /// The timer while requests wait for budget somewhere: one more tick,
+    /// cut off connections that hold budget and are late with a reply (see
+    /// [`crate::frontend::nbd::stall`]), and retry the connections parked
+    /// here (a backstop: each is also woken by the release it waits for).
     fn look_for_stalls(&mut self) {
-        if !budget::global().anyone_starved() {
+        self.dirty.append(&mut self.io.parked);
+        if !budget::global().anyone_waiting() {
             self.io.watch_stalls = false;
             return;
         }
+        self.io.ticks = self.io.ticks.wrapping_add(1);
         for (ci, s) in self.sessions.iter_mut().enumerate() {
             if let Some(c) = s.as_mut().and_then(Session::as_conn) {
                 let ci = conn_id(ci);
@@ -239,6 +242,10 @@ impl Reactor {
                 // Budget is short somewhere: give back what sits idle here,
                 // and watch for connections holding it without progress.
                 self.io.pool.trim();
+                self.io.watch_stalls = true;
+            } else if b.anyone_waiting() {
+                // A device's share is short: only watch (the pools keep
+                // caching for the other devices).
                 self.io.watch_stalls = true;
             }
             self.take_offloaded();

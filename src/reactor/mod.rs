@@ -27,10 +27,12 @@
 //!   reactor waits for every in-flight operation before dropping anything.
 //! - The only lock taken is the device's range lock, and only to decide; a request
 //!   that must wait is parked and retried when a release wakes this reactor.
-//! - While any reactor waits for memory budget, a one-second timer looks at
-//!   every connection here and cuts off those that hold budget without progress
-//!   for `--reply-timeout` (see [`crate::frontend::nbd::stall`]); the same timer
-//!   paces the drain on stop.
+//! - While any request waits for memory budget (the daemon's, or a device's
+//!   share), a one-second timer ticks: it cuts off the connections here that
+//!   hold budget and have a reply (or a write's payload) older than
+//!   `--reply-timeout` in ticks (see [`crate::frontend::nbd::stall`]), and
+//!   retries the connections parked here, a backstop to the wake-ups; the
+//!   same timer paces the drain on stop.
 //! - Large buffered reads are spliced (see [`crate::engine::splice`]): their file → pipe
 //!   and pipe → socket operations run on the kernel's io_uring workers, which may
 //!   block there, never this thread.
@@ -51,8 +53,12 @@
 //!   backing store stalls its own clients only.
 //! - Memory: request buffers are reserved against the daemon's
 //!   [`crate::engine::budget`] before a request is read; a refused connection is parked
-//!   and the reactor is woken when any reactor releases budget. Its pool frees
-//!   its idle buffers when some reactor is refused.
+//!   and the reactor is woken when any reactor releases budget (or, refused by
+//!   its device's share, when that device's requests give some back). Its pool
+//!   frees its idle buffers when some reactor is refused the daemon's budget.
+//! - `user_data` tag `TAG_POLL`: a connection's poll for a hang-up while it
+//!   reads nothing (see [`crate::frontend::nbd::conn`]); cancelled before the
+//!   connection is dropped or moves, like its receive.
 //! - Heartbeat: the thread publishes when it started its current turn (zero while
 //!   it waits on the ring), so [`ReactorHandle::making_progress`] can tell a
 //!   stuck reactor from an idle one.

@@ -8,7 +8,7 @@
 use crate::engine::offload::StatusDone;
 use crate::frontend::nbd::conn::Conn;
 use crate::frontend::ublk::queue::Queue;
-use crate::ring::{Io, TAG_FILE, TAG_RECV, TAG_SEND};
+use crate::ring::{Io, TAG_FILE, TAG_POLL, TAG_RECV, TAG_SEND};
 
 pub enum Session {
     Nbd(Box<Conn>),
@@ -23,6 +23,7 @@ impl Session {
                 TAG_RECV => c.on_recv(io, si, res),
                 TAG_SEND => c.on_send(io, si, res),
                 TAG_FILE => c.on_file(io, si, slot, res),
+                TAG_POLL => c.on_poll(io, si, res),
                 // TAG_CANCEL: the cancelled operation completes on its own.
                 _ => {}
             },

@@ -36,6 +36,8 @@ pub const TAG_CANCEL: u64 = 5;
 pub const TAG_TIMER: u64 = 6;
 /// A ublk queue's FETCH / COMMIT_AND_FETCH command (`slot` is the tag).
 pub const TAG_UBLK: u64 = 7;
+/// A poll of a connection's socket for a hang-up while no receive is posted.
+pub const TAG_POLL: u64 = 8;
 
 const RING_ENTRIES: u32 = 1024;
 
@@ -96,7 +98,8 @@ pub struct Io {
     pub pipes: PipePool,
     /// Requests parked on a range: (session, slot).
     pub lock_waiters: Vec<(u32, u16)>,
-    /// Sessions that stopped taking requests (export frozen, budget short).
+    /// Sessions that stopped taking requests (export frozen, budget short);
+    /// retried at every wake-up, and every second while budget is watched.
     pub parked: Vec<u32>,
     pub waker: Arc<dyn Wake>,
     /// Completions reaped but not yet handled: (user_data, result).
@@ -109,9 +112,13 @@ pub struct Io {
     pub per_conn_bytes: usize,
     /// Bytes of request buffers the clients of one device may hold together.
     pub device_share: usize,
-    /// Some reactor waits for budget: look for connections that hold some and
-    /// make no progress (the reactor's stall timer runs while this is set).
+    /// Some request waits for budget: look for connections that hold some
+    /// and are late with a reply (the reactor's stall timer runs while this
+    /// is set).
     pub watch_stalls: bool,
+    /// Seconds the stall timer has ticked (only while `watch_stalls`): a
+    /// queued reply records it, and its age is counted in these ticks.
+    pub ticks: u32,
     /// Marked starved in the budget (until the next wake-up).
     pub starved: bool,
     /// This reactor's registration with the budget.
@@ -136,6 +143,7 @@ impl Io {
             per_conn_bytes: b.per_connection().min(per_conn_bytes),
             device_share: b.device_share(),
             watch_stalls: false,
+            ticks: 0,
             starved: false,
             budget_id,
         }
@@ -173,6 +181,15 @@ impl Io {
             self.starved = true;
             budget::global().starve(self.budget_id);
         }
+    }
+
+    /// A session's request was refused by its device's share: it waits for
+    /// that device's releases ([`crate::device::export::Export::wait_share`]),
+    /// not for the daemon's budget, so nothing is trimmed and no reactor is
+    /// starved; but late replies are watched for.
+    pub fn share_refused(&mut self) {
+        self.watch_stalls = true;
+        budget::global().share_refused(self.budget_id);
     }
 
     /// Move the ring's completions into [`Io::cqes`].

@@ -165,6 +165,62 @@ fn unrecorded_records_refuse_links_only() {
     ));
 }
 
+fn facts(uid: u32, mode: u32, nlink: u64) -> Facts {
+    Facts { uid, mode, nlink }
+}
+
+#[test]
+fn an_unrecorded_file_is_trusted_only_if_its_directorys_owner_put_it_there() {
+    let file = |uid, nlink| facts(uid, libc::S_IFREG | 0o600, nlink);
+    let dir = |uid, mode| facts(uid, libc::S_IFDIR | mode, 2);
+    // A user's image in the user's directory, a root image in root's.
+    assert_eq!(unrecorded_doubt(&file(1000, 1), &dir(1000, 0o755)), None);
+    assert_eq!(unrecorded_doubt(&file(0, 1), &dir(0, 0o755)), None);
+    // A user's image in a directory only root may write.
+    assert_eq!(unrecorded_doubt(&file(1000, 1), &dir(0, 0o700)), None);
+    // A hard link to someone else's file: two links.
+    let e = unrecorded_doubt(&file(0, 2), &dir(1000, 0o755)).unwrap();
+    assert!(e.contains("2 hard links"), "{e}");
+    // Root's file moved, or left behind with one link, in a user's directory.
+    let e = unrecorded_doubt(&file(0, 1), &dir(1000, 0o700)).unwrap();
+    assert!(e.contains("belongs to uid 0"), "{e}");
+    // A directory others may write (/tmp, a group's): anyone may have put it.
+    for mode in [0o1777, 0o775, 0o757] {
+        let e = unrecorded_doubt(&file(0, 1), &dir(0, mode)).unwrap();
+        assert!(e.contains("written by others"), "{mode:o}: {e}");
+    }
+    // A block device node: its link count is not the question.
+    let node = facts(0, libc::S_IFBLK | 0o660, 1);
+    assert_eq!(unrecorded_doubt(&node, &dir(0, 0o755)), None);
+}
+
+#[test]
+fn unrecorded_records_refuse_hard_links_and_files_of_others() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tmp();
+    let user_dir = d.path().join("user");
+    std::fs::create_dir(&user_dir).unwrap();
+    std::fs::set_permissions(&user_dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let secret = d.path().join("secret");
+    std::fs::write(&secret, b"x").unwrap();
+    let img = user_dir.join("a.img");
+    std::fs::hard_link(&secret, &img).unwrap();
+    let e = Pinned::unrecorded(&img).unwrap_err();
+    assert!(
+        matches!(e, IdentityError::UnrecordedDoubt { .. }) && e.to_string().contains("hard links"),
+        "{e}"
+    );
+    // The same file with one link, in a directory of the same owner: trusted.
+    std::fs::remove_file(&secret).unwrap();
+    assert!(Pinned::unrecorded(&img).is_ok());
+    // The directory given to another user (the tests run as root): the
+    // file, still root's, is no longer trusted.
+    rustix::fs::chown(&user_dir, Some(rustix::process::Uid::from_raw(4242)), None)
+        .expect("chown (the tests run as root)");
+    let e = Pinned::unrecorded(&img).unwrap_err();
+    assert!(e.to_string().contains("belongs to uid"), "{e}");
+}
+
 #[test]
 fn reopen_reaches_the_pinned_inode_whatever_the_path_names_now() {
     use std::io::Read;

@@ -18,14 +18,19 @@
 //! slots, which is not freed or reused until the CQE arrives.
 //!
 //! A client that hangs up without NBD_CMD_DISC gets no more work done
-//! ([`Conn::hang_up`]); one that holds memory budget others wait for without
-//! taking its replies is cut off ([`super::stall`]). Each slot records what it
-//! holds of its device's budget share (`Slot::held`) and gives it back when
-//! released.
+//! ([`Conn::hang_up`]): a posted receive sees the end of the stream, and while
+//! none is posted (reads paused: no free slot, the connection's byte
+//! allowance, a budget refusal, a frozen export) a poll of the socket for a
+//! hang-up is (`TAG_POLL`; posted once, kept until it fires or the connection
+//! stops reading, then cancelled, so it never outlives the connection). One
+//! that holds memory budget others wait for without taking its replies in
+//! time is cut off ([`super::stall`]). Each slot records what it holds of its
+//! device's budget share (`Slot::held`) and gives it back when released (a
+//! spliced read, when its buffer goes: its data is in pipes), and when its
+//! reply was queued (`Slot::since`, in the reactor's stall ticks).
 
 use super::affinity::{Follow, Peer};
 use super::lines;
-use super::stall::Stall;
 use super::tls::TlsIo;
 use crate::device::Device;
 use crate::device::export::{ClientRef, Export};
@@ -34,7 +39,7 @@ use crate::engine::buffer::AlignedBuf;
 use crate::engine::exec::Request;
 use crate::engine::splice::{MAX_PIPES, Pipe, PipePool, part_len};
 use crate::frontend::nbd::wire::{ExportView, MAX_REPLY_HEADER, Replies};
-use crate::ring::{Io, TAG_CANCEL, TAG_FILE, TAG_RECV, ud};
+use crate::ring::{Io, TAG_CANCEL, TAG_FILE, TAG_POLL, TAG_RECV, ud};
 use io_uring::opcode;
 use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
@@ -78,6 +83,9 @@ pub struct Slot {
     /// Bytes of its device's share of the memory budget this request holds
     /// ([`Export::hold`]), given back when the slot is released.
     pub held: usize,
+    /// The reactor's stall tick ([`Io::ticks`]) when its reply was queued,
+    /// or, while its write's payload arrives, when its header was read.
+    pub since: u32,
     /// The request as the engine tracks it (task, range, in-flight count).
     pub req: Request,
     pub hdr: [u8; MAX_REPLY_HEADER],
@@ -103,6 +111,7 @@ impl Slot {
             rest: 0,
             rest_fua: false,
             held: 0,
+            since: 0,
             req: Request::default(),
             hdr: [0; MAX_REPLY_HEADER],
             hdr_len: 0,
@@ -186,6 +195,13 @@ pub struct Conn {
     pub rend: usize,
     pub recv: RecvState,
     pub recv_inflight: bool,
+    /// A poll for a hang-up is posted (while reads are paused), and whether
+    /// a cancel of it has been submitted.
+    pub poll_inflight: bool,
+    pub poll_cancel_sent: bool,
+    /// The poll failed (not cancelled): none is posted again, rather than
+    /// one a turn.
+    pub poll_failed: bool,
     /// No more requests will be read (EOF, DISC, error or shutdown).
     pub read_closed: bool,
     /// The socket is broken: replies are dropped, not sent.
@@ -222,10 +238,6 @@ pub struct Conn {
     /// Set once nobody will read a reply (the connection is dead): the offload
     /// workers skip this connection's block-status queries not yet started.
     pub gone: Arc<AtomicBool>,
-    /// Sends and receives that moved bytes (progress, for [`super::stall`]).
-    pub sent: u64,
-    pub received: u64,
-    pub stall: Stall,
     /// The kernel's own NBD client (a socket pair of this process, for
     /// `--blockdev nbd`).
     pub kernel: bool,
@@ -361,6 +373,9 @@ impl Conn {
             rend: 0,
             recv: RecvState::Header,
             recv_inflight: false,
+            poll_inflight: false,
+            poll_cancel_sent: false,
+            poll_failed: false,
             read_closed: false,
             dead: false,
             slots: (0..SLOTS).map(|_| Slot::new()).collect(),
@@ -381,9 +396,6 @@ impl Conn {
             tls,
             audit,
             gone: Arc::new(AtomicBool::new(false)),
-            sent: 0,
-            received: 0,
-            stall: Stall::default(),
             kernel,
         }
     }
@@ -425,9 +437,10 @@ impl Conn {
         self.read_closed && !self.ops_in_flight() && self.idle()
     }
 
-    /// Whether a receive, send or file operation of this connection is in the ring.
+    /// Whether a receive, poll, send or file operation of this connection is
+    /// in the ring.
     pub fn ops_in_flight(&self) -> bool {
-        self.recv_inflight || self.send_inflight || self.file_ops > 0
+        self.recv_inflight || self.poll_inflight || self.send_inflight || self.file_ops > 0
     }
 }
 
@@ -449,6 +462,7 @@ impl Conn {
         }
         self.read_closed = true;
         self.cancel_recv(io, ci);
+        self.cancel_poll(io, ci);
     }
 
     /// Ask the kernel to cancel every file operation of this connection in
@@ -480,20 +494,37 @@ impl Conn {
         }
     }
 
+    /// Cancel the hang-up poll in flight, if any (once).
+    pub(super) fn cancel_poll(&mut self, io: &mut Io, ci: u32) {
+        if self.poll_inflight && !self.poll_cancel_sent {
+            self.poll_cancel_sent = true;
+            let e = opcode::AsyncCancel::new(ud(TAG_POLL, ci, 0))
+                .build()
+                .user_data(ud(TAG_CANCEL, ci, 0));
+            // SAFETY: a cancel refers to no memory, only to a user_data value.
+            unsafe { io.push(e) };
+        }
+    }
+
+    /// Give back what slot `si` holds of its device's budget share (and of
+    /// the connection's allowance): when it is released, or when a spliced
+    /// read's buffer goes back. Wakes a connection of this device refused its
+    /// share ([`Export::unhold`]).
+    pub(super) fn unhold(&mut self, si: u16) {
+        let held = std::mem::take(&mut self.slots[si as usize].held);
+        if held > 0 {
+            self.export.unhold(held);
+            self.bytes_held = self.bytes_held.saturating_sub(held);
+        }
+    }
+
     /// Free a slot: release its range (or its place in line) and its buffers.
     pub fn release_slot(&mut self, io: &mut Io, si: u16) {
-        let slot = &mut self.slots[si as usize];
-        if slot.state == SlotState::Free {
+        if self.slots[si as usize].state == SlotState::Free {
             return;
         }
-        if slot.held > 0 {
-            // Before its buffers go back: a release they cause may wake a
-            // connection of this device refused its share.
-            self.export.unhold(slot.held);
-            self.bytes_held = self
-                .bytes_held
-                .saturating_sub(std::mem::take(&mut slot.held));
-        }
+        self.unhold(si);
+        let slot = &mut self.slots[si as usize];
         slot.req.release(&self.dev, &self.export, &mut io.pool);
         if let Some(e) = slot.extra.take() {
             io.pool.put(e);
@@ -516,8 +547,48 @@ impl Conn {
     /// client may half-close and still read its replies, as libnbd does: no
     /// receive is posted then, and its requests are answered.)
     pub(super) fn hang_up(&mut self, io: &mut Io, ci: u32) {
+        if self.dead {
+            return;
+        }
         self.cancel_file_ops(io, ci);
         self.kill(io, ci);
+    }
+
+    /// The hang-up poll completed with `res` (the events seen, or an error):
+    /// the client closed or broke its socket while no receive was posted.
+    /// After NBD_CMD_DISC (or once the server stopped reading) only a full
+    /// hang-up counts: a client may half-close and still read its replies.
+    pub fn on_poll(&mut self, io: &mut Io, ci: u32, res: i32) {
+        self.poll_inflight = false;
+        self.poll_cancel_sent = false;
+        if res < 0 && res != -libc::ECANCELED {
+            tracing::debug!(
+                "hang-up poll failed on a connection to {:?}: errno {}",
+                self.dev.name,
+                -res
+            );
+            self.poll_failed = true;
+        }
+        if res <= 0 || self.dead {
+            return; // our cancel, or nothing seen
+        }
+        let ev = res.unsigned_abs();
+        let broken = ev & (libc::POLLHUP | libc::POLLERR) as u32 != 0;
+        let rdhup = ev & libc::POLLRDHUP as u32 != 0;
+        if !(broken || rdhup && !self.read_closed) {
+            return;
+        }
+        if !self.read_closed {
+            self.audit.reason = "connection closed by the client";
+        }
+        self.read_closed = true;
+        if let RecvState::Payload { slot, .. } = self.recv
+            && !self.recv_inflight
+        {
+            self.recv = RecvState::Header;
+            self.release_slot(io, slot);
+        }
+        self.hang_up(io, ci);
     }
 
     /// The socket is unusable: drop queued replies and parked requests; requests
@@ -548,6 +619,11 @@ impl Conn {
         self.send(io, ci);
         if self.dead {
             self.drop_unsent(io);
+        }
+        if self.read_closed || self.dead || self.moving.is_some() {
+            // No hang-up to watch for here any more (DISC read, stopping,
+            // leaving for another reactor): the poll must not outlive it.
+            self.cancel_poll(io, ci);
         }
         self.finished()
     }

@@ -3,18 +3,21 @@
 //! taken only when a slot, the connection's byte allowance, its device's share
 //! of the memory budget and the budget itself allow, and while its export is
 //! not frozen. A client that hangs up (EOF or a broken socket before
-//! NBD_CMD_DISC) stops its requests ([`Conn::hang_up`]).
+//! NBD_CMD_DISC) stops its requests ([`Conn::hang_up`]), seen by the posted
+//! receive, or, while reading is paused, by a poll of the socket
+//! ([`Conn::on_poll`]).
 
 use super::conn::{Conn, RBUF, RecvState, SlotState};
 use super::tls::Received;
 use crate::block::Op;
-use crate::engine::buffer;
 use crate::engine::task::{self, Task};
+use crate::engine::{budget, buffer};
 use crate::frontend::nbd::proto::*;
 use crate::frontend::nbd::wire::{self, Command};
-use crate::ring::{Io, TAG_RECV, ud};
+use crate::ring::{Io, TAG_POLL, TAG_RECV, ud};
 use io_uring::{opcode, types};
 use std::os::fd::AsRawFd;
+use std::sync::Arc;
 
 /// Effect bytes of one piece of a request longer than a task can be (a power
 /// of two, so pieces of an aligned request stay aligned).
@@ -124,8 +127,29 @@ impl Conn {
         }
     }
 
-    /// Parse what is buffered and keep a receive posted, as far as budget allows.
+    /// Parse what is buffered and keep a receive posted, as far as budget
+    /// allows; while none is posted, watch the socket for a hang-up.
     pub fn pump(&mut self, io: &mut Io, ci: u32) {
+        self.take_requests(io, ci);
+        if !(self.recv_inflight
+            || self.poll_inflight
+            || self.poll_failed
+            || self.read_closed
+            || self.dead
+            || self.moving.is_some())
+        {
+            self.poll_inflight = true;
+            let ev = libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR;
+            let e = opcode::PollAdd::new(types::Fd(self.sock.as_raw_fd()), ev as u32)
+                .build()
+                .user_data(ud(TAG_POLL, ci, 0));
+            // SAFETY: a poll refers to no memory; the socket stays open until
+            // the connection is dropped, which waits for the poll's completion.
+            unsafe { io.push(e) };
+        }
+    }
+
+    fn take_requests(&mut self, io: &mut Io, ci: u32) {
         if self.export.forced() && !self.dead {
             // A forced detach: cut the connection off now. Shutting the socket
             // down fails a send stuck on a client that does not read; file I/O in
@@ -296,6 +320,9 @@ impl Conn {
                 if have < len {
                     let ptr = task.payload_mut()[have..].as_mut_ptr();
                     let slot = &mut self.slots[si as usize];
+                    // Its payload must arrive within the progress deadline
+                    // of its header while others wait for budget.
+                    slot.since = io.ticks;
                     slot.req.task = Some(task);
                     slot.state = SlotState::Receiving;
                     self.recv = RecvState::Payload {
@@ -315,34 +342,53 @@ impl Conn {
 
     /// Reserve the data buffer of a request (`need` bytes, `cap` as the pool
     /// hands it out): `cap` of its device's share, then the buffer from the
-    /// daemon's budget, from its reserve only if the device held nothing (see
-    /// [`crate::engine::budget`]). False: refused, nothing held, and the
-    /// reactor marked starved (a release anywhere wakes it).
+    /// daemon's budget — within the share, or, for a device that held
+    /// nothing, from the reserve in its turn (see [`crate::engine::budget`]).
+    /// False: refused, nothing held; the connection waits for its device's
+    /// releases (share refused) or, marked starved, for a release anywhere.
     fn take_budget(&mut self, io: &mut Io, need: usize, cap: usize) -> bool {
         let share = io.device_share;
         let first = match self.export.hold(cap, share) {
             Some(first) => first,
             None => {
-                io.starve();
+                // Register, then try again: an `unhold` in between wakes us.
+                self.export.wait_share(&io.waker);
+                io.share_refused();
                 match self.export.hold(cap, share) {
                     Some(first) => first,
                     None => return false,
                 }
             }
         };
-        let upto = if first && !self.export.shunned() {
-            usize::MAX
-        } else {
-            share
-        };
-        if !io.pool.reserve(need, upto) {
-            io.starve();
-            if !io.pool.reserve(need, upto) {
-                self.export.unhold(cap);
-                return false;
+        let b = budget::global();
+        // The device's key in the reserve's line.
+        let key = Arc::as_ptr(&self.export) as usize;
+        let reserve = first && !self.export.shunned();
+        if io.pool.reserve(need, share)
+            || reserve && b.line_empty() && io.pool.reserve(need, usize::MAX)
+        {
+            if first {
+                b.turn_taken(key); // one load unless someone is in line
             }
+            return true;
         }
-        true
+        // Marked starved before the last tries: a release after this wakes us.
+        io.starve();
+        if io.pool.reserve(need, share) {
+            if first {
+                b.turn_taken(key);
+            }
+            return true;
+        }
+        if reserve && b.reserve_turn(key) && io.pool.reserve(need, usize::MAX) {
+            b.turn_taken(key);
+            return true;
+        }
+        if first && !reserve {
+            b.turn_taken(key); // shunned: out of line too, not to hold up others
+        }
+        self.export.unhold(cap);
+        false
     }
 
     pub fn on_recv(&mut self, io: &mut Io, ci: u32, res: i32) {
@@ -355,9 +401,6 @@ impl Conn {
         } else {
             res
         };
-        if res > 0 {
-            self.received += 1;
-        }
         if self.moving.is_some() && !self.read_closed {
             // Our cancel, or a receive that beat it: either way none is pending.
             self.cancel_sent = false;

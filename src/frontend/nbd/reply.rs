@@ -132,9 +132,6 @@ impl Conn {
 
     pub fn on_send(&mut self, io: &mut Io, ci: u32, res: i32) {
         self.send_inflight = false;
-        if res > 0 {
-            self.sent += 1;
-        }
         let res = match self.tls.as_mut() {
             Some(tls) if res > 0 => match tls.sent(res as usize) {
                 None => {

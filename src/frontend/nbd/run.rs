@@ -115,7 +115,10 @@ impl Conn {
     /// (see [`super::conn::Slot::rest`]): the piece before gives up its range,
     /// the next one takes its own. Past the end of the backing file there is
     /// nothing left to do ([`crate::engine::clip`]): the pieces stop there,
-    /// and a FUA request gets the sync its last piece would have made.
+    /// and a FUA request gets the sync its last piece would have made. A
+    /// write-zeroes stops only after a piece that reached the end as the file
+    /// itself told it (`Task::start_sized`), never on the size loopd last
+    /// saw, which another writer of a `--shared` image may have passed.
     fn next_piece(&mut self, io: &mut Io, ci: u32, si: u16) -> Option<Next> {
         let slot = &mut self.slots[si as usize];
         if let Some(t) = slot.req.ticket.take() {
@@ -124,8 +127,13 @@ impl Conn {
         let mut done = slot.req.task.take()?;
         done.recycle(&mut io.pool);
         let off = done.offset + u64::from(done.len);
-        let size = self.dev.file_size.load(Ordering::Relaxed);
-        let task = if clip::more_in_file(self.dev.offset, off, size) {
+        let more = if done.op == Op::WriteZeroes {
+            !done.clipped()
+        } else {
+            let size = self.dev.file_size.load(Ordering::Relaxed);
+            clip::more_in_file(self.dev.offset, off, size)
+        };
+        let task = if more {
             let len = u32::try_from(slot.rest).map_or(PIECE, |r| r.min(PIECE));
             slot.rest -= u64::from(len);
             let mut flags = done.flags;
@@ -204,7 +212,11 @@ impl Conn {
             self.release_slot(io, si);
             return;
         }
-        self.slots[si as usize].state = SlotState::Queued;
+        let slot = &mut self.slots[si as usize];
+        slot.state = SlotState::Queued;
+        // Its client must take it within the progress deadline while others
+        // wait for budget (see `super::stall`).
+        slot.since = io.ticks;
         self.sendq.push_back(si);
     }
 }

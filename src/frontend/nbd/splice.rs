@@ -59,10 +59,13 @@ impl Conn {
         // The reply's shape, for `pipe_at`; a fallback to copying sets it anew.
         slot.hdr_len = n;
         slot.data_len = task.len as usize;
-        // The data never passes through memory of ours: lend the buffer out.
+        // The data never passes through memory of ours: lend the buffer out,
+        // and with it the request's hold on its device's share (what waits
+        // for that share is woken).
         if let Some(t) = slot.req.task.as_mut() {
             t.recycle(&mut io.pool);
         }
+        self.unhold(si);
         self.splice_in(io, ci, si);
         true
     }
@@ -112,6 +115,15 @@ impl Conn {
             return;
         };
         task.rebuffer(&mut io.pool);
+        // The buffer is back: so is its hold on the device's share (counted
+        // whatever the share, like the buffer itself: the request is taken).
+        let cap = task.buf.as_ref().map_or(0, |b| b.capacity());
+        slot.held = cap;
+        self.export.hold_taken(cap);
+        self.bytes_held += cap;
+        let Some(task) = self.slots[si as usize].req.task.as_mut() else {
+            return;
+        };
         self.dev.stats.path(Path::Buffered);
         let next = task.start();
         self.advance(io, ci, si, next);
