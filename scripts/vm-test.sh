@@ -15,7 +15,9 @@
 # (seconds for the whole VM run, default 2400), LOOPD_VM_SUITE_TIMEOUT (seconds
 # for one suite, default 1200; exit 124 when exceeded), LOOPD_VM_BOOT_TIMEOUT
 # (seconds until the guest must have started, default 300), LOOPD_VM_CPUS (2), LOOPD_VM_MEMORY (3G), LOOPD_VM_TEST_ARGS (extra arguments for every test
-# binary, e.g. a name filter: LOOPD_VM_TEST_ARGS=create_on_9p).
+# binary, e.g. a name filter: LOOPD_VM_TEST_ARGS=create_on_9p), LOOPD_VM_FEATURES
+# (cargo features besides vm-tests, e.g. test-backend), LOOPD_VM_ENV (one
+# NAME=VALUE exported in the guest, e.g. LOOPD_TEST_BACKEND=mem).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -72,7 +74,8 @@ test_targets=()
 for s in "${suites[@]}"; do
     test_targets+=(--test "$s")
 done
-cargo test --release --features vm-tests --no-run --message-format=json-render-diagnostics "${test_targets[@]}" >"$OUT/build.json"
+FEATURES=vm-tests${LOOPD_VM_FEATURES:+,$LOOPD_VM_FEATURES}
+cargo test --release --features "$FEATURES" --no-run --message-format=json-render-diagnostics "${test_targets[@]}" >"$OUT/build.json"
 
 # Map each suite to the test binary cargo just built (from cargo's JSON messages).
 declare -A bin_of=()
@@ -106,6 +109,7 @@ GUEST=$RUN/guest.sh
     echo "ROOT='$ROOT'"
     echo "SUITES='${suites[*]}'"
     echo "TEST_ARGS='${LOOPD_VM_TEST_ARGS:-}'"
+    echo "GUEST_ENV='${LOOPD_VM_ENV:-}'"
     echo "SUITE_TIMEOUT='$SUITE_TIMEOUT'"
     for s in "${suites[@]}"; do
         echo "BIN_$s='${bin_of[$s]}'"
@@ -129,6 +133,8 @@ fi
 export TMPDIR="$RUN/scratch"
 export LOOPD_VM_9P_DIR="$RUN/9p"
 export RUST_BACKTRACE=1
+# shellcheck disable=SC2163 # the variable holds NAME=VALUE
+[ -z "$GUEST_ENV" ] || export "$GUEST_ENV"
 cd "$ROOT"
 for s in $SUITES; do
     eval "bin=\$BIN_$s"

@@ -6,11 +6,18 @@
 //! `sync::drive` on another copy, and (c) on a `Vec<u8>`. Every read must return the
 //! same bytes from all three, and at the end the files must match the model.
 //!
+//! With the feature `test-backend`, the same sequences also run over the memory
+//! backend (`mem:SIZE`): (a) posted to its worker thread, each result taken
+//! from the eventfd-signalled completion list a reactor drains, (b) through
+//! `sync::drive`, (c) the model.
+//!
 //! The temporary files live under `$TMPDIR` (or /tmp), which must be a filesystem
 //! that supports `O_DIRECT` and hole punching (ext4, xfs, btrfs; not tmpfs) for the
 //! direct-I/O cases.
 
 use io_uring::IoUring;
+#[cfg(feature = "test-backend")]
+use loopd::backing::Completions;
 use loopd::device::{CacheMode, Device, DeviceParams};
 use loopd::engine::buffer::Pool;
 use loopd::engine::task::{Next, Task};
@@ -162,6 +169,57 @@ fn fill(buf: &mut [u8], seed: u64) {
 enum Engine {
     Uring(Box<IoUring>),
     Sync,
+    /// Posted to a threaded backend; results from this completion list.
+    #[cfg(feature = "test-backend")]
+    Posted(std::sync::Arc<Completions>),
+}
+
+/// Run a task over a threaded backend the way a reactor does: post each
+/// operation, wait on the eventfd, drain the results.
+#[cfg(feature = "test-backend")]
+fn run_posted(
+    done: &std::sync::Arc<Completions>,
+    dev: &Device,
+    task: &mut Task,
+    pool: &mut Pool,
+) -> Result<u32, NbdErrno> {
+    let mut next = task.start();
+    loop {
+        match next {
+            Next::Done(r) => return r,
+            Next::Submit(fop) => {
+                assert!(ops::sqe(dev.backend(), fop).is_none(), "memory is posted");
+                // SAFETY: `task` stays borrowed here, untouched, until its
+                // result has been drained below.
+                unsafe { ops::post(dev.backend(), fop, 0x10ad, done) };
+                let mut got = None;
+                for _ in 0..1000 {
+                    let mut b = [0u8; 8];
+                    let efd = done.event_fd();
+                    let mut pfd = [rustix::event::PollFd::new(
+                        &efd,
+                        rustix::event::PollFlags::IN,
+                    )];
+                    let timeout = rustix::event::Timespec {
+                        tv_sec: 5,
+                        tv_nsec: 0,
+                    };
+                    rustix::event::poll(&mut pfd, Some(&timeout)).expect("poll the eventfd");
+                    if !pfd[0].revents().is_empty() {
+                        rustix::io::read(efd, &mut b).expect("read the eventfd");
+                    }
+                    done.drain(|u, res| {
+                        assert_eq!(u, 0x10ad);
+                        assert!(got.replace(res).is_none(), "one result per operation");
+                    });
+                    if got.is_some() {
+                        break;
+                    }
+                }
+                next = task.complete(got.expect("the backend answered"), pool);
+            }
+        }
+    }
 }
 
 /// Run one planned-and-filled task to completion on `engine`.
@@ -173,21 +231,24 @@ fn run_task(
     op: &Op,
 ) -> Result<u32, NbdErrno> {
     let ring = match engine {
-        Engine::Sync => return sync::drive(task, pool),
+        Engine::Sync => return sync::drive(dev, task, pool),
+        #[cfg(feature = "test-backend")]
+        Engine::Posted(done) => return run_posted(done, dev, task, pool),
         Engine::Uring(ring) => ring,
     };
     // Like the reactor: a buffered read first takes what it can synchronously
     // (here: a prefix of a generated length), then goes to the ring for the rest.
-    if op.cmd == Command::Read && !dev.direct {
-        let len = task.len as usize;
+    if op.cmd == Command::Read && !dev.direct() {
+        let len = task.len() as usize;
         let want = usize::try_from(op.inline % (len as u64 + 1)).unwrap();
-        let foff = dev.file_offset(task.offset);
-        let n = dev
-            .plain
+        let foff = dev.file_offset(task.offset());
+        let file = dev.backend().as_file().expect("a file device");
+        let n = file
+            .plain()
             .read_at(&mut task.payload_mut()[..want], foff)
             .unwrap();
         if n == len {
-            return Ok(task.len);
+            return Ok(task.len());
         }
         task.set_progress(n);
     }
@@ -196,7 +257,9 @@ fn run_task(
         match next {
             Next::Done(r) => return r,
             Next::Submit(fop) => {
-                let entry = ops::sqe(fop).user_data(0x10ad);
+                let entry = ops::sqe(dev.backend(), fop)
+                    .expect("a file runs on the ring")
+                    .user_data(0x10ad);
                 // SAFETY: the entry points into buffers owned by `task`, which is
                 // neither moved nor touched until the completion below is reaped.
                 unsafe {
@@ -274,12 +337,12 @@ fn open(cfg: &Config, path: &Path) -> Device {
     };
     let dev = Device::open(&p).unwrap_or_else(|e| panic!("open {cfg:?}: {e:#}"));
     assert_eq!(
-        dev.direct,
+        dev.direct(),
         cfg.cache == CacheMode::Direct,
         "{}",
-        dev.cache_note
+        dev.cache_note()
     );
-    assert_eq!(dev.size, cfg.export_size());
+    assert_eq!(dev.size(), cfg.export_size());
     dev
 }
 
@@ -333,7 +396,7 @@ fn run_case(cfg: &Config, file_seed: u64, ops: &[GenOp]) {
         engine: Engine::Sync,
         pool: Pool::default(),
     };
-    let size = a.dev.size;
+    let size = a.dev.size();
     let mut model = initial;
     model.resize(
         model.len().max(usize::try_from(cfg.offset + size).unwrap()),
@@ -373,15 +436,79 @@ fn run_case(cfg: &Config, file_seed: u64, ops: &[GenOp]) {
         "the two engines left files of different lengths"
     );
     for side in [&a, &b] {
-        let published = side
-            .dev
-            .file_size
-            .load(std::sync::atomic::Ordering::Relaxed);
+        let published = side.dev.file_size();
         assert!(
             published <= fa.len() as u64,
             "file_size {published} is past the end of the file ({})",
             fa.len()
         );
+    }
+}
+
+/// The memory backend: one device's operations posted to its worker (the
+/// reactor's path), another's run by `sync::drive`, both against the model;
+/// at the end each device, read whole through its engine, equals the model.
+#[cfg(feature = "test-backend")]
+fn run_mem_case(size: u64, block_size: u32, ops: &[GenOp]) {
+    let open = |name: &str| {
+        let p = DeviceParams {
+            path: format!("mem:{size}").into(),
+            name: name.into(),
+            block_size: Some(block_size),
+            ..DeviceParams::default()
+        };
+        let dev = Device::open(&p).unwrap_or_else(|e| panic!("open mem:{size}: {e:#}"));
+        assert!(!dev.direct(), "memory has no direct I/O");
+        assert_eq!(dev.size(), size);
+        dev
+    };
+    let done = std::sync::Arc::new(Completions::new().expect("an eventfd"));
+    let mut a = Side {
+        dev: open("a"),
+        engine: Engine::Posted(done),
+        pool: Pool::default(),
+    };
+    let mut b = Side {
+        dev: open("b"),
+        engine: Engine::Sync,
+        pool: Pool::default(),
+    };
+    let mut model = vec![0u8; usize::try_from(size).unwrap()];
+    for (i, g) in ops.iter().enumerate() {
+        let op = concretize(g, size, u64::from(block_size));
+        let ra = a.run(&op);
+        let rb = b.run(&op);
+        assert_eq!(ra, rb, "op {i} {op:?}: the engines disagree");
+        let Ok(ra) = ra else { continue };
+        apply_to_model(&mut model, 0, &op);
+        if op.cmd == Command::Read {
+            let start = usize::try_from(op.offset).unwrap();
+            assert!(
+                ra == model[start..start + op.len as usize],
+                "op {i} {op:?}: read differs from the model"
+            );
+        }
+    }
+    for side in [&mut a, &mut b] {
+        let mut at = 0;
+        while at < size {
+            let len = (size - at).min(MAX_LEN);
+            let read = Op {
+                cmd: Command::Read,
+                flags: 0,
+                offset: at,
+                len: u32::try_from(len).unwrap(),
+                seed: 0,
+                inline: 0,
+            };
+            let got = side.run(&read).expect("a read of the whole device");
+            let at_us = usize::try_from(at).unwrap();
+            assert!(
+                got == model[at_us..at_us + got.len()],
+                "bytes at {at} differ from the model at the end"
+            );
+            at += len;
+        }
     }
 }
 
@@ -476,5 +603,17 @@ proptest! {
             dir: Some("/dev/shm"),
         };
         run_case(&cfg, seed, &ops);
+    }
+
+    #[test]
+    #[cfg(feature = "test-backend")]
+    fn memory_backend_posted_and_sync_agree_with_model(ops in ops()) {
+        run_mem_case(192 << 10, 512, &ops);
+    }
+
+    #[test]
+    #[cfg(feature = "test-backend")]
+    fn memory_backend_4096_posted_and_sync_agree_with_model(ops in ops()) {
+        run_mem_case(256 << 10, 4096, &ops);
     }
 }

@@ -538,8 +538,8 @@ fn start(
 fn remove_created(d: &Daemon) {
     for e in d.all() {
         let (dev, _) = e.current();
-        if dev.created {
-            let _ = std::fs::remove_file(&dev.path);
+        if dev.created() {
+            let _ = std::fs::remove_file(dev.path());
         }
     }
 }
@@ -564,12 +564,12 @@ fn attach_at_start(d: &Daemon, a: &ServeArgs) -> Result<()> {
         let (dev, _) = e.current();
         tracing::info!(
             "serving {} as {:?}: {} bytes, block size {}, {}{}",
-            dev.path.display(),
-            dev.name,
-            dev.size,
-            dev.block_size,
-            dev.cache_note,
-            if dev.read_only { ", read-only" } else { "" }
+            dev.path().display(),
+            dev.name(),
+            dev.size(),
+            dev.block_size(),
+            dev.cache_note(),
+            if dev.read_only() { ", read-only" } else { "" }
         );
     }
     if let Some(cfg) = &a.config {

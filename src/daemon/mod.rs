@@ -334,7 +334,7 @@ fn params_with(spec: &DeviceSpec, name: &str, tuning: Tuning) -> DeviceParams {
 /// (no path lookup; see [`crate::backing::identity`]).
 fn same_file(spec: &DeviceSpec, name: &str, cur: &Device) -> DeviceParams {
     DeviceParams {
-        opening: Opening::Same(Arc::clone(&cur.pinned)),
+        opening: cur.reopening(),
         ..params_of(spec, name)
     }
 }
@@ -342,7 +342,7 @@ fn same_file(spec: &DeviceSpec, name: &str, cur: &Device) -> DeviceParams {
 /// After `set`/`resize`: say so when the image path no longer names the file
 /// the device serves (it keeps serving that file; a restart would not).
 fn warn_if_renamed(name: &str, dev: &Device) {
-    if !dev.pinned.path_still_names_it() {
+    if !dev.path_still_names_it() {
         tracing::warn!(
             "device {name:?}: {} no longer names the file the device serves (moved, replaced or \
              now a link); the device keeps that file, and after a restart it stays missing until \
@@ -790,7 +790,7 @@ impl Daemon {
             msg: format!("cannot attach {}", quoted_path(&spec.image)),
             source,
         })?;
-        spec.file = Some(dev.pinned.identity().clone());
+        spec.file = dev.identity().cloned();
         let created = dev.created;
         // Record what was asked; `create` has done its job.
         spec.name = Some(name.clone());
@@ -903,7 +903,7 @@ impl Daemon {
         }
         let (dev, _) = e.current();
         if !dev.read_only {
-            let _ = rustix::fs::fdatasync(&dev.file);
+            let _ = dev.sync_data();
         }
         let left = e.clients();
         if left > 0 {

@@ -28,8 +28,10 @@ pub mod spec;
 pub mod stats;
 pub mod status;
 
-use crate::backing::align::{self, DioAlign};
+use crate::backing::Backend;
+use crate::backing::align;
 use crate::backing::create::{self, CreateError};
+use crate::backing::file::{FileBackend, FileParts};
 use crate::backing::format::{ImageFormat, RawError};
 use crate::backing::identity::{FileIdentity, IdentityError, Pinned};
 use crate::backing::lock::{ImageLock, LockError, Mode};
@@ -66,6 +68,9 @@ pub enum Opening {
     Recorded(Option<FileIdentity>),
     /// The file a live device already has (a reconfiguration): no path lookup.
     Same(Arc<Pinned>),
+    /// The memory a live memory device already has (a reconfiguration).
+    #[cfg(feature = "test-backend")]
+    Memory(crate::backing::mem::MemBackend),
 }
 
 /// Everything needed to open a device.
@@ -158,65 +163,77 @@ pub enum DeviceError {
 }
 
 /// A live device. See the module documentation.
+///
+/// Its fields are the crate's (the engine and the frontends read them on the
+/// data path); outside the crate a device is read through its accessors and
+/// made only by [`Device::open`]:
+///
+/// ```compile_fail,E0616
+/// fn widen(dev: &mut loopd::device::Device) {
+///     dev.dio_align = 1; // private field
+/// }
+/// ```
 pub struct Device {
-    pub name: String,
-    pub path: PathBuf,
+    pub(crate) name: String,
+    pub(crate) path: PathBuf,
     /// Start of the window in the backing file.
-    pub offset: u64,
+    pub(crate) offset: u64,
     /// Size of the export (the window).
-    pub size: u64,
-    pub block_size: u32,
+    pub(crate) size: u64,
+    pub(crate) block_size: u32,
     /// NBD clients are told the block size is the minimum they may use, so
     /// strict clients (libnbd) refuse smaller or unaligned requests themselves.
     /// Off (the default), the minimum advertised is 1 byte and the block size is
     /// only preferred: unaligned requests are served (bounced, read-modify-write
     /// in direct mode) either way.
-    pub strict_block_size: bool,
-    /// Whether the data fd is `O_DIRECT`.
-    pub direct: bool,
-    /// Alignment a request needs to go straight to the `O_DIRECT` fd (1 if buffered).
-    pub dio_align: u32,
-    pub align: DioAlign,
-    pub read_only: bool,
+    pub(crate) strict_block_size: bool,
+    /// Whether the backend bypasses any cache (`O_DIRECT`): requests must be
+    /// aligned to `dio_align`, else they are bounced.
+    pub(crate) direct: bool,
+    /// Alignment a request needs to go straight to the backend (1 if buffered).
+    pub(crate) dio_align: u32,
+    pub(crate) read_only: bool,
     /// Read-only because the image could not be opened for writing (a
     /// read-only mount, mode 0444), not because it was asked.
-    pub write_protected: bool,
-    /// The data fd: `O_DIRECT` when `direct`.
-    pub file: File,
-    /// A buffered fd on the same file, for slow paths that need no alignment
-    /// (zero-fill fallback) and metadata queries. The same file as `file` when
-    /// buffered.
-    pub plain: File,
-    /// Length of the backing file as last seen; writes that pass it take an
-    /// exclusive range because they change the file's size.
-    pub file_size: AtomicU64,
-    pub lock: RangeLock,
+    pub(crate) write_protected: bool,
+    /// Length of the backing data as last seen; writes that pass it take an
+    /// exclusive range because they change its size.
+    pub(crate) file_size: AtomicU64,
+    pub(crate) lock: RangeLock,
     /// Counters; shared by every configuration a device goes through.
-    pub stats: Arc<Stats>,
+    pub(crate) stats: Arc<Stats>,
     /// Why the cache mode is what it is (for the start-up line).
-    pub cache_note: String,
+    pub(crate) cache_note: String,
     /// This open created the image (`create`), so undoing it removes the file.
-    pub created: bool,
-    /// Buffered reads try `preadv2(RWF_NOWAIT)` inline first (seed 004).
-    pub inline_reads: bool,
-    /// Small whole-page buffered writes are copied into the page cache inline.
-    pub inline_writes: bool,
+    pub(crate) created: bool,
+    /// Buffered reads try the backend's cache inline first (seed 004).
+    pub(crate) inline_reads: bool,
+    /// Small whole-page buffered writes are copied into the cache inline.
+    pub(crate) inline_writes: bool,
     /// The backing file lives on a local disk filesystem (or is a block device):
     /// an inline write the filesystem refuses to do with `RWF_NOWAIT` may still be
     /// copied inline, blocking — it waits for the journal or writeback of a local
     /// disk, never for a server (FUSE, NFS, ...), whose files' writes always go
     /// through the ring.
-    pub local_fs: bool,
+    pub(crate) local_fs: bool,
     /// The filesystem takes `RWF_NOWAIT` buffered writes (cleared at the first
     /// `EOPNOTSUPP`).
-    pub nowait_writes: AtomicBool,
+    pub(crate) nowait_writes: AtomicBool,
     /// Large buffered reads are spliced from the page cache to the socket.
-    pub splice_reads: bool,
-    /// This device's hold on the image lock; released when the device drops.
-    pub image_lock: ImageLock,
-    /// The image file every descriptor above was opened through (shared by
-    /// the configurations a live device goes through).
-    pub pinned: Arc<Pinned>,
+    pub(crate) splice_reads: bool,
+    /// Where the bytes are (see [`crate::backing`]).
+    pub(crate) backend: Backend,
+}
+
+/// What a device's open found out, besides its backend.
+struct Shape {
+    size: u64,
+    block_size: u32,
+    read_only: bool,
+    write_protected: bool,
+    file_size: u64,
+    cache_note: String,
+    local_fs: bool,
 }
 
 /// Whether `f` is on a filesystem whose I/O waits only for local disks (or is a
@@ -274,6 +291,51 @@ fn create_sparse(path: &Path, size: u64) -> Result<bool, DeviceError> {
     })
 }
 
+/// The export's size: `p`'s window over data of `file_size` bytes.
+fn window(p: &DeviceParams, file_size: u64, block_size: u32) -> Result<u64, DeviceError> {
+    if p.offset % u64::from(block_size) != 0 {
+        return Err(DeviceError::UnalignedOffset {
+            offset: p.offset,
+            block_size,
+        });
+    }
+    let size = match p.size_limit {
+        Some(limit) => {
+            if limit == 0 || limit % u64::from(block_size) != 0 {
+                return Err(DeviceError::BadSizeLimit(limit, block_size));
+            }
+            limit
+        }
+        None => {
+            if p.offset > file_size {
+                return Err(DeviceError::OffsetPastEnd {
+                    path: p.path.clone(),
+                    offset: p.offset,
+                    size: file_size,
+                });
+            }
+            // Round a ragged tail up to a whole block: the bytes past the end of
+            // the file read as zeros (and a write there extends the file).
+            (file_size - p.offset).div_ceil(u64::from(block_size)) * u64::from(block_size)
+        }
+    };
+    if size == 0 {
+        return Err(DeviceError::Empty);
+    }
+    // Files cannot reach past i64::MAX (off_t): refuse windows that would, so
+    // no offset arithmetic on the data path can overflow.
+    if p.offset
+        .checked_add(size)
+        .is_none_or(|end| end > i64::MAX as u64 - (1 << 20))
+    {
+        return Err(DeviceError::TooLarge {
+            offset: p.offset,
+            size,
+        });
+    }
+    Ok(size)
+}
+
 fn dup(f: &File, path: &Path) -> Result<File, DeviceError> {
     f.try_clone().map_err(|source| DeviceError::Open {
         path: path.to_path_buf(),
@@ -294,6 +356,12 @@ impl Device {
             if !valid_block_size(bs) {
                 return Err(DeviceError::BadBlockSize(bs));
             }
+        }
+        // The backend selection: the local file, unless a test build asks
+        // for memory (see `crate::backing::mem`).
+        #[cfg(feature = "test-backend")]
+        if let Some(mem) = Self::memory_of(p) {
+            return Self::open_memory(p, stats, mem);
         }
         let created = match (p.create, &p.opening) {
             (Some(size), Opening::First) if !p.path.exists() => create_sparse(&p.path, size)?,
@@ -323,6 +391,16 @@ impl Device {
             Opening::Recorded(Some(id)) => Arc::new(Pinned::again(&p.path, id)?),
             Opening::Recorded(None) => Arc::new(Pinned::unrecorded(&p.path)?),
             Opening::Same(x) => Arc::clone(x),
+            #[cfg(feature = "test-backend")]
+            Opening::Memory(_) => {
+                return Err(DeviceError::Open {
+                    path: p.path.clone(),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        "a memory device's reconfiguration names no memory",
+                    ),
+                });
+            }
         };
         let (plain, read_only) = open_plain(p, &pinned)?;
         let write_protected = read_only && !p.read_only;
@@ -410,78 +488,193 @@ impl Device {
             },
         };
 
-        if p.offset % u64::from(block_size) != 0 {
-            return Err(DeviceError::UnalignedOffset {
-                offset: p.offset,
-                block_size,
-            });
-        }
-        let size = match p.size_limit {
-            Some(limit) => {
-                if limit == 0 || limit % u64::from(block_size) != 0 {
-                    return Err(DeviceError::BadSizeLimit(limit, block_size));
-                }
-                limit
-            }
-            None => {
-                if p.offset > file_size {
-                    return Err(DeviceError::OffsetPastEnd {
-                        path: p.path.clone(),
-                        offset: p.offset,
-                        size: file_size,
-                    });
-                }
-                // Round a ragged tail up to a whole block: the bytes past the end of
-                // the file read as zeros (and a write there extends the file).
-                (file_size - p.offset).div_ceil(u64::from(block_size)) * u64::from(block_size)
-            }
-        };
-        if size == 0 {
-            return Err(DeviceError::Empty);
-        }
-        // Files cannot reach past i64::MAX (off_t): refuse windows that would, so
-        // no offset arithmetic on the data path can overflow.
-        if p.offset
-            .checked_add(size)
-            .is_none_or(|end| end > i64::MAX as u64 - (1 << 20))
-        {
-            return Err(DeviceError::TooLarge {
-                offset: p.offset,
+        let size = window(p, file_size, block_size)?;
+        let backend = Backend::File(FileBackend::new(FileParts {
+            file,
+            plain,
+            direct,
+            align,
+            local: local_fs,
+            image_lock,
+            pinned,
+        }));
+        Ok(Device::assemble(
+            p,
+            stats,
+            Shape {
                 size,
-            });
-        }
-        let dio_align = if direct { align.offset.max(1) } else { 1 };
-        Ok(Device {
+                block_size,
+                read_only,
+                write_protected,
+                file_size,
+                cache_note,
+                local_fs,
+            },
+            backend,
+        ))
+    }
+
+    /// A device of `p` over `backend`, whose open found `shape`.
+    fn assemble(p: &DeviceParams, stats: Arc<Stats>, shape: Shape, backend: Backend) -> Device {
+        let caps = backend.caps();
+        Device {
             name: p.name.clone(),
             path: p.path.clone(),
             offset: p.offset,
-            size,
-            block_size,
+            size: shape.size,
+            block_size: shape.block_size,
             strict_block_size: p.strict_block_size,
-            direct,
-            dio_align,
-            align,
-            read_only,
-            write_protected,
-            file,
-            plain,
-            file_size: AtomicU64::new(file_size),
+            direct: caps.direct,
+            dio_align: backend.dio_align(),
+            read_only: shape.read_only,
+            write_protected: shape.write_protected,
+            file_size: AtomicU64::new(shape.file_size),
             lock: if p.whole_device_lock {
                 RangeLock::whole_device()
             } else {
                 RangeLock::default()
             },
             stats,
-            cache_note,
+            cache_note: shape.cache_note,
             created: false,
-            inline_reads: !p.no_inline_reads,
-            inline_writes: !p.no_inline_writes,
-            local_fs,
+            inline_reads: !p.no_inline_reads && caps.inline_cached,
+            inline_writes: !p.no_inline_writes && caps.inline_cached,
+            local_fs: shape.local_fs,
             nowait_writes: AtomicBool::new(true),
-            splice_reads: !p.no_splice,
-            image_lock,
-            pinned,
-        })
+            splice_reads: !p.no_splice && caps.splice,
+            backend,
+        }
+    }
+
+    /// The memory a device of `p` is served from, if a test build asks for
+    /// it (a reconfiguration keeps the memory it has).
+    #[cfg(feature = "test-backend")]
+    fn memory_of(p: &DeviceParams) -> Option<Result<crate::backing::mem::MemBackend, String>> {
+        match &p.opening {
+            Opening::Memory(m) => Some(Ok(m.clone())),
+            _ => crate::backing::mem::select(&p.path, p.create),
+        }
+    }
+
+    /// A memory device (feature `test-backend`): see [`crate::backing::mem`].
+    #[cfg(feature = "test-backend")]
+    fn open_memory(
+        p: &DeviceParams,
+        stats: Arc<Stats>,
+        mem: Result<crate::backing::mem::MemBackend, String>,
+    ) -> Result<Device, DeviceError> {
+        let mem = mem.map_err(|why| DeviceError::Open {
+            path: p.path.clone(),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, why),
+        })?;
+        let block_size = p.block_size.unwrap_or(512);
+        let size = window(p, mem.len(), block_size)?;
+        let shape = Shape {
+            size,
+            block_size,
+            read_only: p.read_only,
+            write_protected: false,
+            file_size: mem.len(),
+            cache_note: "memory (test backend)".to_string(),
+            local_fs: true,
+        };
+        Ok(Device::assemble(p, stats, shape, Backend::Mem(mem)))
+    }
+
+    /// How a reconfiguration finds this device's storage again: the same
+    /// file (never by path), or the same memory.
+    pub fn reopening(&self) -> Opening {
+        match &self.backend {
+            Backend::File(f) => Opening::Same(Arc::clone(f.pinned())),
+            #[cfg(feature = "test-backend")]
+            Backend::Mem(m) => Opening::Memory(m.clone()),
+        }
+    }
+
+    /// Whether the image path still names the file the device serves (a
+    /// memory device has no path: yes).
+    pub fn path_still_names_it(&self) -> bool {
+        self.backend
+            .as_file()
+            .is_none_or(|f| f.pinned().path_still_names_it())
+    }
+
+    /// The identity of the image file, for the state file (none in memory).
+    pub fn identity(&self) -> Option<&FileIdentity> {
+        self.backend.as_file().map(|f| f.pinned().identity())
+    }
+
+    /// Make every acknowledged write durable (on a control thread).
+    pub fn sync_data(&self) -> std::io::Result<()> {
+        self.backend.sync_data()
+    }
+
+    /// Where the device's bytes are.
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Start of the window in the backing data.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// Size of the export (the window).
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    pub fn strict_block_size(&self) -> bool {
+        self.strict_block_size
+    }
+
+    /// Whether requests go around the cache (`O_DIRECT`).
+    pub fn direct(&self) -> bool {
+        self.direct
+    }
+
+    /// Alignment a request needs to go straight to the backend (1 if buffered).
+    pub fn dio_align(&self) -> u32 {
+        self.dio_align
+    }
+
+    pub fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    pub fn write_protected(&self) -> bool {
+        self.write_protected
+    }
+
+    /// The backing data's length as last seen.
+    pub fn file_size(&self) -> u64 {
+        self.file_size.load(Ordering::Relaxed)
+    }
+
+    pub fn stats(&self) -> &Arc<Stats> {
+        &self.stats
+    }
+
+    /// Why the cache mode is what it is (for the start-up line).
+    pub fn cache_note(&self) -> &str {
+        &self.cache_note
+    }
+
+    /// This open created the image.
+    pub fn created(&self) -> bool {
+        self.created
     }
 
     /// Offset in the backing file of export offset `off` (checked by the caller

@@ -1,10 +1,10 @@
-//! Block status (`base:allocation`) of a device's window, from `SEEK_DATA` /
-//! `SEEK_HOLE` on the backing file. Synchronous: these are metadata lookups that
-//! do not wait for data I/O.
+//! Block status (`base:allocation`) of a device's window, from its backend's
+//! allocation map (`SEEK_DATA` / `SEEK_HOLE` on a file; a backend without one
+//! describes everything as data). Synchronous: these are metadata lookups that
+//! do not wait for data I/O (run off the reactors, see `engine::offload`).
 
 use super::Device;
 use crate::block::{Errno, Extent};
-use rustix::fs::{SeekFrom, seek};
 use std::sync::atomic::Ordering;
 
 /// Most descriptors in one reply; the client asks again for the rest.
@@ -30,9 +30,9 @@ pub fn describe(
         let (run_end, hole) = if foff >= file_size {
             (end, true)
         } else {
-            match seek(&dev.plain, SeekFrom::Data(foff)) {
+            match dev.backend.seek_data(foff) {
                 Ok(d) if d > foff => (export_pos(dev, d), true),
-                Ok(_) => match seek(&dev.plain, SeekFrom::Hole(foff)) {
+                Ok(_) => match dev.backend.seek_hole(foff) {
                     Ok(h) => (export_pos(dev, h), false),
                     Err(e) => return Err(Errno::from_os(e.raw_os_error())),
                 },
@@ -75,5 +75,5 @@ fn export_pos(dev: &Device, file_off: u64) -> u64 {
 }
 
 fn current_size(dev: &Device) -> u64 {
-    dev.plain.metadata().map(|m| m.len()).unwrap_or(0)
+    dev.backend.current_len()
 }

@@ -59,19 +59,14 @@ impl Request {
             return true;
         };
         if task.needs_lock() && self.ticket.is_none() {
-            let got = dev.lock.try_lock(
-                task.lock_start,
-                task.lock_end,
-                task.lock_mode,
-                &mut self.place,
-                waker,
-            );
+            let (start, end, mode) = task.lock_range();
+            let got = dev.lock.try_lock(start, end, mode, &mut self.place, waker);
             match got {
                 Some(t) => self.ticket = Some(t),
                 None => return false,
             }
         }
-        dev.stats.op(task.op, u64::from(task.len));
+        dev.stats.op(task.op(), u64::from(task.len()));
         if task.needs_lock() && !is_aligned(dev, task) {
             dev.stats.unaligned();
         }
@@ -108,7 +103,7 @@ impl Request {
 /// power of two, so one test of both).
 fn is_aligned(dev: &Device, task: &Task) -> bool {
     let bs = u64::from(dev.block_size.max(1));
-    (task.offset | u64::from(task.len)) % bs == 0
+    (task.offset() | u64::from(task.len())) % bs == 0
 }
 
 /// Run an admitted task's inline paths, else yield its first file operation.
@@ -117,12 +112,12 @@ fn is_aligned(dev: &Device, task: &Task) -> bool {
 /// small whole-page buffered writes are copied in inline. Either counts its
 /// [`Path`]; otherwise the task's own path is counted.
 pub fn start(dev: &Device, task: &mut Task, pool: &mut Pool) -> Next {
-    if matches!(task.op, Op::Trim | Op::WriteZeroes | Op::Cache) {
+    if matches!(task.op(), Op::Trim | Op::WriteZeroes | Op::Cache) {
         // Under the range lock: a write that grew the file into this range
         // has published its growth (see `conclude`).
         let size = dev.file_size.load(Ordering::Relaxed);
         task.clip_to_file(size);
-        if task.op == Op::WriteZeroes && task.passes(size) {
+        if task.op() == Op::WriteZeroes && task.passes(size) {
             // Zeroing past the end loopd knows of: another writer
             // (`--shared`) may have grown the file. Ask the file first, through
             // the engine (a network filesystem may take its time to answer).
@@ -130,27 +125,25 @@ pub fn start(dev: &Device, task: &mut Task, pool: &mut Pool) -> Next {
         }
         return task.start();
     }
-    if task.op.has_data() {
-        if task.op == Op::Read && task.path == Path::Buffered && dev.inline_reads && dev.local_fs {
+    if task.op().has_data() {
+        if task.op() == Op::Read
+            && task.path() == Path::Buffered
+            && dev.inline_reads
+            && dev.local_fs
+        {
             // Not on FUSE or network files: even a NOWAIT read can block there
             // (FUSE readahead waits for room in the server's queue).
-            let len32 = task.len;
+            let len32 = task.len();
             let len = len32 as usize;
-            let foff = dev.file_offset(task.offset);
+            let foff = dev.file_offset(task.offset());
             let buf = &mut task.payload_mut()[..len];
-            let flags = rustix::io::ReadWriteFlags::NOWAIT;
-            match rustix::io::preadv2(
-                &dev.plain,
-                &mut [std::io::IoSliceMut::new(buf)],
-                foff,
-                flags,
-            ) {
-                Ok(n) if n == len => {
+            match dev.backend.read_cached(buf, foff) {
+                Some(n) if n == len => {
                     dev.stats.path(Path::InlineCached);
                     return Next::Done(Ok(len32));
                 }
-                Ok(n) => task.set_progress(n),
-                Err(_) => {}
+                Some(n) => task.set_progress(n),
+                None => {}
             }
         }
         if dev.inline_writes && task.inline_write_ok() {
@@ -162,13 +155,13 @@ pub fn start(dev: &Device, task: &mut Task, pool: &mut Pool) -> Next {
             // server may never answer.
             let nowait = dev.nowait_writes.load(Ordering::Relaxed);
             let tried = if nowait {
-                task.write_nowait()
+                task.write_nowait(&dev.backend)
             } else {
                 Nowait::Unsupported
             };
             let done = match tried {
                 Nowait::Done => Some(Ok(0)),
-                Nowait::Unsupported if dev.local_fs => Some(sync::drive(task, pool)),
+                Nowait::Unsupported if dev.local_fs => Some(sync::drive(dev, task, pool)),
                 Nowait::Unsupported | Nowait::Again => None,
             };
             if nowait && tried == Nowait::Unsupported {
@@ -179,7 +172,7 @@ pub fn start(dev: &Device, task: &mut Task, pool: &mut Pool) -> Next {
                 return Next::Done(r);
             }
         }
-        dev.stats.path(task.path);
+        dev.stats.path(task.path());
     }
     task.start()
 }
@@ -202,7 +195,7 @@ fn log_backing_error(dev: &Device, e: Errno, task: Option<&Task>) {
     let bit = 1u64 << e.index();
     if dev.stats.logged_errors.fetch_or(bit, Ordering::Relaxed) & bit == 0 {
         let what = task.map_or(String::new(), |t| {
-            format!(" {:?} at offset {} length {}:", t.op, t.offset, t.len)
+            format!(" {:?} at offset {} length {}:", t.op(), t.offset(), t.len())
         });
         tracing::warn!(
             "device {:?} ({}):{what} backing file error {}; further {} errors are counted, not logged",

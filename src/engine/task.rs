@@ -1,69 +1,35 @@
-//! The file I/O of one NBD request, as a small state machine over owned operations.
+//! The I/O of one request against its device's backend, as a small state
+//! machine over owned operations.
 //!
 //! A [`Task`] is planned from a validated request ([`Task::plan`]): it decides the
 //! path (direct, bounced, buffered), the range to lock and in which mode, and owns
 //! the data buffer. Then the caller alternates [`Task::start`] / [`Task::complete`]
-//! with whatever engine runs the [`FileOp`]s it yields — the reactor's io_uring, or
-//! [`super::sync`] (the plain syscall engine used as a test oracle) — until it yields
-//! [`Next::Done`]. At most one operation of a task is in flight at a time.
+//! with whatever runs the [`FileOp`]s it yields — the reactor's ring
+//! (`Io::submit_file` in the ring module, which hands each to the device's
+//! [`crate::backing::Backend`]), or [`super::sync::drive`] (the synchronous
+//! engine used as a test oracle) — until it yields [`Next::Done`]. At most one
+//! operation of a task is in flight at a time.
 //!
-//! Ownership: the buffers stay inside the task; a yielded [`FileOp`] refers to
-//! them (and to the device's file descriptors), valid until the op's completion
-//! is handed to `complete`. A `FileOp` is opaque outside this crate: only a task
-//! makes one, and only the engines here run one (the ring, whose submission is
-//! `unsafe`, and [`super::sync::drive`], which runs a task's ops while it holds
-//! the task). The caller must keep the task alive (and not touch its buffers)
-//! until then.
+//! Ownership: the buffers stay inside the task, in private fields; a yielded
+//! [`FileOp`] refers to them, valid until the op's completion is handed to
+//! `complete`. A `FileOp` is opaque outside this crate: only a task makes one,
+//! and only the engines here run one (the ring, whose submission is `unsafe`,
+//! and [`super::sync::drive`], which runs a task's ops while it holds the
+//! task). The caller must keep the task alive (and not touch its buffers)
+//! until then. Which backend runs the ops is not the task's business: it
+//! names buffers and backend offsets, never a descriptor.
 
 use super::buffer::{AlignedBuf, Pool};
+use crate::backing::{Backend, IoOp};
 use crate::block::{Errno, Op, ReqFlags};
 use crate::device::Device;
 use crate::device::range_lock::Mode;
 use crate::device::stats::Path;
-use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 
-/// One operation on the backing file, made by a [`Task`] (opaque outside the
-/// crate: it refers to the task's buffers).
+/// One operation on the device's backend, made by a [`Task`] (opaque outside
+/// the crate: it refers to the task's buffers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FileOp(pub(crate) Kind);
-
-/// What a [`FileOp`] does. The pointers are into the yielding task's buffers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kind {
-    Read {
-        fd: RawFd,
-        buf: *mut u8,
-        len: u32,
-        off: u64,
-    },
-    Write {
-        fd: RawFd,
-        buf: *const u8,
-        len: u32,
-        off: u64,
-        dsync: bool,
-    },
-    Fdatasync {
-        fd: RawFd,
-    },
-    Fallocate {
-        fd: RawFd,
-        mode: i32,
-        off: u64,
-        len: u64,
-    },
-    WillNeed {
-        fd: RawFd,
-        off: u64,
-        len: u64,
-    },
-    /// `statx(fd, "", AT_EMPTY_PATH | AT_STATX_FORCE_SYNC, STATX_SIZE)` into
-    /// `buf`, a `libc::statx` in the task's edge buffer.
-    Statx {
-        fd: RawFd,
-        buf: *mut libc::statx,
-    },
-}
+pub struct FileOp(pub(crate) IoOp);
 
 /// What an inline `RWF_NOWAIT` write achieved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -117,28 +83,47 @@ const ZERO_CHUNK: usize = 1 << 20;
 pub const INLINE_WRITE_MAX: usize = 64 << 10;
 
 /// The file I/O of one request. See the module documentation.
+///
+/// Its fields are private: the operations it yields point into its buffers
+/// for the lengths it planned, so nothing else may change them. A buffer of
+/// the wrong size cannot be put in from outside:
+///
+/// ```compile_fail,E0616
+/// use loopd::engine::{buffer::{AlignedBuf, Pool}, sync, task::Task};
+/// # fn f(dev: &loopd::device::Device, task: &mut Task, pool: &mut Pool) {
+/// task.buf = Some(AlignedBuf::new(4096)); // private field
+/// let _ = sync::drive(dev, task, pool);
+/// # }
+/// ```
+///
+/// (The same without that line compiles:)
+///
+/// ```no_run
+/// use loopd::engine::{buffer::Pool, sync, task::Task};
+/// # fn f(dev: &loopd::device::Device, task: &mut Task, pool: &mut Pool) {
+/// let _ = sync::drive(dev, task, pool);
+/// # }
+/// ```
 pub struct Task {
-    pub op: Op,
-    pub flags: ReqFlags,
+    op: Op,
+    flags: ReqFlags,
     /// Export offset and length from the request.
-    pub offset: u64,
-    pub len: u32,
+    offset: u64,
+    len: u32,
     /// File offset of `buf[0]`, and bytes of the span `buf` covers.
     span_start: u64,
     span_len: usize,
     /// Where the request's own bytes begin inside `buf`.
-    pub data_at: usize,
-    pub buf: Option<AlignedBuf>,
+    data_at: usize,
+    buf: Option<AlignedBuf>,
     edge: Option<AlignedBuf>,
     /// Range to lock (file offsets) and how.
-    pub lock_start: u64,
-    pub lock_end: u64,
-    pub lock_mode: Mode,
-    pub path: Path,
+    lock_start: u64,
+    lock_end: u64,
+    lock_mode: Mode,
+    path: Path,
     phase: Phase,
     done: usize,
-    fd: RawFd,
-    plain_fd: RawFd,
     align: u64,
     /// `align` as a buffer length.
     align_len: usize,
@@ -238,8 +223,6 @@ impl Task {
             },
             phase: Phase::Start,
             done: 0,
-            fd: dev.file.as_raw_fd(),
-            plain_fd: dev.plain.as_raw_fd(),
             align,
             align_len: to_len(align),
             grows_to: None,
@@ -329,10 +312,46 @@ impl Task {
         let buf = b.as_mut_ptr().cast::<libc::statx>();
         self.edge = Some(b);
         self.phase = Phase::Size;
-        Next::Submit(FileOp(Kind::Statx {
-            fd: self.plain_fd,
-            buf,
-        }))
+        Next::Submit(FileOp(IoOp::Size { buf }))
+    }
+
+    /// The block operation.
+    pub fn op(&self) -> Op {
+        self.op
+    }
+
+    pub fn flags(&self) -> ReqFlags {
+        self.flags
+    }
+
+    /// Export offset of the request.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// Length of the request.
+    pub fn len(&self) -> u32 {
+        self.len
+    }
+
+    /// Whether the request has no bytes (a flush).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The range to lock (file offsets, end exclusive) and how.
+    pub fn lock_range(&self) -> (u64, u64, Mode) {
+        (self.lock_start, self.lock_end, self.lock_mode)
+    }
+
+    /// The path its data takes (direct, bounced, buffered).
+    pub fn path(&self) -> Path {
+        self.path
+    }
+
+    /// Bytes of data buffer the task holds (0 without one).
+    pub fn buffer_capacity(&self) -> usize {
+        self.buf.as_ref().map_or(0, AlignedBuf::capacity)
     }
 
     /// Whether this task touches the file under the range lock at all.
@@ -411,16 +430,13 @@ impl Task {
     /// never blocks: it copies into the page cache only what needs no wait.
     /// Whatever it wrote counts as progress for the operations [`Task::start`]
     /// yields after it.
-    pub fn write_nowait(&mut self) -> Nowait {
+    pub fn write_nowait(&mut self, backend: &Backend) -> Nowait {
         let Some(buf) = self.buf.as_ref() else {
             return Nowait::Again;
         };
         let data = &buf.as_slice()[self.done..self.span_len];
-        // SAFETY: fd is the device's open file, alive for the task's lifetime.
-        let fd = unsafe { BorrowedFd::borrow_raw(self.fd) };
         let off = self.span_start + self.done as u64;
-        let flags = rustix::io::ReadWriteFlags::NOWAIT;
-        match rustix::io::pwritev2(fd, &[std::io::IoSlice::new(data)], off, flags) {
+        match backend.write_nowait(data, off) {
             Ok(n) => {
                 self.done += n;
                 if self.done >= self.span_len {
@@ -455,8 +471,7 @@ impl Task {
         };
         // SAFETY: done < span_len <= buf capacity, so the pointer stays in bounds.
         let ptr = unsafe { buf.as_mut_ptr().add(self.done) };
-        Next::Submit(FileOp(Kind::Read {
-            fd: self.fd,
+        Next::Submit(FileOp(IoOp::Read {
             buf: ptr,
             len: clamp_u32(self.span_len - self.done),
             off: self.span_start + self.done as u64,
@@ -474,12 +489,12 @@ impl Task {
         };
         // SAFETY: done < span_len <= buf capacity, so the pointer stays in bounds.
         let ptr = unsafe { buf.as_ptr().add(self.done) };
-        Next::Submit(FileOp(Kind::Write {
-            fd: self.fd,
+        Next::Submit(FileOp(IoOp::Write {
             buf: ptr,
             len: clamp_u32(self.span_len - self.done),
             off: self.span_start + self.done as u64,
             dsync: self.dsync(),
+            plain: false,
         }))
     }
 
@@ -502,8 +517,7 @@ impl Task {
         let Some(edge) = self.edge.as_mut() else {
             return Next::Done(Err(Errno::Io));
         };
-        Next::Submit(FileOp(Kind::Read {
-            fd: self.fd,
+        Next::Submit(FileOp(IoOp::Read {
             buf: edge.as_mut_ptr(),
             len: clamp_u32(align),
             off: block,
@@ -543,7 +557,7 @@ impl Task {
             Op::Write => self.write_span(),
             Op::Flush => {
                 self.phase = Phase::Flush;
-                Next::Submit(FileOp(Kind::Fdatasync { fd: self.fd }))
+                Next::Submit(FileOp(IoOp::Flush))
             }
             Op::Trim | Op::WriteZeroes if self.effect == 0 => self.sync_after_or_done(),
             Op::Trim | Op::WriteZeroes => {
@@ -554,8 +568,7 @@ impl Task {
                     libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
                 };
                 self.phase = Phase::Allocate;
-                Next::Submit(FileOp(Kind::Fallocate {
-                    fd: self.fd,
+                Next::Submit(FileOp(IoOp::Allocate {
                     mode,
                     off: self.lock_start,
                     len: u64::from(self.effect),
@@ -563,8 +576,7 @@ impl Task {
             }
             Op::Cache if self.path == Path::Buffered && self.effect > 0 => {
                 self.phase = Phase::WillNeed;
-                Next::Submit(FileOp(Kind::WillNeed {
-                    fd: self.fd,
+                Next::Submit(FileOp(IoOp::WillNeed {
                     off: self.lock_start,
                     len: u64::from(self.effect),
                 }))
@@ -579,7 +591,7 @@ impl Task {
     fn sync_after_or_done(&mut self) -> Next {
         if self.dsync() {
             self.phase = Phase::SyncAfter;
-            Next::Submit(FileOp(Kind::Fdatasync { fd: self.fd }))
+            Next::Submit(FileOp(IoOp::Flush))
         } else {
             self.phase = Phase::Finished;
             Next::Done(Ok(0))
@@ -603,12 +615,12 @@ impl Task {
         };
         // Through the plain (buffered) fd: the range may not be aligned for O_DIRECT,
         // and it is held exclusively, so no direct I/O races with it.
-        Next::Submit(FileOp(Kind::Write {
-            fd: self.plain_fd,
+        Next::Submit(FileOp(IoOp::Write {
             buf: buf.as_ptr(),
             len: clamp_u32(n.min(buf.capacity())),
             off: self.lock_start + self.done as u64,
             dsync: false,
+            plain: true,
         }))
     }
 

@@ -141,7 +141,10 @@ pub fn render(daemon: &Daemon, p: &Process) -> String {
         let (dev, _) = e.current();
         let stat = match dev.size {
             0 => Ok(Some(cache::CacheStat::default())),
-            n => cache::stat(&dev.plain, dev.offset, n),
+            n => match dev.backend().as_file() {
+                Some(f) => cache::stat(f.plain(), dev.offset, n),
+                None => Ok(None),
+            },
         };
         if let Ok(Some(c)) = stat {
             for (state, v) in [

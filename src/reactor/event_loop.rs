@@ -14,7 +14,7 @@ use crate::frontend::nbd::affinity::{self, CpuLoad};
 use crate::frontend::nbd::conn::{BYTES_BUDGET, Conn};
 use crate::frontend::nbd::wire::Replies;
 use crate::frontend::ublk::queue::Queue;
-use crate::ring::{Io, Ring, TAG_CANCEL, TAG_TIMER, TAG_WAKE, retryable, ud, ud_parts};
+use crate::ring::{Completion, Io, Ring, TAG_CANCEL, TAG_TIMER, TAG_WAKE, retryable, ud};
 use io_uring::{opcode, types};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
@@ -128,8 +128,8 @@ impl Reactor {
             self.io.reap();
             let mut batch = std::mem::take(&mut self.io.cqes);
             last_batch = batch.len();
-            for &(u, res) in &batch {
-                self.on_cqe(u, res);
+            for &c in &batch {
+                self.on_cqe(c);
             }
             batch.clear();
             // Completions reaped while handling this batch stay queued for the next.
@@ -228,8 +228,13 @@ impl Reactor {
         }
     }
 
-    fn on_cqe(&mut self, u: u64, res: i32) {
-        let (tag, ci, si) = ud_parts(u);
+    fn on_cqe(&mut self, c: Completion) {
+        let Completion {
+            tag,
+            session: ci,
+            slot: si,
+            res,
+        } = c;
         if tag == TAG_WAKE {
             self.arm_wake();
             self.retry_locks = true;
@@ -553,8 +558,13 @@ impl Drop for Reactor {
             }
             self.io.reap();
             let batch = std::mem::take(&mut self.io.cqes);
-            for (u, res) in batch {
-                let (tag, ci, si) = ud_parts(u);
+            for Completion {
+                tag,
+                session: ci,
+                slot: si,
+                res,
+            } in batch
+            {
                 if tag == TAG_WAKE {
                     self.arm_wake();
                     self.take_offloaded();

@@ -13,13 +13,30 @@
 //!   completed, `session` is the session's index on the reactor, `slot` its
 //!   request slot (or ublk tag). Whoever pushes an entry guarantees that the
 //!   memory it refers to outlives the operation (see [`Io::push`]).
+//! - Every request's backend operation goes through [`Io::submit_file`] (and a
+//!   spliced read's through [`Io::push_file`]), from either frontend: a
+//!   ring-native backend's becomes an entry on this ring; a threaded backend's
+//!   is posted to it with this reactor's [`Completions`], whose eventfd read
+//!   ([`TAG_POSTED`]) this ring keeps posted while any is out.
+//! - Completions are decoded in one place, [`Io::reap`], into [`Completion`]s:
+//!   the ring's own entries, and the threaded backends' results as
+//!   [`TAG_FILE`] completions of the same shape, so a session cannot tell
+//!   which backend ran its operation. [`Io::file_ops`] counts backend
+//!   operations in flight on this reactor (submitted here, decremented there).
+//! - Outside the crate an `Io` cannot be made (its fields and constructor are
+//!   the crate's): a forged completion handed to a session would make it free
+//!   memory the kernel may still write.
 
+use crate::backing::{Backend, Completions};
 use crate::device::range_lock::Wake;
 use crate::engine::budget;
 use crate::engine::buffer::Pool;
 use crate::engine::offload::Inbox;
+use crate::engine::ops;
 use crate::engine::splice::PipePool;
-use io_uring::{IoUring, cqueue, squeue};
+use crate::engine::task::FileOp;
+use io_uring::{IoUring, cqueue, opcode, squeue, types};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 /// The reactor's own eventfd read (wake-ups).
@@ -38,6 +55,19 @@ pub const TAG_TIMER: u64 = 6;
 pub const TAG_UBLK: u64 = 7;
 /// A poll of a connection's socket for a hang-up while no receive is posted.
 pub const TAG_POLL: u64 = 8;
+/// The eventfd read of threaded backends' results ([`Completions`]); never
+/// leaves [`Io::reap`].
+pub const TAG_POSTED: u64 = 9;
+
+/// One completion, decoded: what completed (`tag`), for which session and
+/// slot, with what result (bytes or `-errno`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completion {
+    pub tag: u64,
+    pub session: u32,
+    pub slot: u16,
+    pub res: i32,
+}
 
 const RING_ENTRIES: u32 = 1024;
 
@@ -91,43 +121,61 @@ pub fn new_ring() -> Result<Ring, std::io::Error> {
 }
 
 /// What a session needs from its reactor. See the module documentation.
+///
+/// Outside the crate nothing can be done with one's parts (they are the
+/// crate's), so no completion can be forged into it:
+///
+/// ```compile_fail,E0616
+/// fn forge(io: &mut loopd::ring::Io) {
+///     io.cqes.clear(); // private field
+/// }
+/// ```
 pub struct Io {
-    pub ring: Ring,
-    pub pool: Pool,
+    pub(crate) ring: Ring,
+    pub(crate) pool: Pool,
     /// Pipes for spliced read replies.
-    pub pipes: PipePool,
+    pub(crate) pipes: PipePool,
     /// Requests parked on a range: (session, slot).
-    pub lock_waiters: Vec<(u32, u16)>,
+    pub(crate) lock_waiters: Vec<(u32, u16)>,
     /// Sessions that stopped taking requests (export frozen, budget short);
     /// retried at every wake-up, and every second while budget is watched.
-    pub parked: Vec<u32>,
-    pub waker: Arc<dyn Wake>,
-    /// Completions reaped but not yet handled: (user_data, result).
-    pub cqes: Vec<(u64, i32)>,
-    /// File operations in flight on this ring (all sessions).
-    pub file_ops: u32,
+    pub(crate) parked: Vec<u32>,
+    pub(crate) waker: Arc<dyn Wake>,
+    /// Completions reaped but not yet handled.
+    pub(crate) cqes: Vec<Completion>,
+    /// Backend operations in flight on this reactor (all sessions).
+    pub(crate) file_ops: u32,
     /// Answers of allocation queries run on the offload workers.
-    pub inbox: Arc<Inbox>,
+    pub(crate) inbox: Arc<Inbox>,
     /// Bytes of requests one connection may hold.
-    pub per_conn_bytes: usize,
+    pub(crate) per_conn_bytes: usize,
     /// Bytes of request buffers the clients of one device may hold together.
-    pub device_share: usize,
+    pub(crate) device_share: usize,
     /// Some request waits for budget: look for connections that hold some
     /// and are late with a reply (the reactor's stall timer runs while this
     /// is set).
-    pub watch_stalls: bool,
+    pub(crate) watch_stalls: bool,
     /// Seconds the stall timer has ticked (only while `watch_stalls`): a
     /// queued reply records it, and its age is counted in these ticks.
-    pub ticks: u32,
+    pub(crate) ticks: u32,
     /// Marked starved in the budget (until the next wake-up).
-    pub starved: bool,
+    pub(crate) starved: bool,
     /// This reactor's registration with the budget.
-    pub budget_id: usize,
+    pub(crate) budget_id: usize,
+    /// Where threaded backends deliver this reactor's results (made at the
+    /// first posted operation).
+    posted: Option<Arc<Completions>>,
+    /// Posted operations whose result has not been drained yet.
+    posted_out: u32,
+    /// The eventfd read of `posted` is in the ring.
+    posted_armed: bool,
+    /// What that read writes into.
+    posted_buf: Box<u64>,
 }
 
 impl Io {
     /// Wrap `ring`; `waker` wakes the owning reactor.
-    pub fn new(ring: Ring, waker: Arc<dyn Wake>, per_conn_bytes: usize) -> Io {
+    pub(crate) fn new(ring: Ring, waker: Arc<dyn Wake>, per_conn_bytes: usize) -> Io {
         let b = budget::global();
         let budget_id = b.register(Arc::downgrade(&waker));
         Io {
@@ -146,6 +194,107 @@ impl Io {
             ticks: 0,
             starved: false,
             budget_id,
+            posted: None,
+            posted_out: 0,
+            posted_armed: false,
+            posted_buf: Box::new(0),
+        }
+    }
+
+    /// Submit a request's backend operation `op`, tagged `user_data` (a
+    /// [`TAG_FILE`] value): on this ring for a ring-native backend, else
+    /// posted to the backend's threads (see the module documentation). Its
+    /// completion comes back through [`Io::reap`] either way.
+    ///
+    /// # Safety
+    /// `op` was yielded by a task that stays alive, its buffers untouched,
+    /// until the completion has been reaped and handed back to it.
+    #[inline]
+    pub(crate) unsafe fn submit_file(&mut self, backend: &Backend, op: FileOp, user_data: u64) {
+        if let Some(e) = ops::sqe(backend, op) {
+            self.file_ops += 1;
+            // SAFETY: by this function's contract.
+            unsafe { self.push(e.user_data(user_data)) };
+            return;
+        }
+        // SAFETY: by this function's contract.
+        unsafe { self.post_file(backend, op, user_data) };
+    }
+
+    /// The threaded-backend half of [`Io::submit_file`].
+    ///
+    /// # Safety
+    /// As [`Io::submit_file`].
+    #[cold]
+    unsafe fn post_file(&mut self, backend: &Backend, op: FileOp, user_data: u64) {
+        if self.posted.is_none() {
+            match Completions::new() {
+                Ok(d) => self.posted = Some(Arc::new(d)),
+                Err(e) => {
+                    tracing::error!("cannot make an eventfd for backend completions: {e}");
+                    let (tag, session, slot) = ud_parts(user_data);
+                    let res = -e.raw_os_error().unwrap_or(libc::EIO);
+                    self.cqes.push(Completion {
+                        tag,
+                        session,
+                        slot,
+                        res,
+                    });
+                    return;
+                }
+            }
+        }
+        let Some(done) = self.posted.clone() else {
+            return;
+        };
+        self.file_ops += 1;
+        self.posted_out += 1;
+        // SAFETY: our caller keeps the task alive and its buffers untouched
+        // until the result is reaped, which is after the backend has
+        // delivered it into `done` (the `post` contract).
+        unsafe { ops::post(backend, op, user_data, &done) };
+        self.arm_posted();
+    }
+
+    /// Submit a file operation of a request that the frontend built itself
+    /// (a splice from the backend's descriptor), counted like
+    /// [`Io::submit_file`]'s.
+    ///
+    /// # Safety
+    /// As [`Io::push`].
+    pub(crate) unsafe fn push_file(&mut self, e: squeue::Entry, user_data: u64) {
+        self.file_ops += 1;
+        // SAFETY: by this function's contract.
+        unsafe { self.push(e.user_data(user_data)) };
+    }
+
+    /// Keep the eventfd read of threaded backends' results in the ring while
+    /// any is out. Pushes on the submission queue directly (called from
+    /// [`Io::reap`], which [`Io::push`] calls).
+    fn arm_posted(&mut self) {
+        if self.posted_armed || self.posted_out == 0 {
+            return;
+        }
+        let Some(done) = self.posted.as_ref() else {
+            return;
+        };
+        let buf: *mut u64 = &mut *self.posted_buf;
+        let fd = types::Fd(done.event_fd().as_raw_fd());
+        let e: squeue::Entry128 = opcode::Read::new(fd, buf.cast(), 8)
+            .build()
+            .user_data(ud(TAG_POSTED, 0, 0))
+            .into();
+        for _ in 0..2 {
+            // SAFETY: `posted_buf` is this `Io`'s own box, kept (leaked if need
+            // be, see `Drop`) until the read completes; the eventfd stays open
+            // with `posted`, which this `Io` holds for as long as its ring.
+            if unsafe { self.ring.submission().push(&e) }.is_ok() {
+                self.posted_armed = true;
+                return;
+            }
+            // Full: hand the queue to the kernel and try once more; if that
+            // fails too, the next reap tries again.
+            let _ = self.ring.submit();
         }
     }
 
@@ -192,10 +341,62 @@ impl Io {
         budget::global().share_refused(self.budget_id);
     }
 
-    /// Move the ring's completions into [`Io::cqes`].
+    /// Move the ring's completions into [`Io::cqes`], decoded; a threaded
+    /// backend's results join them as [`TAG_FILE`] completions.
     pub fn reap(&mut self) {
+        let mut posted = false;
         for c in self.ring.completion() {
-            self.cqes.push((c.user_data(), c.result()));
+            let (tag, session, slot) = ud_parts(c.user_data());
+            if tag == TAG_POSTED {
+                self.posted_armed = false;
+                posted = true;
+                continue;
+            }
+            if tag == TAG_FILE {
+                self.file_ops = self.file_ops.saturating_sub(1);
+            }
+            self.cqes.push(Completion {
+                tag,
+                session,
+                slot,
+                res: c.result(),
+            });
+        }
+        if posted {
+            self.take_posted();
+        }
+        if self.posted_out > 0 && !self.posted_armed {
+            self.arm_posted();
+        }
+    }
+
+    /// Drain the threaded backends' results.
+    #[cold]
+    fn take_posted(&mut self) {
+        let Some(done) = self.posted.as_ref() else {
+            return;
+        };
+        let (cqes, file_ops, out) = (&mut self.cqes, &mut self.file_ops, &mut self.posted_out);
+        done.drain(|u, res| {
+            let (tag, session, slot) = ud_parts(u);
+            *file_ops = file_ops.saturating_sub(1);
+            *out = out.saturating_sub(1);
+            cqes.push(Completion {
+                tag,
+                session,
+                slot,
+                res,
+            });
+        });
+    }
+}
+
+impl Drop for Io {
+    fn drop(&mut self) {
+        // The eventfd read may still be in the kernel's hands while the ring
+        // is torn down: never free the memory it writes.
+        if self.posted_armed {
+            std::mem::forget(std::mem::replace(&mut self.posted_buf, Box::new(0)));
         }
     }
 }

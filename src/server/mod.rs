@@ -534,7 +534,7 @@ pub fn run(
     for e in daemon.all() {
         let (dev, _) = e.current();
         if !dev.read_only {
-            if let Err(err) = rustix::fs::fdatasync(&dev.file) {
+            if let Err(err) = dev.sync_data() {
                 tracing::error!(
                     "flushing {} failed: {err}",
                     crate::text::quoted_path(&dev.path)

@@ -445,7 +445,7 @@ impl Conn {
                 let Some(t) = self.slots[slot as usize].req.task.as_mut() else {
                     return;
                 };
-                let total = t.len as usize;
+                let total = t.len() as usize;
                 if got < total {
                     if self.read_closed {
                         // Stopping: this write will never be complete.

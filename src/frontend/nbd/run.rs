@@ -6,13 +6,11 @@ use super::conn::{Conn, SlotState};
 use super::recv::PIECE;
 use crate::block::Op;
 use crate::device::stats::Path;
-use crate::engine::ops;
 use crate::engine::splice::SPLICE_MIN;
-use crate::engine::task::{Next, Task};
+use crate::engine::task::{FileOp, Next, Task};
 use crate::engine::{clip, exec};
 use crate::frontend::nbd::wire::{self, NbdErrno};
 use crate::ring::{Io, TAG_FILE, ud};
-use io_uring::squeue;
 use std::sync::atomic::Ordering;
 
 impl Conn {
@@ -35,11 +33,11 @@ impl Conn {
         }
         let task = slot.req.task.as_mut()?;
         // A userspace TLS session sends from memory only.
-        let splice = task.op == Op::Read
-            && task.path == Path::Buffered
+        let splice = task.op() == Op::Read
+            && task.path() == Path::Buffered
             && dev.splice_reads
             && self.tls.is_none()
-            && task.len as usize >= SPLICE_MIN;
+            && task.len() as usize >= SPLICE_MIN;
         if splice && self.start_splice(io, ci, si) {
             return None;
         }
@@ -47,34 +45,19 @@ impl Conn {
         Some(exec::start(&self.dev, task, &mut io.pool))
     }
 
-    /// Submit `e`, a file operation of slot `si`, counted in flight (per connection
-    /// and per ring) until its completion reaches [`Conn::on_file`].
-    ///
-    /// A file that is not on a local disk (FUSE, NFS, ...) has its operations
-    /// sent straight to the ring's workers (`IOSQE_ASYNC`): issued inline, from
-    /// the reactor's `io_uring_enter`, a FUSE read can block there (its readahead
-    /// waits for a slot in the FUSE server's queue) and stall every connection.
+    /// Submit `op`, a backend operation of slot `si`'s task, counted in
+    /// flight (per connection here, per ring in [`Io`]) until its completion
+    /// reaches [`Conn::on_file`]; the ring decides how the device's backend
+    /// runs it ([`Io::submit_file`]).
     ///
     /// # Safety
-    /// `e` refers only to the slot's task buffers (or its pipes) and the device's
-    /// files, which the slot keeps until the completion arrives.
-    pub(super) unsafe fn submit_file_op(
-        &mut self,
-        io: &mut Io,
-        ci: u32,
-        si: u16,
-        e: squeue::Entry,
-    ) {
+    /// `op` was yielded by the slot's task, which the slot keeps (its buffers
+    /// untouched) until the completion arrives.
+    pub(super) unsafe fn submit_file_op(&mut self, io: &mut Io, ci: u32, si: u16, op: FileOp) {
         self.slots[si as usize].state = SlotState::Io;
         self.file_ops += 1;
-        io.file_ops += 1;
-        let e = if self.dev.local_fs {
-            e
-        } else {
-            e.flags(squeue::Flags::ASYNC)
-        };
         // SAFETY: by this function's contract.
-        unsafe { io.push(e.user_data(ud(TAG_FILE, ci, si))) };
+        unsafe { io.submit_file(&self.dev.backend, op, ud(TAG_FILE, ci, si)) };
     }
 
     /// Take slot `si`'s request on from `next`: submit its operation, or, when
@@ -88,12 +71,12 @@ impl Conn {
                     // SAFETY: the op was yielded by this slot's task, which
                     // stays in the slot (buffers untouched) until its
                     // completion reaches `on_file`.
-                    unsafe { self.submit_file_op(io, ci, si, ops::sqe(op)) };
+                    unsafe { self.submit_file_op(io, ci, si, op) };
                     return;
                 }
                 Next::Done(r) => {
                     let task = self.slots[si as usize].req.task.as_ref();
-                    let is_read = task.is_some_and(|t| t.op == Op::Read);
+                    let is_read = task.is_some_and(|t| t.op() == Op::Read);
                     exec::conclude(&self.dev, task, &r);
                     if r.is_ok() && self.slots[si as usize].rest > 0 {
                         match self.next_piece(io, ci, si) {
@@ -126,8 +109,8 @@ impl Conn {
         }
         let mut done = slot.req.task.take()?;
         done.recycle(&mut io.pool);
-        let off = done.offset + u64::from(done.len);
-        let more = if done.op == Op::WriteZeroes {
+        let off = done.offset() + u64::from(done.len());
+        let more = if done.op() == Op::WriteZeroes {
             !done.clipped()
         } else {
             let size = self.dev.file_size.load(Ordering::Relaxed);
@@ -136,12 +119,12 @@ impl Conn {
         let task = if more {
             let len = u32::try_from(slot.rest).map_or(PIECE, |r| r.min(PIECE));
             slot.rest -= u64::from(len);
-            let mut flags = done.flags;
+            let mut flags = done.flags();
             flags.fua = slot.rest_fua && slot.rest == 0;
-            Task::plan(&self.dev, done.op, flags, off, len, &mut io.pool)
+            Task::plan(&self.dev, done.op(), flags, off, len, &mut io.pool)
         } else if slot.rest_fua {
             slot.rest = 0;
-            Task::plan(&self.dev, Op::Flush, done.flags, off, 0, &mut io.pool)
+            Task::plan(&self.dev, Op::Flush, done.flags(), off, 0, &mut io.pool)
         } else {
             slot.rest = 0;
             slot.req.task = Some(done);
@@ -153,7 +136,6 @@ impl Conn {
 
     pub fn on_file(&mut self, io: &mut Io, ci: u32, si: u16, res: i32) {
         self.file_ops = self.file_ops.saturating_sub(1);
-        io.file_ops = io.file_ops.saturating_sub(1);
         if self.dead {
             // Nobody to answer: stop here (the range is released with the slot).
             self.release_slot(io, si);

@@ -7,9 +7,8 @@ use super::conn::Conn;
 use crate::device::stats::Path;
 use crate::engine::splice::{MAX_PIPES, part_len};
 use crate::frontend::nbd::wire;
-use crate::ring::Io;
-use io_uring::{opcode, types};
-use std::os::fd::AsRawFd;
+use crate::ring::{Io, TAG_FILE, ud};
+use std::os::fd::AsFd;
 
 impl Conn {
     /// Answer the read in `si` from pipes: write its reply header into the first,
@@ -24,7 +23,7 @@ impl Conn {
         let Some(part) = io.pipes.part_bytes() else {
             return false;
         };
-        let parts = (task.len as usize).div_ceil(part);
+        let parts = (task.len() as usize).div_ceil(part);
         if parts > MAX_PIPES || !io.pipes.can_take(parts) {
             return false;
         }
@@ -45,8 +44,8 @@ impl Conn {
             true,
             self.replies,
             slot.cookie,
-            task.offset,
-            Ok(task.len),
+            task.offset(),
+            Ok(task.len()),
         );
         let written = match &slot.pipes[0] {
             Some(p) => rustix::io::write(&p.w, &slot.hdr[..n]),
@@ -58,7 +57,7 @@ impl Conn {
         }
         // The reply's shape, for `pipe_at`; a fallback to copying sets it anew.
         slot.hdr_len = n;
-        slot.data_len = task.len as usize;
+        slot.data_len = task.len() as usize;
         // The data never passes through memory of ours: lend the buffer out,
         // and with it the request's hold on its device's share (what waits
         // for that share is woken).
@@ -80,21 +79,26 @@ impl Conn {
         let Some(pipe) = slot.pipes.get(i).and_then(Option::as_ref) else {
             return;
         };
-        let left = (i * slot.part + part_len(task.len as usize, slot.part, i)) - slot.piped;
-        let off = self.dev.file_offset(task.offset) + slot.piped as u64;
-        let file = types::Fd(self.dev.plain.as_raw_fd());
-        let off = i64::try_from(off).unwrap_or(i64::MAX);
+        let left = (i * slot.part + part_len(task.len() as usize, slot.part, i)) - slot.piped;
+        let off = self.dev.file_offset(task.offset()) + slot.piped as u64;
         let left = u32::try_from(left).unwrap_or(0);
-        let e = opcode::Splice::new(file, off, types::Fd(pipe.w.as_raw_fd()), -1, left).build();
+        // Only a backend with the splice capability gets here (the device's
+        // `splice_reads`); should it have none, copy instead.
+        let Some(e) = self.dev.backend.splice_sqe(off, pipe.w.as_fd(), left) else {
+            self.on_splice_in(io, ci, si, -libc::EOPNOTSUPP);
+            return;
+        };
+        self.slots[si as usize].state = super::conn::SlotState::Io;
+        self.file_ops += 1;
         // SAFETY: a splice refers to no memory; the pipe stays in the slot and the
         // file open with the device until the completion arrives.
-        unsafe { self.submit_file_op(io, ci, si, e) };
+        unsafe { io.push_file(e, ud(TAG_FILE, ci, si)) };
     }
 
     /// A splice into slot `si`'s pipes completed with `res`.
     pub(super) fn on_splice_in(&mut self, io: &mut Io, ci: u32, si: u16, res: i32) {
         let slot = &mut self.slots[si as usize];
-        let len = slot.req.task.as_ref().map_or(0, |t| t.len);
+        let len = slot.req.task.as_ref().map_or(0, |t| t.len());
         if res > 0 {
             slot.piped += res as usize;
             if slot.piped < len as usize {
@@ -117,7 +121,7 @@ impl Conn {
         task.rebuffer(&mut io.pool);
         // The buffer is back: so is its hold on the device's share (counted
         // whatever the share, like the buffer itself: the request is taken).
-        let cap = task.buf.as_ref().map_or(0, |b| b.capacity());
+        let cap = task.buffer_capacity();
         slot.held = cap;
         self.export.hold_taken(cap);
         self.bytes_held += cap;

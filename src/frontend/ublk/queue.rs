@@ -15,7 +15,9 @@
 //!   is in flight ([`Queue::ops_in_flight`]).
 //! - Requests go through the engine's shared step ([`exec`]) exactly as NBD
 //!   requests do: export freeze, range lock, inline page-cache paths, the same
-//!   file operations, the same errors.
+//!   backend operations submitted through the same call
+//!   ([`Io::submit_file`]), their completions decoded by the ring, the same
+//!   errors.
 //! - Stopping: the daemon issues STOP_DEV; the kernel then aborts the queue's
 //!   fetches and, once owned requests are committed, their piggy-backed fetches.
 //!   The queue is finished when no command and no file operation is in flight.
@@ -25,7 +27,6 @@ use crate::device::Device;
 use crate::device::export::Export;
 use crate::engine::buffer::AlignedBuf;
 use crate::engine::exec::{self, Request};
-use crate::engine::ops;
 use crate::engine::task::{Next, Task};
 use crate::frontend::ublk::chardev::{QueueDescs, UblkChar};
 use crate::frontend::ublk::io_cmd;
@@ -258,17 +259,10 @@ impl Queue {
         match next {
             Next::Submit(op) => {
                 self.file_ops += 1;
-                io.file_ops += 1;
-                let e = ops::sqe(op);
-                let e = if self.dev.local_fs {
-                    e
-                } else {
-                    e.flags(io_uring::squeue::Flags::ASYNC)
-                };
                 // SAFETY: the op was yielded by this tag's task, which stays in the
                 // slot (its buffers untouched) until the completion reaches
                 // `on_file`.
-                unsafe { io.push(e.user_data(ud(TAG_FILE, si, tag))) };
+                unsafe { io.submit_file(&self.dev.backend, op, ud(TAG_FILE, si, tag)) };
             }
             Next::Done(r) => {
                 let slot = &self.slots[usize::from(tag)];
@@ -280,7 +274,6 @@ impl Queue {
 
     fn on_file(&mut self, io: &mut Io, si: u32, tag: u16, res: i32) {
         self.file_ops = self.file_ops.saturating_sub(1);
-        io.file_ops = io.file_ops.saturating_sub(1);
         let Some(task) = self.slots[usize::from(tag)].req.task.as_mut() else {
             return;
         };
