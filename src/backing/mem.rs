@@ -178,15 +178,20 @@ impl MemBackend {
             mirror,
         });
         let (tx, rx) = channel::<Job>();
-        let mine = Arc::clone(&store);
+        // Weak: the store (and the mirror's descriptor) goes with the last
+        // backend, at once, not when this thread next wakes.
+        let mine = Arc::downgrade(&store);
         std::thread::Builder::new()
             .name("loopd-mem".into())
             .spawn(move || {
                 // Ends when every sender (every clone of the backend) is gone.
                 while let Ok(j) = rx.recv() {
-                    // SAFETY: the job's pointers are valid until delivered
-                    // (the `post` contract, carried by `Job`).
-                    let res = unsafe { mine.run(j.op) };
+                    let res = match mine.upgrade() {
+                        // SAFETY: the job's pointers are valid until
+                        // delivered (the `post` contract, carried by `Job`).
+                        Some(store) => unsafe { store.run(j.op) },
+                        None => -libc::EIO,
+                    };
                     j.done.complete(j.user_data, res);
                 }
             })?;
