@@ -43,6 +43,14 @@ LOOPD_TEST_BACKEND=mem cargo test --release --features test-backend --no-fail-fa
 echo "== kernel-side tests (scripts/vm-test.sh: one VM boot, every tests/kernel_*.rs)"
 scripts/vm-test.sh
 
+echo "== ublk data tests over the test-only memory backend (a second VM boot, ~4 min)"
+LOOPD_VM_FEATURES=test-backend LOOPD_VM_ENV=LOOPD_TEST_BACKEND=mem \
+    LOOPD_VM_TEST_ARGS="ublk_fio_verifies ublk_filesystem ublk_read_only" \
+    scripts/vm-test.sh kernel_blockdev
+# Back to the binary users get (the run above linked target/release/loopd
+# with the feature).
+cargo build --release
+
 echo "== systemd units under systemd (scripts/vm-systemd-test.sh: socket activation, reload, stop, in the VM)"
 scripts/vm-systemd-test.sh
 
