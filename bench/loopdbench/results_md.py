@@ -99,8 +99,8 @@ def update_results_md(cfg, rows, path=None):
         if sec:
             text = replace_current(text, "targets", with_run_line(sec, line))
     ws = ", ".join(str(w) for w in sorted(cfg.only))
-    text = add_history(text, f"- {cfg.started:%Y-%m-%d %H:%M %Z}: side-by-side benchmark, "
-                             f"workloads {ws} — [{os.path.basename(cfg.outdir)}]({link})")
+    text = add_history(text, f"- [Side-by-side benchmark — {cfg.started:%Y-%m-%d %H:%M %Z} "
+                             f"(workloads {ws})]({link})")
     with open(path + ".tmp", "w") as fh:
         fh.write(text)
     os.replace(path + ".tmp", path)

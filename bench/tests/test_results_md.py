@@ -7,8 +7,8 @@ import unittest
 
 from helpers import BENCH, stored_rows
 from loopdbench.config import Config
-from loopdbench.results_md import (SKELETON, add_history, current_body, replace_current, run_line,
-                                   update_results_md)
+from loopdbench.results_md import (SKELETON, add_history, archive, archived, current_body,
+                                   replace_current, run_line, title_of, update_results_md)
 from loopdbench.systems import SYSTEMS
 
 RESULTS_MD = os.path.join(BENCH, "RESULTS.md")
@@ -56,6 +56,33 @@ class Blocks(unittest.TestCase):
         self.assertIn("loopd abc1234 + uncommitted changes ·", run_line(facts, "x"))
 
 
+class Archive(unittest.TestCase):
+    SECTION = ("## Issue 99: a check — 2026-12-01\n\nText, [a link](results/x/report.md), "
+               "`bench/results/x/` as text.\n\n### Sub\n\n| a |\n|---|\n| 1 |\n")
+
+    def test_headings_go_one_level_up_and_links_become_relative(self):
+        out = archived(self.SECTION)
+        self.assertTrue(out.startswith("# Issue 99: a check — 2026-12-01\n"))
+        self.assertIn("\n## Sub\n", out)
+        self.assertIn("[a link](x/report.md)", out)
+        self.assertIn("`bench/results/x/` as text", out)
+        self.assertEqual(title_of(out), "Issue 99: a check — 2026-12-01")
+
+    def test_archive_writes_the_file_and_links_it_first(self):
+        with tempfile.TemporaryDirectory() as d:
+            os.makedirs(os.path.join(d, "results"))
+            path = os.path.join(d, "RESULTS.md")
+            with open(path, "w") as fh:
+                fh.write(add_history(SKELETON, "- [old](results/old.md)"))
+            dest = archive(path, self.SECTION, "2026-12-01-issue99")
+            self.assertEqual(dest, os.path.join(d, "results", "2026-12-01-issue99.md"))
+            with open(path) as fh:
+                text = fh.read()
+            self.assertLess(text.index("(results/2026-12-01-issue99.md)"), text.index("(results/old.md)"))
+            with self.assertRaises(FileExistsError):
+                archive(path, self.SECTION, "2026-12-01-issue99")
+
+
 class Update(unittest.TestCase):
     def test_a_run_replaces_its_workloads_tables_and_is_linked(self):
         with tempfile.TemporaryDirectory() as d:
@@ -79,9 +106,8 @@ class Update(unittest.TestCase):
         self.assertIn("| randread-4k-qd1 | loopd-direct | 9,870 |", w1)
         for key in ("w2", "w3", "w4", "w5"):
             self.assertEqual(current_body(after, key), current_body(before, key), key)
-        self.assertIn("- 2026-12-01 10:10", after)
-        self.assertIn("workloads 1 — [2026-12-01-101010](results/2026-12-01-101010/report.md)",
-                      after)
+        self.assertIn("<!-- history -->\n- [Side-by-side benchmark — 2026-12-01 10:10", after)
+        self.assertIn(" (workloads 1)](results/2026-12-01-101010/report.md)\n", after)
         # Everything after the history marker that was there is still there.
         old_hist = before[before.index("<!-- history -->"):].split("\n", 1)[1]
         self.assertTrue(after.endswith(old_hist))
