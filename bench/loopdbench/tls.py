@@ -97,9 +97,9 @@ def make_pki(root, session):
                      f"extendedKeyUsage={eku}\nsubjectKeyIdentifier=hash\n"
                      "authorityKeyIdentifier=keyid\n"
                      "subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-        openssl(session, session, "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", key)
-        openssl(session, session, "req", "-new", "-key", key, "-subj", f"/CN=bench-{role}", "-out", csr)
-        openssl(session, session, "x509", "-req", "-in", csr, "-CA", ca_cert, "-CAkey", ca_key,
+        openssl(session, "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", key)
+        openssl(session, "req", "-new", "-key", key, "-subj", f"/CN=bench-{role}", "-out", csr)
+        openssl(session, "x509", "-req", "-in", csr, "-CA", ca_cert, "-CAkey", ca_key,
                 "-set_serial", "0x" + os.urandom(8).hex(), "-days", "2",
                 "-extfile", ext, "-out", cert)
         shutil.copy(ca_cert, os.path.join(d, "ca-cert.pem"))

@@ -26,3 +26,25 @@ class Systems(unittest.TestCase):
     def test_tls_systems_are_not_added_to_bench_runs(self):
         from loopdbench.systems import SYSTEMS
         self.assertFalse(set(SYSTEMS) & set(TLS_SYSTEMS))
+
+
+class Pki(unittest.TestCase):
+    def test_make_pki_writes_what_loopd_nbdkit_and_libnbd_read(self):
+        import os
+        import subprocess
+        import tempfile
+
+        from loopdbench.session import Session
+        from loopdbench.tls import make_pki
+        with tempfile.TemporaryDirectory() as d:
+            server, home = make_pki(d, Session())
+            for name in ("ca-cert.pem", "server-cert.pem", "server-key.pem"):
+                self.assertTrue(os.path.exists(os.path.join(server, name)), name)
+            client = os.path.join(home, ".pki", "libnbd")
+            for name in ("ca-cert.pem", "client-cert.pem", "client-key.pem"):
+                self.assertTrue(os.path.exists(os.path.join(client, name)), name)
+            for role, d2 in (("server", server), ("client", client)):
+                r = subprocess.run(["openssl", "verify", "-CAfile", os.path.join(d2, "ca-cert.pem"),
+                                    os.path.join(d2, f"{role}-cert.pem")],
+                                   capture_output=True, text=True)
+                self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
