@@ -11,6 +11,9 @@ scripts/install-test-deps.sh
 echo "== cargo fmt"
 cargo fmt --all -- --check
 
+echo "== bench unit tests (bench/tests: the harness's parsing, statistics, report and RESULTS.md layout; ~1 s)"
+/usr/bin/python3 -m unittest discover -s bench/tests
+
 echo "== cargo clippy"
 cargo clippy --all-targets -- -D warnings
 # vm-tests and test-backend (the memory backend) together: one run lints both.

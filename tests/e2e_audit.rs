@@ -310,7 +310,10 @@ fn connecting_and_hanging_up_cannot_flood_the_log() {
     let before = srv.stderr_text().len();
     let t = Instant::now();
     let mut n = 0u64;
-    while t.elapsed() < Duration::from_secs(3) {
+    // At most 800: a busy machine may notice hang-ups later than they come,
+    // and the TCP client below must still find a place under the default
+    // --max-connections 1024 (negotiated connections are not evicted).
+    while t.elapsed() < Duration::from_secs(3) && n < 800 {
         let (c, size, _) = RawClient::handshake(srv.socket(), "c");
         assert_eq!(size, MIB);
         drop(c); // hang up without NBD_CMD_DISC

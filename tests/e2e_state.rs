@@ -496,14 +496,21 @@ fn old_default_state_location_is_pointed_out() {
         .arg("--control")
         .arg(&ctl)
         .start();
-    let log = srv.stderr_text();
-    assert!(
+    // The line may reach the test's stderr reader a little after the
+    // control socket appears: look for up to 10 s.
+    let said = |log: &str| {
         log.contains(&format!(
             "{} is a state file at the old default location",
             old.display()
-        )) && log.contains(&format!("--state {}", old.display())),
-        "no word about the old state file:\n{log}"
-    );
+        )) && log.contains(&format!("--state {}", old.display()))
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut log = srv.stderr_text();
+    while !said(&log) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        log = srv.stderr_text();
+    }
+    assert!(said(&log), "no word about the old state file:\n{log}");
     srv.stop_ok();
     assert_eq!(
         std::fs::read(&old).unwrap(),

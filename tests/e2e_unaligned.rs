@@ -386,7 +386,7 @@ fn fsx_passes(cache: &str) {
 /// No error of any kind was sent to a client.
 #[track_caller]
 fn assert_no_errors(st: &Json, cache: &str) {
-    let Json::Obj(errors) = st.at("errors") else {
+    let Json::Object(errors) = st.at("errors") else {
         panic!("[{cache}] no errors object: {st:?}");
     };
     assert!(!errors.is_empty(), "[{cache}] {st:?}");

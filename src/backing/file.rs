@@ -15,7 +15,7 @@
 use super::align::DioAlign;
 use super::identity::Pinned;
 use super::lock::ImageLock;
-use super::{Caps, IoOp, Storage};
+use super::storage::{Caps, IoOp, Storage};
 use io_uring::{opcode, squeue, types};
 use std::fs::File;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -301,9 +301,5 @@ impl Storage for FileBackend {
 
     fn sync_data(&self) -> std::io::Result<()> {
         Ok(rustix::fs::fdatasync(&self.file)?)
-    }
-
-    fn as_file(&self) -> Option<&FileBackend> {
-        Some(self)
     }
 }

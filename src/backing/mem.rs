@@ -28,10 +28,10 @@
 //! Ownership: the store is shared (`Arc`) by the device's configurations and
 //! the worker; an operation posted to the worker carries raw pointers into
 //! the request's buffers, which the request keeps until the result is in the
-//! reactor's [`Completions`] (the [`super::Backend::post`] contract). The
+//! reactor's [`Completions`] (the [`Storage::post`] contract). The
 //! store's lock is held for one operation (its copy and its write-through).
 
-use super::{Caps, Completions, IoOp, Storage};
+use super::storage::{Caps, Completions, IoOp, Storage};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -137,7 +137,15 @@ fn mirrored(path: &Path, create: Option<u64>) -> Result<MemBackend, String> {
         .open(path)
     {
         Ok(f) => f,
-        Err(e) if crate::backing::write_protected(&e) => File::open(path).map_err(why)?,
+        // Write-protected (a read-only mount, mode 0444): no mirroring.
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::EROFS | libc::EACCES | libc::EPERM)
+            ) =>
+        {
+            File::open(path).map_err(why)?
+        }
         Err(e) => return Err(why(e)),
     };
     let len = file.metadata().map_err(why)?.len();
@@ -296,7 +304,7 @@ impl Store {
     }
 
     /// # Safety
-    /// As [`super::Backend::run`].
+    /// As [`Storage::run`].
     unsafe fn run(&self, op: IoOp) -> i32 {
         let mut bytes = self.lock();
         match op {

@@ -91,7 +91,7 @@ pub struct KernelAttach {
     /// they look like qcow2, vmdk, ... [default: probe and refuse non-raw
     /// images].
     #[arg(long, value_enum, value_name = "FORMAT")]
-    format: Option<super::Format>,
+    format: Option<super::args::Format>,
     /// Scan the device for partitions: turned on after the device is
     /// configured, under a BSD lock (no udev race); returns once every
     /// partition node (/dev/loopNpK) exists.
@@ -175,7 +175,7 @@ pub fn run(cmd: KernelCmd) -> Result<()> {
                     u8::from(e.direct_io),
                     u8::from(e.read_only),
                     u8::from(e.autoclear),
-                    super::esc(&e.backing_file)
+                    super::print::esc(&e.backing_file)
                 );
             }
             Ok(())

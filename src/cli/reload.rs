@@ -38,7 +38,7 @@ fn print_text(v: &Value) {
             .and_then(Value::as_array)
             .map(|a| {
                 a.iter()
-                    .filter_map(|x| x.as_str().map(super::esc))
+                    .filter_map(|x| x.as_str().map(super::print::esc))
                     .collect()
             })
             .unwrap_or_default()
@@ -49,7 +49,7 @@ fn print_text(v: &Value) {
         println!("config: none (the server runs without --config)");
         return;
     };
-    println!("config: {}", super::esc(cfg));
+    println!("config: {}", super::print::esc(cfg));
     for (key, label) in [
         ("attached", "attached"),
         ("changed", "changed"),
@@ -68,7 +68,11 @@ fn print_text(v: &Value) {
         for p in v.get(key).and_then(Value::as_array).into_iter().flatten() {
             let name = p.get("name").and_then(Value::as_str).unwrap_or("?");
             let msg = p.get("message").and_then(Value::as_str).unwrap_or("");
-            println!("{label}: {}: {}", super::esc(name), sanitize_line(msg));
+            println!(
+                "{label}: {}: {}",
+                super::print::esc(name),
+                sanitize_line(msg)
+            );
         }
     }
 }

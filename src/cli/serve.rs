@@ -1,7 +1,7 @@
 //! `loopd serve`: the server's options and its start-up (state, IMAGE, config,
 //! restore), then the server loop until SIGTERM/SIGINT.
 
-use super::DeviceArgs;
+use super::args::DeviceArgs;
 use super::exit::DaemonError;
 use super::log;
 use super::syslog::Syslog;
@@ -573,7 +573,7 @@ fn attach_at_start(d: &Daemon, a: &ServeArgs) -> Result<()> {
         );
     }
     if let Some(cfg) = &a.config {
-        let specs = super::read_config(cfg)?;
+        let specs = super::args::read_config(cfg)?;
         d.set_config(cfg, specs.clone());
         let t = std::time::Instant::now();
         let n = specs.len();

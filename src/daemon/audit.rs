@@ -7,8 +7,8 @@
 //! Pure formatting; the control socket and the signal thread log what
 //! [`line`] and [`reload_line`] return.
 
-use super::CtlError;
-use super::reload::ReloadReport;
+use super::error::CtlError;
+use super::reload_report::ReloadReport;
 use crate::control::proto::Request;
 use crate::text::{quoted, quoted_path};
 use serde_json::Value;
@@ -198,7 +198,7 @@ mod tests {
         );
         let report = ReloadReport {
             tls: "reloaded".into(),
-            failed: vec![super::super::reload::Problem {
+            failed: vec![super::super::reload_report::Problem {
                 name: "x".into(),
                 message: "no".into(),
             }],

@@ -12,7 +12,7 @@
 //! so putting it back unchanged is no change and a changed one is a change,
 //! never a second attach.
 
-use super::name_of;
+use super::params::name_of;
 use crate::device::spec::DeviceSpec;
 use std::path::{Path, PathBuf};
 use thiserror::Error;

@@ -13,8 +13,9 @@
 //! use up the descriptors the control plane needs (the accept loop keeps them below the open-file limit);
 //! should accepting fail anyway, the thread pauses instead of spinning.
 
+use super::audit;
+use super::registry::Daemon;
 use crate::control::proto::{self, ErrorBody, ErrorCode, MAX_LINE, err_reply};
-use crate::daemon::{Daemon, audit};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::Arc;

@@ -1,6 +1,6 @@
 //! What `list`, `status`, `attach` and `set` report: serialisable snapshots.
 
-use super::Endpoints;
+use super::endpoints::Endpoints;
 use crate::control::proto::DeviceSpec;
 use crate::device::CacheMode;
 use crate::device::export::Export;

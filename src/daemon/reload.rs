@@ -8,61 +8,16 @@
 //! changes nothing (the error is logged and returned). Devices are never
 //! detached by a reload.
 
+use super::audit;
 use super::config::{self, Change};
-use super::{CtlError, Daemon};
+use super::error::CtlError;
+use super::params::name_of;
+use super::registry::Daemon;
+pub use super::reload_report::{Problem, ReloadReport};
 use crate::control::proto::SetSpec;
 use crate::device::spec::DeviceSpec;
 use crate::text::quoted;
-use serde::Serialize;
-use std::path::{Path, PathBuf};
-
-/// What a reload did.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct ReloadReport {
-    /// `reloaded`, `off` (no TLS), or why the certificates were not reloaded.
-    pub tls: String,
-    /// The config file re-read; `None`: the daemon runs without --config.
-    pub config: Option<PathBuf>,
-    /// Devices new in the file, now attached.
-    pub attached: Vec<String>,
-    /// Devices whose changes were applied.
-    pub changed: Vec<String>,
-    pub unchanged: Vec<String>,
-    /// Devices no longer in the file, still attached.
-    pub kept: Vec<String>,
-    /// Changes not applied, with what to do.
-    pub not_applied: Vec<Problem>,
-    /// Devices that could not be attached or changed.
-    pub failed: Vec<Problem>,
-}
-
-/// One device's change that did not happen.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Problem {
-    pub name: String,
-    pub message: String,
-}
-
-impl ReloadReport {
-    /// The one line logged at info.
-    pub fn summary(&self) -> String {
-        let Some(c) = &self.config else {
-            return format!("reload: TLS {}; no --config", self.tls);
-        };
-        format!(
-            "reload of {}: {} attached, {} changed, {} unchanged, {} not applied, \
-             {} kept though gone from the file, {} failed; TLS {}",
-            c.display(),
-            self.attached.len(),
-            self.changed.len(),
-            self.unchanged.len(),
-            self.not_applied.len(),
-            self.kept.len(),
-            self.failed.len(),
-            self.tls
-        )
-    }
-}
+use std::path::Path;
 
 const REATTACH: &str = "detach and attach it to apply";
 
@@ -79,7 +34,7 @@ impl Daemon {
     /// sender; a control client's reload is audited by the control socket).
     pub fn reload_audited(&self, by: &str) -> Result<ReloadReport, CtlError> {
         let r = self.reload();
-        tracing::info!("{}", super::audit::reload_line(by, r.as_ref()));
+        tracing::info!("{}", audit::reload_line(by, r.as_ref()));
         r
     }
 
@@ -160,7 +115,7 @@ impl Daemon {
         };
         match change {
             Change::Attach(spec) => {
-                let name = super::name_of(&spec);
+                let name = name_of(&spec);
                 match self.attach(spec, false) {
                     Ok(_) => r.attached.push(name),
                     Err(e) => r.failed.push(fail(&name, e)),
@@ -254,7 +209,7 @@ impl Daemon {
 
     /// Attach again a device of the file that was detached meanwhile.
     fn reattach(&self, name: &str, specs: &[DeviceSpec], r: &mut ReloadReport) {
-        let Some(spec) = specs.iter().find(|s| super::name_of(s) == name) else {
+        let Some(spec) = specs.iter().find(|s| name_of(s) == name) else {
             return;
         };
         match self.attach(spec.clone(), false) {

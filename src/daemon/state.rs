@@ -71,7 +71,7 @@ enum Record {
 }
 
 fn name_of(spec: &DeviceSpec) -> String {
-    super::name_of(spec)
+    super::params::name_of(spec)
 }
 
 /// What a state file holds: the table, and the lines that could not be read.

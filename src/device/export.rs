@@ -35,7 +35,7 @@
 //!   (serialises control operations on this one export; never taken by
 //!   reactors).
 
-use super::Device;
+use super::live::Device;
 use super::range_lock::Wake;
 use super::spec::DeviceSpec;
 use super::stats::Stats;

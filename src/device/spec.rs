@@ -2,7 +2,7 @@
 //! entries and of state-file records (the control protocol carries it as is).
 //! Pure data; opening it is [`super::Device::open`]'s job.
 
-use super::CacheMode;
+use super::params::CacheMode;
 use crate::backing::format::ImageFormat;
 use crate::backing::identity::FileIdentity;
 use serde::{Deserialize, Serialize};

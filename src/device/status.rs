@@ -3,7 +3,7 @@
 //! describes everything as data). Synchronous: these are metadata lookups that
 //! do not wait for data I/O (run off the reactors, see `engine::offload`).
 
-use super::Device;
+use super::live::Device;
 use crate::block::{Errno, Extent};
 use std::sync::atomic::Ordering;
 

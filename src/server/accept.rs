@@ -45,7 +45,7 @@
 
 mod room;
 
-use super::Listener;
+use super::listen::Listener;
 use super::pending::{Fate, Pending, Who, step};
 use super::quiet::Lines;
 use crate::daemon::Daemon;
@@ -56,7 +56,7 @@ use crate::frontend::nbd::tls::TlsIo;
 use crate::reactor::{NewConn, ReactorHandle};
 use crate::tls::TlsContext;
 use crate::tls::ktls::KtlsError;
-use room::{Limit, Which};
+use room::{Limit, Room, Which};
 use rustix::event::{PollFd, PollFlags, poll};
 use rustix::net::AddressFamily;
 use rustls::ServerConnection;
@@ -136,6 +136,18 @@ impl<'a> AcceptLoop<'a> {
     /// How long a client may be silent before it is the first to go.
     fn stall(&self) -> Duration {
         (self.cfg.handshake_timeout / 4).min(MAX_STALL)
+    }
+
+    /// The handshakes and what choosing who makes room needs (see [`room`]).
+    fn room(&mut self) -> Room<'_> {
+        Room {
+            stall: self.stall(),
+            admission: &self.cfg.admission,
+            reactors: self.reactors,
+            pending: &mut self.pending,
+            held: &mut self.held,
+            lines: &mut self.lines,
+        }
     }
 
     /// Run until SIGINT/SIGTERM.
@@ -277,7 +289,7 @@ impl<'a> AcceptLoop<'a> {
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
                     // A handshake's descriptor makes room; else refuse.
-                    if self.evict(Limit::Descriptors, Which::Any) {
+                    if self.room().evict(Limit::Descriptors, Which::Any) {
                         continue;
                     }
                     self.refuse_without_fds(li);
@@ -315,7 +327,7 @@ impl<'a> AcceptLoop<'a> {
 
     fn admit(&mut self, sock: OwnedFd, who: Who) {
         // Dropping the socket of a refused client closes it.
-        let Some(permit) = self.place_for(&who) else {
+        let Some(permit) = self.room().place_for(&who) else {
             return;
         };
         if rustix::io::ioctl_fionbio(&sock, true).is_err() {
@@ -336,7 +348,11 @@ impl<'a> AcceptLoop<'a> {
 
     /// Close handshakes until their memory is within [`HANDSHAKE_MEMORY`].
     fn fit_memory(&mut self) {
-        while self.held > HANDSHAKE_MEMORY && self.evict(Limit::Memory, Which::Any) {}
+        while self.held > HANDSHAKE_MEMORY
+            && self
+                .room()
+                .evict(Limit::Memory(HANDSHAKE_MEMORY), Which::Any)
+        {}
     }
 
     /// Move handshake `i` on as far as its socket allows; hand it to a reactor

@@ -12,10 +12,26 @@
 use super::owned::{self, FileId, Owned, kind_name};
 use rustix::fs::{FileType, Gid, Mode, Uid};
 use std::net::TcpListener;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use thiserror::Error;
+
+/// A bound NBD endpoint.
+pub(crate) enum Listener {
+    Unix(UnixListener),
+    Tcp(TcpListener),
+}
+
+impl Listener {
+    pub(crate) fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Listener::Unix(u) => u.as_fd(),
+            Listener::Tcp(t) => t.as_fd(),
+        }
+    }
+}
 
 #[derive(Debug, Error)]
 pub enum ListenError {

@@ -32,10 +32,10 @@ use crate::metrics::{self, MetricsError};
 use crate::reactor::{self, ReactorError, ReactorHandle};
 use crate::tls::{TlsContext, TlsError, TlsFiles};
 use activation::{Activated, NbdSocket};
+use listen::Listener;
 pub use listen::{ListenError, default_socket_dir};
 use std::io::Write;
 use std::net::TcpListener;
-use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -155,21 +155,6 @@ impl Default for ServeOptions {
             reply_timeout: crate::engine::budget::DEFAULT_REPLY_TIMEOUT,
             metrics: None,
             metrics_mode: DEFAULT_SOCKET_MODE,
-        }
-    }
-}
-
-/// A bound NBD endpoint.
-pub(crate) enum Listener {
-    Unix(UnixListener),
-    Tcp(TcpListener),
-}
-
-impl Listener {
-    fn as_fd(&self) -> BorrowedFd<'_> {
-        match self {
-            Listener::Unix(u) => u.as_fd(),
-            Listener::Tcp(t) => t.as_fd(),
         }
     }
 }

@@ -7,7 +7,7 @@
 //! is used as is (the value inside is always a whole configuration).
 //! Handshakes that already took a configuration keep it.
 
-use super::TlsError;
+use super::error::TlsError;
 use super::files::{Loaded, TlsFiles, load_info};
 use super::identity::CertInfo;
 use rustls::ServerConfig;

@@ -12,7 +12,7 @@
 //! A CRL past its nextUpdate is used all the same (its revocations still
 //! hold) and reported in [`CrlInfo::expired`], for a warning.
 
-use super::TlsError;
+use super::error::TlsError;
 use super::identity::dn_string;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, CertificateRevocationListDer};

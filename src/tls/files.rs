@@ -5,8 +5,8 @@
 //! Pure with respect to loopd: reads the files once per call, keeps no state,
 //! blocks only on those reads.
 
-use super::TlsError;
 use super::crl::{self, CA_CRL, CrlInfo};
+use super::error::TlsError;
 use super::identity::{CertInfo, cert_info};
 use rustls::RootCertStore;
 use rustls::ServerConfig;

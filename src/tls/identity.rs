@@ -41,7 +41,7 @@
 //! printed again (an unparsable address matches nothing). `cn:`, `dn:` and
 //! `uri:` compare exactly.
 
-use super::TlsError;
+use super::error::TlsError;
 use std::fmt::Write as _;
 use std::net::IpAddr;
 use x509_parser::asn1_rs::{Class, Tag};

@@ -38,6 +38,8 @@
 //! - [`ktls`]: moves an established session's record layer into the kernel.
 //! - [`record`]: [`RecordBoundary`], for reading a socket no further than
 //!   the TLS record in progress (what [`ktls::enable`] needs of its caller).
+//! - [`error`]: [`TlsError`], what every file here reports (each message
+//!   names the file it is about).
 //!
 //! TLS-PSK (nbdkit's and qemu's `tls-creds-psk`) is not offered: rustls has
 //! no external pre-shared keys (rustls/rustls#174 is open), and loopd does
@@ -49,46 +51,14 @@
 
 pub mod context;
 pub mod crl;
+pub mod error;
 pub mod files;
 pub mod identity;
 pub mod ktls;
 pub mod record;
 
 pub use context::TlsContext;
+pub use error::TlsError;
 pub use files::{TlsFiles, load};
 pub use identity::{allowed, identities, identities_of_der};
 pub use record::RecordBoundary;
-
-use std::path::PathBuf;
-
-/// Why the TLS files could not be used, or a certificate not be read. Every
-/// message names the file it is about.
-#[derive(Debug, thiserror::Error)]
-pub enum TlsError {
-    /// A file that must be there is not.
-    #[error("{}: missing{why}", path.display())]
-    Missing { path: PathBuf, why: &'static str },
-    /// A file could not be read (permissions, a directory, ...).
-    #[error("{}: {source}", path.display())]
-    Read {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    /// A file's content is not what it must be.
-    #[error("{}: {what}", path.display())]
-    Content { path: PathBuf, what: String },
-    /// The server certificate's public key is not the private key's.
-    #[error("{} does not match {}", cert.display(), key.display())]
-    KeyMismatch { cert: PathBuf, key: PathBuf },
-    /// rustls refused the configuration for another reason.
-    #[error("{}: {source}", dir.display())]
-    Config {
-        dir: PathBuf,
-        #[source]
-        source: rustls::Error,
-    },
-    /// Bytes that are not an X.509 certificate loopd can read.
-    #[error("not an X.509 certificate: {0}")]
-    Certificate(String),
-}

@@ -20,12 +20,13 @@
 //! waiting for the client's bytes ([`victim_checked`]); the per-peer counts are
 //! read once per choice.
 
-use super::AcceptLoop;
-use crate::engine::admit::{PeerKey, Permit, Refused, Standing, Ticket, victim_checked};
-use crate::server::pending::Who;
+use crate::engine::admit::{Admission, PeerKey, Permit, Refused, Standing, Ticket, victim_checked};
+use crate::reactor::ReactorHandle;
+use crate::server::pending::{Pending, Who};
+use crate::server::quiet::Lines;
 use rustix::event::{PollFd, PollFlags, poll};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Which limit made room necessary.
 #[derive(Debug, Clone, Copy)]
@@ -33,7 +34,8 @@ pub(super) enum Limit {
     Connections(usize),
     PerPeer(usize),
     Descriptors,
-    Memory,
+    /// The handshakes' buffers reached this many bytes.
+    Memory(usize),
 }
 
 impl std::fmt::Display for Limit {
@@ -42,11 +44,7 @@ impl std::fmt::Display for Limit {
             Limit::Connections(max) => write!(f, "--max-connections {max} reached"),
             Limit::PerPeer(max) => write!(f, "--max-connections-per-peer {max} reached"),
             Limit::Descriptors => f.write_str("out of file descriptors"),
-            Limit::Memory => write!(
-                f,
-                "handshakes hold {} MiB of buffers",
-                super::HANDSHAKE_MEMORY >> 20
-            ),
+            Limit::Memory(bytes) => write!(f, "handshakes hold {} MiB of buffers", bytes >> 20),
         }
     }
 }
@@ -63,11 +61,25 @@ pub(super) enum Which {
     HoldingAtLeast(usize),
 }
 
-impl AcceptLoop<'_> {
+/// What the choice needs of the accept loop, borrowed for one choice: the
+/// pending handshakes and the memory they hold (kept equal to the sum of their
+/// `counted`), the admission, the reactors (told of a given-up place) and the
+/// rate-limited log lines.
+pub(super) struct Room<'r> {
+    pub admission: &'r Arc<Admission>,
+    pub reactors: &'r [Arc<ReactorHandle>],
+    pub pending: &'r mut Vec<Pending>,
+    pub held: &'r mut usize,
+    pub lines: &'r mut Lines,
+    /// How long a client may be silent before it is the first to go.
+    pub stall: Duration,
+}
+
+impl Room<'_> {
     /// A place for newcomer `who`, made if a limit is reached (see the module
     /// documentation); `None` if it is refused (the refusal is logged).
     pub(super) fn place_for(&mut self, who: &Who) -> Option<Permit> {
-        let adm = Arc::clone(&self.cfg.admission);
+        let adm = Arc::clone(self.admission);
         // Each round that goes on closed a handshake: at most one per handshake.
         loop {
             match adm.admit(who.key, who.name.clone()) {
@@ -116,7 +128,7 @@ impl AcceptLoop<'_> {
 
     /// `victim`'s place went to `who`: every reactor is told to close it.
     fn close_given_up(&mut self, victim: &Arc<Ticket>, held: usize, who: &Who, limit: Limit) {
-        for r in self.reactors {
+        for r in self.reactors.iter() {
             r.close_given_up(Arc::clone(victim));
         }
         self.lines.given_up.hit(Instant::now(), victim.peer(), || {
@@ -133,8 +145,8 @@ impl AcceptLoop<'_> {
     /// Log the refusal of `who`, whose peer holds `mine` places, at
     /// `--max-connections`.
     fn refuse(&mut self, who: &Who, mine: usize) {
-        let max = self.cfg.admission.max();
-        let open = self.cfg.admission.open();
+        let max = self.admission.max();
+        let open = self.admission.open();
         let waiting = match self.pending.len() {
             0 => "none in its handshake".to_string(),
             n => format!("{n} in their handshake, all of peers holding fewer places"),
@@ -153,8 +165,8 @@ impl AcceptLoop<'_> {
     /// because `limit` is reached; false if there is none.
     pub(super) fn evict(&mut self, limit: Limit, which: Which) -> bool {
         let now = Instant::now();
-        let stall = self.stall();
-        let places = self.cfg.admission.places();
+        let stall = self.stall;
+        let places = self.admission.places();
         let mut standings: Vec<Standing> = self
             .pending
             .iter()
@@ -166,7 +178,7 @@ impl AcceptLoop<'_> {
             Which::Of(k) => s.peer == k,
             Which::HoldingAtLeast(n) => s.held >= n,
         };
-        let pending = &mut self.pending;
+        let pending = &mut *self.pending;
         let found = victim_checked(&mut standings, now, stall, eligible, |ask| {
             let waiting = has_input(ask.iter().map(|&i| &pending[i].sock));
             let talked: Vec<usize> = waiting.into_iter().map(|j| ask[j]).collect();
@@ -180,7 +192,8 @@ impl AcceptLoop<'_> {
             return false;
         };
         let s = standings[i];
-        let p = self.remove(i);
+        let p = self.pending.swap_remove(i);
+        *self.held -= p.counted;
         let how = if p.stuck.is_some() {
             "not taking its replies"
         } else if p.heard.is_some() {

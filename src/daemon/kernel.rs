@@ -1,0 +1,179 @@
+//! The kernel block devices of the daemon's devices (`--blockdev ublk|nbd`).
+//!
+//! Contract: a device's block device is made once the device is published and
+//! the reactors run ([`Daemon::start_blockdev`], or
+//! [`Daemon::start_pending_blockdevs`] for devices attached before them), told
+//! of a size change it can follow ([`Daemon::kernel_follows`] decides before
+//! the change, [`Daemon::kernel_resize`] after), and removed before its device
+//! is detached and when the daemon stops. Making and removing one is
+//! [`super::blockdev`]'s; this file keeps the table (`Daemon::blockdevs`, a
+//! mutex held only to look up, insert or remove) and records a new ublk
+//! device's id, so that a daemon restarted after a crash takes the same
+//! device back. Calls [`super::registry`] and [`super::record`] only.
+
+use super::blockdev::{self, BlockdevError, KernelDev};
+use super::error::CtlError;
+use super::registry::Daemon;
+use crate::device::Device;
+use crate::device::export::Export;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+impl Daemon {
+    /// Give device `name` to the kernel as the block device its spec asks
+    /// for (nothing if it asks for none, if it has one, or if the reactors do
+    /// not run yet: [`Daemon::start_pending_blockdevs`] makes it then). On
+    /// failure the device stays, served over NBD, and keeps its record: a
+    /// driver not loaded yet at boot must not erase the configuration (a new
+    /// attach undoes itself instead, see [`super::attach`]).
+    pub(super) fn start_blockdev(&self, name: &str) -> Result<(), CtlError> {
+        let Some(e) = self.export(name) else {
+            return Err(CtlError::NotFound(name.to_owned()));
+        };
+        self.start_blockdev_of(&e)
+    }
+
+    /// [`Daemon::start_blockdev`] of export `e`; its only error is
+    /// [`CtlError::Blockdev`].
+    pub(super) fn start_blockdev_of(&self, e: &Arc<Export>) -> Result<(), CtlError> {
+        let name = e.name.as_str();
+        let spec = e.spec();
+        let reactors = self.reactors();
+        if reactors.is_empty() || self.blockdev(name).is_some() {
+            // Made once the reactors run (start_pending_blockdevs), or made.
+            return Ok(());
+        }
+        match blockdev::start(e, &spec, &reactors) {
+            Ok(None) => Ok(()),
+            Ok(Some(k)) => {
+                tracing::info!("device {name:?}: {}", k.path().display());
+                let ublk_id = match &k {
+                    KernelDev::Ublk(u) => Some(u.dev_id),
+                    KernelDev::Nbd(_) => None,
+                };
+                {
+                    let mut g = self.blockdevs.lock().unwrap_or_else(|p| p.into_inner());
+                    g.insert(name.to_owned(), Arc::new(k));
+                }
+                if let Some(id) = ublk_id
+                    && spec.ublk_id != Some(id)
+                {
+                    // Recorded so that a daemon restarted after a crash takes the
+                    // same device back (user recovery).
+                    let mut spec = spec;
+                    spec.ublk_id = Some(id);
+                    e.set_spec(spec.clone());
+                    if let Err(err) = self.record_put(e, &spec) {
+                        tracing::warn!(
+                            "device {name:?}: the ublk device id is not recorded ({err}); \
+                             after a crash the device is made anew instead of recovered"
+                        );
+                    }
+                }
+                Ok(())
+            }
+            Err(source) => Err(CtlError::Blockdev {
+                name: name.to_owned(),
+                source,
+            }),
+        }
+    }
+
+    /// Make the block devices of devices attached before the reactors ran
+    /// (`serve IMAGE --blockdev`, `--config`, the state file). A device whose
+    /// block device cannot be made is detached.
+    pub fn start_pending_blockdevs(&self) -> Vec<(String, Result<PathBuf, CtlError>)> {
+        let mut out = Vec::new();
+        for e in self.all() {
+            if e.spec().blockdev.is_none() || self.blockdev(&e.name).is_some() {
+                continue;
+            }
+            let r = self.start_blockdev(&e.name).and_then(|()| {
+                self.blockdev(&e.name)
+                    .map(|b| b.path())
+                    .ok_or(CtlError::NotFound(e.name.clone()))
+            });
+            out.push((e.name.clone(), r));
+        }
+        out
+    }
+
+    /// Whether the kernel block device of `e` (if any) can follow the change
+    /// from `cur` to `new`; refused with the reason if not. `Some(bytes)`: the
+    /// kernel must be told the new size once the change is made.
+    pub(super) fn kernel_follows(
+        &self,
+        e: &Export,
+        cur: &Device,
+        new: &Device,
+    ) -> Result<Option<u64>, CtlError> {
+        let Some(b) = self.blockdev(&e.name) else {
+            return Ok(None);
+        };
+        let refuse = |why: &str| CtlError::Blockdev {
+            name: e.name.clone(),
+            source: BlockdevError::Unfollowable(format!(
+                "{} cannot follow {why}: detach and attach the device to change it",
+                b.path().display()
+            )),
+        };
+        if new.block_size != cur.block_size {
+            return Err(refuse("a change of block size"));
+        }
+        if new.read_only != cur.read_only {
+            return Err(refuse("a change of read-only (set when the disk is made)"));
+        }
+        if new.offset != cur.offset {
+            return Err(refuse("a change of offset under its data"));
+        }
+        if new.size == cur.size {
+            return Ok(None);
+        }
+        b.can_resize().map_err(|source| CtlError::Blockdev {
+            name: e.name.clone(),
+            source,
+        })?;
+        Ok(Some(new.size))
+    }
+
+    /// Tell the kernel about a size change [`Daemon::kernel_follows`] allowed.
+    pub(super) fn kernel_resize(&self, e: &Export, bytes: Option<u64>) {
+        if let (Some(bytes), Some(b)) = (bytes, self.blockdev(&e.name))
+            && let Err(err) = b.resize(bytes)
+        {
+            tracing::error!(
+                "device {:?}: {} was not resized: {err}",
+                e.name,
+                b.path().display()
+            );
+        }
+    }
+
+    /// Remove device `name`'s block device, if it has one.
+    pub(super) fn remove_blockdev(&self, name: &str) -> Result<(), CtlError> {
+        let Some(u) = self.blockdev(name) else {
+            return Ok(());
+        };
+        u.remove().map_err(|source| CtlError::Blockdev {
+            name: name.to_owned(),
+            source,
+        })?;
+        let mut g = self.blockdevs.lock().unwrap_or_else(|p| p.into_inner());
+        g.remove(name);
+        Ok(())
+    }
+
+    /// Remove every block device (the daemon is stopping: the reactors serving
+    /// them are about to exit).
+    pub fn remove_blockdevs(&self) {
+        let names: Vec<String> = {
+            let g = self.blockdevs.lock().unwrap_or_else(|p| p.into_inner());
+            g.keys().cloned().collect()
+        };
+        for n in names {
+            if let Err(e) = self.remove_blockdev(&n) {
+                tracing::warn!("{e}");
+            }
+        }
+    }
+}

@@ -1,0 +1,151 @@
+//! A device spec's name and checks, and the [`DeviceParams`] it opens with.
+//!
+//! Pure: what an attach checks before it opens anything ([`check_name`],
+//! [`check_create`]: the reason of an invalid spec), the export name a spec asks for ([`name_of`]), and the
+//! parameters of [`crate::device::Device::open`] (with the benchmark switches
+//! of [`Tuning`]).
+
+use crate::control::proto::DeviceSpec;
+use crate::device::{DeviceParams, Opening};
+
+/// Switches for benchmarks (not part of a device's configuration).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Tuning {
+    /// One lock for the whole device instead of byte ranges (seed 001's baseline).
+    pub whole_device_lock: bool,
+    /// No inline page-cache reads in buffered mode (seed 004's baseline).
+    pub no_inline_reads: bool,
+    /// Buffered writes always through the ring (the inline-write baseline).
+    pub no_inline_writes: bool,
+    /// Large buffered reads copied, never spliced (the splice baseline).
+    pub no_splice: bool,
+}
+
+pub(super) fn params_of(spec: &DeviceSpec, name: &str) -> DeviceParams {
+    params_with(spec, name, Tuning::default())
+}
+
+pub(super) fn params_with(spec: &DeviceSpec, name: &str, tuning: Tuning) -> DeviceParams {
+    DeviceParams {
+        path: spec.image.clone(),
+        opening: Opening::First,
+        name: name.to_owned(),
+        offset: spec.offset,
+        size_limit: spec.size_limit,
+        block_size: spec.block_size,
+        strict_block_size: spec.strict_block_size,
+        cache: spec.cache,
+        read_only: spec.read_only,
+        create: spec.create,
+        whole_device_lock: tuning.whole_device_lock,
+        no_inline_reads: tuning.no_inline_reads,
+        no_inline_writes: tuning.no_inline_writes,
+        no_splice: tuning.no_splice,
+        shared: spec.shared,
+        format: spec.format,
+    }
+}
+
+/// The export name a spec asks for (default: the image's file stem).
+pub fn name_of(spec: &DeviceSpec) -> String {
+    match &spec.name {
+        Some(n) => n.clone(),
+        None => spec
+            .image
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+    }
+}
+
+/// `create`'s size must fit the file system's `off_t`.
+pub(super) fn check_create(spec: &DeviceSpec) -> Result<(), String> {
+    match spec.create {
+        Some(n) if i64::try_from(n).is_err() => Err(format!(
+            "create size {n} is out of range: at most {} bytes (2^63-1)",
+            i64::MAX
+        )),
+        _ => Ok(()),
+    }
+}
+
+pub(super) fn check_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("the export name is empty (give a name)".into());
+    }
+    if name.len() > 4096 || name.contains('\0') || name.contains('/') || name.contains('?') {
+        return Err(format!(
+            "export name {name:?} is invalid (at most 4096 bytes, no NUL, '/' or '?')"
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    fn spec(image: &str) -> DeviceSpec {
+        DeviceSpec {
+            image: PathBuf::from(image),
+            ..DeviceSpec::default()
+        }
+    }
+
+    #[test]
+    fn the_name_is_the_one_given_else_the_image_stem() {
+        let mut s = spec("/images/disk.raw");
+        assert_eq!(name_of(&s), "disk");
+        s.name = Some("other".into());
+        assert_eq!(name_of(&s), "other");
+        assert_eq!(name_of(&spec("/")), "");
+        assert_eq!(name_of(&spec("/images/no-ext")), "no-ext");
+    }
+
+    #[test]
+    fn names_are_checked_for_what_nbd_and_uris_cannot_carry() {
+        assert!(check_name("disk-1").is_ok());
+        assert!(check_name(&"n".repeat(4096)).is_ok());
+        for bad in ["", "a/b", "a?b", "a\0b"] {
+            assert!(check_name(bad).is_err(), "{bad:?}");
+        }
+        assert!(check_name(&"n".repeat(4097)).is_err());
+    }
+
+    #[test]
+    fn a_create_size_must_fit_off_t() {
+        let mut s = spec("/x");
+        assert!(check_create(&s).is_ok());
+        s.create = Some(i64::MAX as u64);
+        assert!(check_create(&s).is_ok());
+        s.create = Some(i64::MAX as u64 + 1);
+        let e = check_create(&s).expect_err("past off_t");
+        assert!(e.contains("out of range"), "{e}");
+    }
+
+    #[test]
+    fn params_carry_the_spec_and_the_tuning() {
+        let mut s = spec("/images/disk.raw");
+        s.offset = 4096;
+        s.size_limit = Some(1 << 20);
+        s.read_only = true;
+        let t = Tuning {
+            whole_device_lock: true,
+            no_splice: true,
+            ..Tuning::default()
+        };
+        let p = params_with(&s, "disk", t);
+        assert_eq!(p.path, PathBuf::from("/images/disk.raw"));
+        assert_eq!(p.name, "disk");
+        assert_eq!(
+            (p.offset, p.size_limit, p.read_only),
+            (4096, Some(1 << 20), true)
+        );
+        assert!(p.whole_device_lock && p.no_splice);
+        assert!(!p.no_inline_reads && !p.no_inline_writes);
+        assert!(matches!(p.opening, Opening::First));
+        let q = params_of(&s, "disk");
+        assert!(!q.whole_device_lock && !q.no_splice);
+    }
+}

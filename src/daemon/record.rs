@@ -1,0 +1,124 @@
+//! State handling: the daemon's side of its state file ([`super::state`]).
+//!
+//! Contract: the state log is opened and locked first thing at start
+//! ([`Daemon::open_state`]: a second daemon on the same file stops there);
+//! every change it records (attach, set, detach) is written durably
+//! ([`Daemon::write_record`]) *before* it takes effect and before the reply,
+//! and if it cannot be, the request fails and changes nothing. The log's
+//! mutex is the first lock of the daemon's lock order (see
+//! [`super::registry`]); an attach holds it from its name check to its
+//! insertion, so no client sees a device the state file lacks. At stop the
+//! file is compacted and released ([`Daemon::close_state`]); nothing is
+//! recorded after that, and a change asked for then fails. Writing blocks
+//! (`fdatasync`): these run on control threads, never on a reactor.
+//!
+//! Devices from the command line and `--config` are not recorded (they come
+//! back from there); see [`super::restore`] for what comes back at start.
+
+use super::error::CtlError;
+use super::registry::Daemon;
+use super::state;
+use crate::control::proto::DeviceSpec;
+use crate::device::export::Export;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+
+impl Daemon {
+    /// Write one record to the state log (the caller holds its lock), durably,
+    /// before the change it records takes effect. Once the log is closed at stop
+    /// nothing may change unrecorded; a daemon without a state file records
+    /// nothing. A failed write fails the request `what` (e.g. `attach "a"`).
+    pub(super) fn write_record(
+        &self,
+        log: &mut Option<state::StateLog>,
+        what: &str,
+        f: impl FnOnce(&mut state::StateLog) -> Result<(), state::StateError>,
+    ) -> Result<(), CtlError> {
+        match log.as_mut() {
+            Some(l) => f(l).map_err(|source| CtlError::State {
+                msg: format!("cannot {what}: the state file cannot record it"),
+                source,
+            }),
+            None if self.state.is_some() && self.stopping.load(Ordering::SeqCst) => {
+                Err(CtlError::ShuttingDown)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Durably record `spec` as `e`'s configuration (before it is applied).
+    pub(super) fn record_put(&self, e: &Export, spec: &DeviceSpec) -> Result<(), CtlError> {
+        if !e.persistent {
+            return Ok(());
+        }
+        let mut log = self.log.lock().map_err(|_| CtlError::ShuttingDown)?;
+        self.write_record(&mut log, &format!("change {:?}", e.name), |l| l.put(spec))
+    }
+
+    /// Durably record that `e` is gone (before it is unpublished); a failure
+    /// fails the detach.
+    pub(super) fn record_del(&self, e: &Export) -> Result<(), CtlError> {
+        if !e.persistent {
+            return Ok(());
+        }
+        let mut log = self.log.lock().map_err(|_| CtlError::ShuttingDown)?;
+        self.write_record(&mut log, &format!("detach {:?}", e.name), |l| {
+            l.del(&e.name)
+        })
+    }
+
+    /// Lock and read the state file (first thing at start: a second daemon on
+    /// the same file, or a file that is not a state file, stops here).
+    pub fn open_state(&self) -> Result<(), state::StateError> {
+        let Some(path) = &self.state else {
+            return Ok(());
+        };
+        let log = state::StateLog::open(path)?;
+        if let Ok(mut g) = self.log.lock() {
+            *g = Some(log);
+        }
+        Ok(())
+    }
+
+    /// At stop: compact the state file and release it (and its lock): nothing is
+    /// recorded after this.
+    pub fn close_state(&self) {
+        self.write_state();
+        if let Ok(mut g) = self.log.lock() {
+            *g = None;
+        }
+    }
+
+    /// Compact the state file (rewrite it from its table).
+    pub fn write_state(&self) {
+        let Ok(mut g) = self.log.lock() else { return };
+        if let Some(log) = g.as_mut() {
+            if let Err(e) = log.compact() {
+                tracing::error!("{e:#}");
+            }
+        }
+    }
+}
+
+/// The default state file for a control socket: persistent storage, not `/run`
+/// (root: `/var/lib/loopd/STEM.state`; others: `$XDG_STATE_HOME/loopd/` or
+/// `~/.local/state/loopd/`), where STEM is the control socket's file stem.
+pub fn default_state_path(control: &Path) -> PathBuf {
+    let stem = control
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "loopd".into());
+    let dir = if rustix::process::geteuid().is_root() {
+        PathBuf::from("/var/lib/loopd")
+    } else {
+        match (std::env::var_os("XDG_STATE_HOME"), std::env::var_os("HOME")) {
+            (Some(d), _) if !d.is_empty() => Path::new(&d).join("loopd"),
+            (_, Some(h)) if !h.is_empty() => Path::new(&h).join(".local/state/loopd"),
+            _ => PathBuf::from(format!(
+                "/tmp/loopd-{}",
+                rustix::process::geteuid().as_raw()
+            )),
+        }
+    };
+    dir.join(format!("{stem}.state"))
+}

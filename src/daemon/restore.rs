@@ -1,0 +1,123 @@
+//! Recorded devices coming back: at start ([`Daemon::restore`]), and every
+//! [`RETRY_INTERVAL`] while one is missing ([`Daemon::run_retrier`]).
+//!
+//! Contract: a device of the state file that cannot be attached at start stays
+//! recorded and is listed as *missing* with the reason; its name stays taken.
+//! It is retried on a thread of its own until the daemon stops, and by an
+//! attach of the same name ([`super::attach`]). A device both in the state
+//! file and in `--config` (or the `serve IMAGE` argument) is the latter's; its
+//! record is dropped.
+
+use super::attach::Source;
+use super::error::CtlError;
+use super::params::{Tuning, name_of};
+use super::registry::{Daemon, Missing};
+use crate::text::quoted_path;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+/// How often a missing device's image is looked for again.
+pub const RETRY_INTERVAL: Duration = Duration::from_secs(2);
+
+impl Daemon {
+    /// Bring back the devices of the state file (after those of the command line
+    /// and `--config`, which win a name clash). A device that cannot be attached
+    /// stays recorded and is kept as missing; then the file is compacted.
+    pub fn restore(&self) {
+        let (specs, path) = match self.log.lock() {
+            Ok(g) => match g.as_ref() {
+                Some(l) => (l.table().to_vec(), l.path().display().to_string()),
+                None => return,
+            },
+            Err(_) => return,
+        };
+        for spec in specs {
+            let name = name_of(&spec);
+            if self.export(&name).is_some() {
+                tracing::warn!(
+                    "device {name:?} is both in --config (or the serve IMAGE argument) and in the \
+                     state file {path}: --config wins; its state record is dropped"
+                );
+                if let Ok(mut g) = self.log.lock() {
+                    if let Some(l) = g.as_mut() {
+                        l.forget(&name);
+                    }
+                }
+                continue;
+            }
+            if let Ok(mut m) = self.missing.lock() {
+                m.insert(
+                    name.clone(),
+                    Missing {
+                        spec: spec.clone(),
+                        reason: "not attached yet".into(),
+                    },
+                );
+            }
+            match self.attach_inner(spec, Source::Restored, Tuning::default(), false) {
+                Ok(_) => tracing::info!("restored device {name:?}"),
+                Err(e) => {
+                    let reason = e.body().message;
+                    tracing::warn!(
+                        "device {name:?} is missing: {reason}; it stays in the state file and is \
+                         retried every {}s and on `loopd attach` of that name",
+                        RETRY_INTERVAL.as_secs()
+                    );
+                    self.set_missing_reason(&name, reason);
+                }
+            }
+        }
+        self.write_state();
+    }
+
+    /// Retry missing devices every [`RETRY_INTERVAL`] on a thread of their own,
+    /// until the daemon stops.
+    pub fn run_retrier(self: &Arc<Self>) {
+        let me = Arc::downgrade(self);
+        let spawned = std::thread::Builder::new()
+            .name("loopd-retry".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(RETRY_INTERVAL);
+                    let Some(d) = me.upgrade() else { return };
+                    if d.stopping.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    d.retry_missing();
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::error!("cannot start the retry thread: {e}");
+        }
+    }
+
+    /// One attempt at every missing device.
+    pub(super) fn retry_missing(&self) {
+        let all: Vec<(String, Missing)> = match self.missing.lock() {
+            Ok(m) => m.iter().map(|(n, x)| (n.clone(), x.clone())).collect(),
+            Err(_) => return,
+        };
+        for (name, x) in all {
+            match self.attach_inner(x.spec.clone(), Source::Restored, Tuning::default(), false) {
+                Ok(_) => {
+                    tracing::info!(
+                        "device {name:?} is back: {} can be opened again",
+                        quoted_path(&x.spec.image)
+                    );
+                    if let Err(e) = self.start_blockdev(&name) {
+                        tracing::error!("{}", e.body().message);
+                    }
+                }
+                Err(CtlError::NameTaken(_)) => {}
+                Err(e) => {
+                    let reason = e.body().message;
+                    if reason != x.reason {
+                        tracing::warn!("device {name:?} is still missing: {reason}");
+                        self.set_missing_reason(&name, reason);
+                    }
+                }
+            }
+        }
+    }
+}
