@@ -49,10 +49,10 @@
 //!   A backend without one gets the general path: every op submitted, reads
 //!   copied, every range described as data.
 //!
-//! A new backend is one file here (a type implementing [`Storage`], whose
-//! defaults cover every capability it lacks), its variant in [`Backend`] and
-//! its line in the `each!` dispatch below, and the line in `Device::open`
-//! (the device module) that selects it.
+//! A new backend is one file here (a type implementing [`Storage`], from
+//! `storage.rs`, whose defaults cover every capability it lacks), its variant
+//! in [`Backend`] and its line in the `each!` dispatch below, and the line in
+//! `Device::open` (the device module) that selects it.
 
 pub mod align;
 pub mod cache;
