@@ -48,7 +48,7 @@ use crate::device::{Device, DeviceError, DeviceParams, Opening};
 use crate::frontend::nbd::handshake::Exports;
 use crate::frontend::ublk::ctrl::CtrlError;
 use crate::kernel_nbd::KernelNbdError;
-use crate::reactor::{CONTROL_GEN, ReactorHandle};
+use crate::reactor::ReactorHandle;
 use crate::text::quoted_path;
 use crate::tls::TlsContext;
 use blockdev::{BlockdevError, KernelDev};
@@ -998,9 +998,8 @@ impl Daemon {
 
     /// Make every reactor look at its connections' exports again.
     fn kick_reactors(&self) {
-        CONTROL_GEN.fetch_add(1, Ordering::SeqCst);
         for r in self.reactors() {
-            r.wake();
+            r.kick();
         }
     }
 
