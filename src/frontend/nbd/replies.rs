@@ -182,7 +182,7 @@ mod tests {
                     max,
                     |si| {
                         let r = &replies[usize::from(si)];
-                        (!r.spliced).then(|| [r.hdr.as_slice(), r.data.as_slice()])
+                        (!r.spliced).then_some([r.hdr.as_slice(), r.data.as_slice()])
                     },
                     |p| offered.extend_from_slice(p),
                 );
@@ -257,7 +257,7 @@ mod tests {
         for si in 0..4 {
             q.push(si);
         }
-        let parts = |si: u16| (si != 2).then(|| [r.hdr.as_slice(), r.data.as_slice()]);
+        let parts = |si: u16| (si != 2).then_some([r.hdr.as_slice(), r.data.as_slice()]);
         assert_eq!(
             q.gather(64, parts, |_| {}),
             4,
