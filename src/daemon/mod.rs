@@ -1348,6 +1348,7 @@ fn visible(e: &Export, ids: &[String]) -> bool {
 /// does not exist for anyone else (not found, not listed).
 impl Exports for Daemon {
     type Client = ClientRef;
+    type Export = Arc<Device>;
 
     fn find(&self, name: &str, ids: &[String]) -> Option<Arc<Device>> {
         self.export(name)

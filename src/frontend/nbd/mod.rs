@@ -12,6 +12,7 @@
 
 pub mod affinity;
 pub mod conn;
+mod facts;
 mod framing;
 pub mod handshake;
 pub mod lines;
