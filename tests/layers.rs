@@ -71,18 +71,6 @@ enum Rule {
 }
 
 const EXCEPTIONS: &[Exception] = &[
-    // Removed when issue 23's conn part lands (the reactor names only sessions;
-    // CONTROL_GEN replaced by an explicit kick).
-    Exception {
-        rule: Rule::Circle,
-        file: "src/reactor/event_loop.rs",
-        other: &["src/reactor/handle.rs", "src/reactor/mod.rs"],
-    },
-    Exception {
-        rule: Rule::Upward,
-        file: "src/reactor/event_loop.rs",
-        other: &["src/reactor/mod.rs"],
-    },
     // device/ is issue 23's seam part: removed when it lands with `Device`
     // and `CacheMode` out of device/mod.rs.
     Exception {

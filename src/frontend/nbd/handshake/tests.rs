@@ -1,5 +1,5 @@
 use super::*;
-use crate::device::{CacheMode, DeviceParams};
+use crate::device::{CacheMode, Device, DeviceParams};
 use proptest::prelude::*;
 use std::io::Cursor;
 use std::os::unix::net::UnixStream;
@@ -17,6 +17,7 @@ struct TestExports {
 
 impl Exports for TestExports {
     type Client = ();
+    type Export = Arc<Device>;
     fn find(&self, name: &str, _ids: &[String]) -> Option<Arc<Device>> {
         self.devs.iter().find(|d| d.name == name).cloned()
     }
@@ -48,7 +49,7 @@ fn exports() -> Arc<TestExports> {
     Arc::new(TestExports { devs, _dir: dir })
 }
 
-type Outcome = Result<Option<Negotiated<()>>, HandshakeError>;
+type Outcome = Result<Option<Negotiated<(), Arc<Device>>>, HandshakeError>;
 
 /// The client end of a handshake running on a server thread.
 struct Client {
