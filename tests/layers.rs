@@ -70,32 +70,7 @@ enum Rule {
     Size,
 }
 
-const EXCEPTIONS: &[Exception] = &[
-    // Removed when issue 23's conn part lands (the reactor names only sessions;
-    // CONTROL_GEN replaced by an explicit kick).
-    Exception {
-        rule: Rule::Circle,
-        file: "src/reactor/event_loop.rs",
-        other: &["src/reactor/handle.rs", "src/reactor/mod.rs"],
-    },
-    Exception {
-        rule: Rule::Upward,
-        file: "src/reactor/event_loop.rs",
-        other: &["src/reactor/mod.rs"],
-    },
-    // frontend/nbd/ is issue 23's conn part: removed when it lands with these
-    // test files split (into tests/ children, as wire/tests/ext.rs already is).
-    Exception {
-        rule: Rule::Size,
-        file: "src/frontend/nbd/wire/tests.rs",
-        other: &[],
-    },
-    Exception {
-        rule: Rule::Size,
-        file: "src/frontend/nbd/handshake/tests.rs",
-        other: &[],
-    },
-];
+const EXCEPTIONS: &[Exception] = &[];
 
 fn tree() -> Tree {
     Tree::load(Path::new(env!("CARGO_MANIFEST_DIR")))

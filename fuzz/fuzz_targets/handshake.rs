@@ -18,6 +18,7 @@ struct Fixed(Arc<Device>);
 
 impl Exports for Fixed {
     type Client = ();
+    type Export = Arc<Device>;
     fn find(&self, name: &str, _ids: &[String]) -> Option<Arc<Device>> {
         (name.is_empty() || name == "disk").then(|| Arc::clone(&self.0))
     }
@@ -82,7 +83,7 @@ fn be64(b: &[u8], at: usize) -> u64 {
 /// Drive the handshake sans-I/O over `data` with `tls`; a `STARTTLS` it
 /// acknowledges is taken as a TLS handshake that proved one identity, and the
 /// rest of `data` as what came over TLS.
-fn drive(data: &[u8], tls: TlsMode) -> (Result<Option<Negotiated<()>>, HandshakeError>, Vec<u8>) {
+fn drive(data: &[u8], tls: TlsMode) -> (Result<Option<Negotiated<(), Arc<Device>>>, HandshakeError>, Vec<u8>) {
     let ex = exports();
     let mut h = Handshake::new(Policy { list: true, tls });
     let mut out = std::mem::take(&mut h.out);
@@ -115,7 +116,7 @@ fn drive(data: &[u8], tls: TlsMode) -> (Result<Option<Negotiated<()>>, Handshake
 
 /// What the server wrote: the hello, well-formed option replies, and only
 /// after a successful EXPORT_NAME its 10 or 134 bytes.
-fn check(r: &Result<Option<Negotiated<()>>, HandshakeError>, out: &[u8]) {
+fn check(r: &Result<Option<Negotiated<(), Arc<Device>>>, HandshakeError>, out: &[u8]) {
     let ex = exports();
     assert!(out.len() >= 18 && be64(out, 0) == NBDMAGIC);
     let mut at = 18;

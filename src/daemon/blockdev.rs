@@ -25,6 +25,7 @@ use crate::device::export::Export;
 use crate::device::spec::DeviceSpec;
 use crate::engine::admit::Admission;
 use crate::frontend::nbd::affinity::Peer;
+use crate::frontend::nbd::conn::{Conn, NewConn};
 use crate::frontend::nbd::handshake::transmission_flags;
 use crate::frontend::ublk::chardev::{CharError, UblkChar};
 use crate::frontend::ublk::ctrl::{AddDev, CtrlError, DeviceParams, UblkCtrl};
@@ -32,9 +33,8 @@ use crate::frontend::ublk::sys::{
     UBLK_F_UPDATE_SIZE, UBLK_S_DEV_FAIL_IO, UBLK_S_DEV_QUIESCED, UblksrvCtrlDevInfo,
 };
 use crate::kernel_nbd::{ConnectParams, KernelNbd, KernelNbdError, ReconfigureParams};
-use crate::reactor::NewConn;
-use crate::reactor::ReactorHandle;
 use crate::reactor::handle::UblkQueueSetup;
+use crate::reactor::{ReactorHandle, Session};
 use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
@@ -414,7 +414,7 @@ pub fn start_nbd(
         let (Some(client), Some(permit)) = (export.join(), admission.try_admit()) else {
             return Err(BlockdevError::NoReactors);
         };
-        reactors[i % reactors.len()].add(NewConn {
+        reactors[i % reactors.len()].adopt(Session::nbd(Conn::new(NewConn {
             sock: u,
             client,
             permit,
@@ -424,7 +424,7 @@ pub fn start_nbd(
             peer: Peer::Unknown,
             tls: None,
             encrypted: false,
-        });
+        })));
         kernel_ends.push(k);
     }
     let fds: Vec<_> = kernel_ends.iter().map(|f| f.as_fd()).collect();

@@ -23,7 +23,7 @@ use crate::control::proto::DeviceSpec;
 use crate::device::Device;
 use crate::device::export::{ClientRef, Export};
 use crate::frontend::nbd::handshake::Exports;
-use crate::reactor::{CONTROL_GEN, ReactorHandle};
+use crate::reactor::ReactorHandle;
 use crate::tls::TlsContext;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -237,9 +237,8 @@ impl Daemon {
 
     /// Make every reactor look at its connections' exports again.
     pub(super) fn kick_reactors(&self) {
-        CONTROL_GEN.fetch_add(1, Ordering::SeqCst);
         for r in self.reactors() {
-            r.wake();
+            r.kick();
         }
     }
 
@@ -287,6 +286,7 @@ fn visible(e: &Export, ids: &[String]) -> bool {
 /// does not exist for anyone else (not found, not listed).
 impl Exports for Daemon {
     type Client = ClientRef;
+    type Export = Arc<Device>;
 
     fn find(&self, name: &str, ids: &[String]) -> Option<Arc<Device>> {
         self.export(name)

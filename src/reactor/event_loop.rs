@@ -1,26 +1,35 @@
 //! The reactor's event loop: reap completions, route them to sessions, service
 //! the sessions they touched, retry requests parked on a range, follow clients
-//! to other reactors, drain on stop. See the module documentation of
-//! [`super`] for the contract.
+//! to other reactors, drain on stop; and [`spawn`], which starts one. See the
+//! module documentation of [`super`] for the contract.
 
+#[cfg(test)]
+use super::handle::STUCK_AFTER_MS;
 use super::handle::{EventWaker, Msg, ReactorError, ReactorHandle, UblkQueueSetup, now_ms};
 use super::poll::AdaptivePoll;
-use super::session::Session;
-use super::{CONTROL_GEN, DRAIN_TIMEOUT, conn_id};
+use super::session::{CONN_BYTES_BUDGET, Session};
 use crate::device::range_lock::Wake;
-use crate::engine::admit::Ticket;
 use crate::engine::budget;
 use crate::frontend::nbd::affinity::{self, CpuLoad};
-use crate::frontend::nbd::conn::{BYTES_BUDGET, Conn};
-use crate::frontend::nbd::wire::Replies;
 use crate::frontend::ublk::queue::Queue;
-use crate::ring::{Completion, Io, Ring, TAG_CANCEL, TAG_TIMER, TAG_WAKE, retryable, ud};
+use crate::ring::{Completion, Io, Ring, TAG_CANCEL, TAG_TIMER, TAG_WAKE, new_ring, retryable, ud};
 use io_uring::{opcode, types};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::Receiver;
+use std::sync::mpsc::{Receiver, channel};
 use std::time::{Duration, Instant};
+
+/// How long a stopping reactor waits for clients to take their replies.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Kernel worker threads a reactor's ring may run file operations on at once.
+const IOWQ_BOUNDED: u32 = 512;
+
+/// A session's index as it appears in user_data.
+fn conn_id(i: usize) -> u32 {
+    u32::try_from(i).unwrap_or(u32::MAX)
+}
 
 pub(super) struct Reactor {
     io: Io,
@@ -29,15 +38,11 @@ pub(super) struct Reactor {
     handle: Arc<ReactorHandle>,
     wake_buf: Box<u64>,
     sessions: Vec<Option<Session>>,
-    /// The place ticket of each session that is an NBD connection (same index).
-    tickets: Vec<Option<Arc<Ticket>>>,
     free: Vec<u32>,
     retry_locks: bool,
     /// Sessions to service after this batch of completions.
     dirty: Vec<u32>,
     stopping: Option<Instant>,
-    /// Last [`CONTROL_GEN`] seen: when it moves, every connection is looked at.
-    control_gen: u64,
     timer: Box<types::Timespec>,
     timer_armed: bool,
     poll: AdaptivePoll,
@@ -60,14 +65,12 @@ impl Reactor {
     ) -> Reactor {
         let waker_dyn: Arc<dyn Wake> = waker.clone();
         Reactor {
-            io: Io::new(ring, waker_dyn, BYTES_BUDGET),
-            control_gen: CONTROL_GEN.load(Ordering::SeqCst),
+            io: Io::new(ring, waker_dyn, CONN_BYTES_BUDGET),
             rx,
             waker,
             handle,
             wake_buf: Box::new(0),
             sessions: Vec::new(),
-            tickets: Vec::new(),
             free: Vec::new(),
             retry_locks: false,
             dirty: Vec::new(),
@@ -187,9 +190,9 @@ impl Reactor {
         }
         self.io.ticks = self.io.ticks.wrapping_add(1);
         for (ci, s) in self.sessions.iter_mut().enumerate() {
-            if let Some(c) = s.as_mut().and_then(Session::as_conn) {
+            if let Some(s) = s.as_mut() {
                 let ci = conn_id(ci);
-                if c.stall_tick(&mut self.io, ci) {
+                if s.stall_tick(&mut self.io, ci) {
                     self.dirty.push(ci);
                 }
             }
@@ -254,9 +257,7 @@ impl Reactor {
                 self.io.watch_stalls = true;
             }
             self.take_offloaded();
-            let gen_now = CONTROL_GEN.load(Ordering::SeqCst);
-            if gen_now != self.control_gen {
-                self.control_gen = gen_now;
+            if self.handle.kicked.swap(false, Ordering::SeqCst) {
                 self.dirty.extend((0..self.sessions.len()).map(conn_id));
             }
             while let Ok(m) = self.rx.try_recv() {
@@ -293,29 +294,15 @@ impl Reactor {
 
     fn on_msg(&mut self, m: Msg) {
         match m {
-            Msg::Conn(nc) => {
-                let ticket = Arc::clone(nc.permit.ticket());
-                let c = Box::new(Conn::new(
-                    nc.sock,
-                    nc.client,
-                    nc.permit,
-                    Replies::of(nc.structured, nc.extended),
-                    nc.meta_context,
-                    nc.peer,
-                    nc.tls,
-                    nc.encrypted,
-                ));
-                self.adopt(Session::Nbd(c), Some(ticket));
-            }
-            Msg::Moved(mut c, ticket) => {
-                c.moving = None;
-                self.adopt(Session::Nbd(c), ticket);
+            Msg::Adopt(s) => {
+                self.adopt(s);
             }
             Msg::GiveUp(t) => {
-                let here = self
-                    .tickets
-                    .iter()
-                    .position(|x| x.as_ref().is_some_and(|x| Arc::ptr_eq(x, &t)));
+                let here = self.sessions.iter().position(|s| {
+                    s.as_ref()
+                        .and_then(Session::ticket)
+                        .is_some_and(|x| Arc::ptr_eq(x, &t))
+                });
                 if let Some(ci) = here {
                     self.close_given_up(conn_id(ci));
                 }
@@ -340,10 +327,8 @@ impl Reactor {
                 return;
             }
         };
-        let ci = self.adopt(Session::Ublk(Box::new(queue)), None);
-        if let Some(Some(Session::Ublk(queue))) = self.sessions.get_mut(ci as usize) {
-            queue.start(&mut self.io, ci);
-        }
+        // Adopted, it fetches its tags.
+        self.adopt(Session::ublk(queue));
         // START_DEV waits for every fetch: they must reach the kernel now, not at
         // the next turn.
         let sent = self.io.ring.submit().map(|_| ()).map_err(|e| e.to_string());
@@ -355,7 +340,7 @@ impl Reactor {
     fn adopt_stragglers(&mut self) -> bool {
         let mut any = false;
         while let Ok(m) = self.rx.try_recv() {
-            any |= matches!(m, Msg::Conn(_) | Msg::Moved(..));
+            any |= matches!(m, Msg::Adopt(_));
             self.on_msg(m);
         }
         any
@@ -370,19 +355,10 @@ impl Reactor {
         self.handle.cpu.store(here, Ordering::Relaxed);
         let busy = self.busy.sample().is_some_and(|b| b >= affinity::BUSY) || self.follow_idle;
         for (ci, s) in self.sessions.iter_mut().enumerate() {
-            let Some(c) = s.as_mut().and_then(Session::as_conn) else {
+            let Some(s) = s.as_mut() else {
                 continue;
             };
-            if c.moving.is_some() || c.read_closed || c.dead {
-                continue;
-            }
-            // Only clients that sent requests are worth a look (and the probe).
-            let client = if busy && std::mem::take(&mut c.active) {
-                c.peer.cpu(&c.sock)
-            } else {
-                None
-            };
-            let Some(to) = c.follow.observe(client, here, now) else {
+            let Some(to) = s.look(busy, here, now) else {
                 continue;
             };
             if let Some(i) = self
@@ -390,47 +366,35 @@ impl Reactor {
                 .iter()
                 .position(|p| p.cpu.load(Ordering::Relaxed) == to)
             {
-                c.moving = Some(i);
+                s.move_to(i);
                 self.dirty.push(conn_id(ci));
             }
         }
     }
 
-    /// Hand a moving connection with nothing in flight to its new reactor.
-    fn move_out(&mut self, ci: u32) {
-        let slot = &mut self.sessions[ci as usize];
-        let Some(to) = slot
-            .as_mut()
-            .and_then(Session::as_conn)
-            .and_then(|c| c.moving)
-        else {
-            return;
-        };
-        // Find the destination before the connection leaves its slot, so no path
+    /// Hand a moving session with nothing in flight to reactor `to`.
+    fn move_out(&mut self, ci: u32, to: usize) {
+        // Find the destination before the session leaves its place, so no path
         // can drop it on the floor.
         let Some(peer) = self.peers.get(to) else {
-            if let Some(c) = slot.as_mut().and_then(Session::as_conn) {
-                c.moving = None;
+            if let Some(s) = self.sessions[ci as usize].as_mut() {
+                s.stay();
             }
             self.dirty.push(ci);
             return;
         };
-        let Some(Session::Nbd(c)) = slot.take() else {
+        let Some(s) = self.sessions[ci as usize].take() else {
             return;
         };
-        let dev = Arc::clone(&c.dev);
-        let ticket = self.tickets.get_mut(ci as usize).and_then(Option::take);
-        match peer.take_moved(c, ticket) {
+        match peer.take_moved(s) {
             Ok(()) => {
-                dev.stats.moves.fetch_add(1, Ordering::Relaxed);
                 self.free.push(ci);
                 self.handle.load.fetch_sub(1, Ordering::Relaxed);
             }
-            Err((mut c, ticket)) => {
-                c.moving = None;
-                let given_up = ticket.as_ref().is_some_and(|t| t.given_up());
-                self.sessions[ci as usize] = Some(Session::Nbd(c));
-                self.tickets[ci as usize] = ticket;
+            Err(mut s) => {
+                s.stay();
+                let given_up = s.ticket().is_some_and(|t| t.given_up());
+                self.sessions[ci as usize] = Some(s);
                 if given_up {
                     // Its place went to a newcomer while it was away.
                     self.close_given_up(ci);
@@ -440,26 +404,22 @@ impl Reactor {
         }
     }
 
-    /// Take session `s` (with its place's ticket, for a connection).
-    fn adopt(&mut self, mut s: Session, ticket: Option<Arc<Ticket>>) -> u32 {
-        if self.stopping.is_some()
-            && let Some(c) = s.as_conn()
-        {
-            c.read_closed = true;
-        }
-        let given_up = ticket.as_ref().is_some_and(|t| t.given_up());
+    /// Take session `s`: a new one, or one moving here.
+    fn adopt(&mut self, s: Session) -> u32 {
+        let given_up = s.ticket().is_some_and(|t| t.given_up());
         let ci = match self.free.pop() {
             Some(i) => {
                 self.sessions[i as usize] = Some(s);
-                self.tickets[i as usize] = ticket;
                 i
             }
             None => {
                 self.sessions.push(Some(s));
-                self.tickets.push(ticket);
                 conn_id(self.sessions.len() - 1)
             }
         };
+        if let Some(s) = self.sessions[ci as usize].as_mut() {
+            s.adopted(&mut self.io, ci, self.stopping.is_some());
+        }
         if given_up {
             // Its place went to a newcomer while it was on its way here.
             self.close_given_up(ci);
@@ -473,10 +433,7 @@ impl Reactor {
     /// further step, and the disconnect line says why.
     fn close_given_up(&mut self, ci: u32) {
         if let Some(s) = self.sessions.get_mut(ci as usize).and_then(Option::as_mut) {
-            s.kill(&mut self.io, ci);
-            if let Some(c) = s.as_conn() {
-                c.audit.reason = "closed to make room for another peer (--max-connections)";
-            }
+            s.give_up_place(&mut self.io, ci);
             self.dirty.push(ci);
         }
     }
@@ -530,11 +487,10 @@ impl Reactor {
             if s.service(&mut self.io, ci) {
                 // Dropping the session drops its client registration.
                 self.sessions[ci as usize] = None;
-                self.tickets[ci as usize] = None;
                 self.free.push(ci);
                 self.handle.load.fetch_sub(1, Ordering::Relaxed);
-            } else if s.as_conn().is_some_and(|c| c.ready_to_move()) {
-                self.move_out(ci);
+            } else if let Some(to) = s.move_target() {
+                self.move_out(ci, to);
             }
         }
     }
@@ -609,5 +565,90 @@ fn io_flusher_once() {
         );
     } else {
         tracing::debug!("reactor marked PR_SET_IO_FLUSHER");
+    }
+}
+
+/// Start a reactor thread. `memory_budget` (bytes; 0 = the default) sets the
+/// daemon-wide [`budget`] shared by every reactor.
+pub fn spawn(
+    id: usize,
+    poll_max: Duration,
+    memory_budget: usize,
+) -> Result<Arc<ReactorHandle>, ReactorError> {
+    if memory_budget > 0 {
+        budget::global().set_limit(memory_budget);
+    }
+    // Blocking: io_uring polls it; a non-blocking eventfd could complete the
+    // wake-up read with EAGAIN instead of waiting.
+    let efd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)
+        .map_err(|e| ReactorError::EventFd(e.into()))?;
+    let waker = Arc::new(EventWaker { fd: efd });
+    let (tx, rx) = channel();
+    let handle = Arc::new(ReactorHandle::new(tx, Arc::clone(&waker)));
+    let h2 = Arc::clone(&handle);
+    // The ring is created on the reactor thread: it is that thread's alone
+    // (IORING_SETUP_SINGLE_ISSUER), and its completions' task work runs only when
+    // the thread asks for events (DEFER_TASKRUN), so completions are reaped in
+    // batches instead of interrupting the thread one by one.
+    let (ready_tx, ready_rx) = channel::<Result<(), std::io::Error>>();
+    let thread = std::thread::Builder::new()
+        .name(format!("loopd-reactor-{id}"))
+        .spawn(move || {
+            let ring = match new_ring() {
+                Ok(r) => {
+                    let _ = ready_tx.send(Ok(()));
+                    r
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
+            // Operations on a hung backing file hold a kernel worker each (reads
+            // are not serialised per file as writes are); with the default cap (4
+            // per CPU) a few of them would hold every worker, and other devices'
+            // syncs and large writes would queue behind them. Workers start only
+            // when needed, so a higher cap costs nothing until then.
+            let mut max = [IOWQ_BOUNDED, 0];
+            if let Err(e) = ring.submitter().register_iowq_max_workers(&mut max) {
+                tracing::debug!("reactor {id}: io_uring worker cap unchanged: {e}");
+            }
+            let mut r = Reactor::new(ring, rx, waker, h2, poll_max);
+            if let Err(e) = r.run() {
+                tracing::error!("reactor {id} stopped: {e:#}");
+            }
+        })
+        .map_err(ReactorError::Spawn)?;
+    match ready_rx.recv() {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return Err(ReactorError::Ring(e)),
+        Err(_) => {
+            return Err(ReactorError::Ring(std::io::Error::other(
+                "reactor thread died",
+            )));
+        }
+    }
+    if let Ok(mut t) = handle.thread.lock() {
+        *t = Some(thread);
+    }
+    Ok(handle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_idle_reactor_makes_progress_and_one_held_in_a_turn_does_not() {
+        let r = spawn(0, Duration::ZERO, 0).expect("reactor");
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(r.making_progress(), "idle, waiting on its ring");
+        // As if its thread had begun a turn two seconds ago and not come back.
+        r.turn_since
+            .store(now_ms() - 2 * STUCK_AFTER_MS, Ordering::Relaxed);
+        assert!(!r.making_progress());
+        r.turn_since.store(now_ms(), Ordering::Relaxed);
+        assert!(r.making_progress(), "a turn that just began");
+        r.shutdown();
     }
 }

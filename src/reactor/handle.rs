@@ -1,25 +1,16 @@
-//! How other threads reach a reactor: hand it a negotiated connection, wake it,
-//! tell it its peers, ask it to stop; and [`spawn`], which starts one.
+//! How other threads reach a reactor: hand it a session, wake or kick it,
+//! tell it its peers, ask it to stop. ([`super::spawn`] starts one.)
 
-use super::event_loop::Reactor;
-use crate::device::export::{ClientRef, Export};
+use super::session::Session;
+use crate::device::export::Export;
 use crate::device::range_lock::Wake;
-use crate::engine::admit::{Permit, Ticket};
-use crate::engine::budget;
-use crate::frontend::nbd::affinity::Peer;
-use crate::frontend::nbd::conn::Conn;
-use crate::frontend::nbd::tls::TlsIo;
+use crate::engine::admit::Ticket;
 use crate::frontend::ublk::chardev::UblkChar;
-use crate::ring::new_ring;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{Sender, channel};
+use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 use thiserror::Error;
-
-/// Kernel worker threads a reactor's ring may run file operations on at once.
-const IOWQ_BOUNDED: u32 = 512;
 
 #[derive(Debug, Error)]
 pub enum ReactorError {
@@ -35,31 +26,10 @@ pub enum ReactorError {
     Enter(#[source] std::io::Error),
 }
 
-/// A negotiated connection, ready for the transmission phase.
-pub struct NewConn {
-    pub sock: OwnedFd,
-    /// Its registration as a client of the export its handshake selected.
-    pub client: ClientRef,
-    /// Its place among the server's connections.
-    pub permit: Permit,
-    pub structured: bool,
-    /// Extended headers were negotiated (32-byte headers, 64-bit lengths).
-    pub extended: bool,
-    pub meta_context: bool,
-    /// How to find where the client runs.
-    pub peer: Peer,
-    /// The userspace TLS record layer of an encrypted session the kernel does
-    /// not carry (see [`crate::frontend::nbd::tls`]).
-    pub tls: Option<Box<TlsIo>>,
-    /// TLS was negotiated (kernel or userspace records).
-    pub encrypted: bool,
-}
-
 pub(super) enum Msg {
-    Conn(NewConn),
-    /// A connection moving here from another reactor, nothing of it in flight,
-    /// with its place's ticket.
-    Moved(Box<Conn>, Option<Arc<Ticket>>),
+    /// A session to adopt: a new connection, or one moving here from another
+    /// reactor with nothing of it in flight.
+    Adopt(Session),
     /// This connection's place went to a newcomer: close it if it is here.
     GiveUp(Arc<Ticket>),
     /// Every reactor of the server (for moving connections), sent once at start,
@@ -101,7 +71,7 @@ impl Wake for EventWaker {
 pub struct ReactorHandle {
     tx: Mutex<Sender<Msg>>,
     waker: Arc<EventWaker>,
-    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    pub(super) thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Connections living on this reactor (for picking the least loaded).
     pub load: std::sync::atomic::AtomicUsize,
     /// The CPU the reactor thread ran on at its last look (`usize::MAX`: none yet).
@@ -111,6 +81,9 @@ pub struct ReactorHandle {
     /// When (coarse monotonic milliseconds, [`now_ms`]) the thread began its
     /// current turn; zero while it waits on the ring.
     pub(super) turn_since: AtomicU64,
+    /// Every session must look at its export again (a detach started): set
+    /// by [`ReactorHandle::kick`], taken by the reactor when it wakes.
+    pub(super) kicked: AtomicBool,
 }
 
 /// A reactor in one turn for longer than this is not making progress.
@@ -131,10 +104,26 @@ pub(super) fn now_ms() -> u64 {
 }
 
 impl ReactorHandle {
-    /// Hand a negotiated connection to this reactor.
-    pub fn add(&self, c: NewConn) {
+    /// A handle for the reactor reading `tx`'s channel and woken by `waker`
+    /// (its thread is set once it runs).
+    pub(super) fn new(tx: Sender<Msg>, waker: Arc<EventWaker>) -> ReactorHandle {
+        ReactorHandle {
+            tx: Mutex::new(tx),
+            waker,
+            thread: Mutex::new(None),
+            load: Default::default(),
+            cpu: AtomicUsize::new(usize::MAX),
+            open: AtomicBool::new(true),
+            turn_since: AtomicU64::new(0),
+            kicked: AtomicBool::new(false),
+        }
+    }
+
+    /// Hand a session (a negotiated connection, [`Session::nbd`]) to this
+    /// reactor.
+    pub fn adopt(&self, s: Session) {
         self.load.fetch_add(1, Ordering::Relaxed);
-        let _ = self.post(Msg::Conn(c));
+        let _ = self.post(Msg::Adopt(s));
     }
 
     /// Build and serve a ublk queue on this reactor; `q.ready` answers. False
@@ -160,21 +149,17 @@ impl ReactorHandle {
         let _ = self.post(Msg::Peers(all, always));
     }
 
-    /// Hand over a connection moving from another reactor (with its place's
-    /// ticket); it comes back if this reactor is stopping (or gone).
-    pub(super) fn take_moved(
-        &self,
-        c: Box<Conn>,
-        t: Option<Arc<Ticket>>,
-    ) -> Result<(), (Box<Conn>, Option<Arc<Ticket>>)> {
+    /// Hand over a session moving from another reactor; it comes back if
+    /// this reactor is stopping (or gone).
+    pub(super) fn take_moved(&self, s: Session) -> Result<(), Session> {
         if !self.open.load(Ordering::SeqCst) {
-            return Err((c, t));
+            return Err(s);
         }
         self.load.fetch_add(1, Ordering::Relaxed);
-        self.post(Msg::Moved(c, t)).or_else(|m| {
+        self.post(Msg::Adopt(s)).or_else(|m| {
             self.load.fetch_sub(1, Ordering::Relaxed);
             match m {
-                Msg::Moved(c, t) => Err((c, t)),
+                Msg::Adopt(s) => Err(s),
                 _ => Ok(()),
             }
         })
@@ -195,9 +180,15 @@ impl ReactorHandle {
         t == 0 || now_ms().saturating_sub(t) <= STUCK_AFTER_MS
     }
 
-    /// Wake the reactor (it re-checks parked requests and, if the control
-    /// generation moved, every connection's export).
+    /// Wake the reactor (it re-checks parked requests).
     pub fn wake(&self) {
+        self.waker.wake();
+    }
+
+    /// Wake the reactor and have every session look at its export again (a
+    /// detach started, or the export's configuration changed).
+    pub fn kick(&self) {
+        self.kicked.store(true, Ordering::SeqCst);
         self.waker.wake();
     }
 
@@ -209,99 +200,5 @@ impl ReactorHandle {
         if let Some(h) = handle {
             let _ = h.join();
         }
-    }
-}
-
-/// Start a reactor thread. `memory_budget` (bytes; 0 = the default) sets the
-/// daemon-wide [`budget`] shared by every reactor.
-pub fn spawn(
-    id: usize,
-    poll_max: Duration,
-    memory_budget: usize,
-) -> Result<Arc<ReactorHandle>, ReactorError> {
-    if memory_budget > 0 {
-        budget::global().set_limit(memory_budget);
-    }
-    // Blocking: io_uring polls it; a non-blocking eventfd could complete the
-    // wake-up read with EAGAIN instead of waiting.
-    let efd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)
-        .map_err(|e| ReactorError::EventFd(e.into()))?;
-    let waker = Arc::new(EventWaker { fd: efd });
-    let (tx, rx) = channel();
-    let handle = Arc::new(ReactorHandle {
-        tx: Mutex::new(tx),
-        waker: Arc::clone(&waker),
-        thread: Mutex::new(None),
-        load: Default::default(),
-        cpu: AtomicUsize::new(usize::MAX),
-        open: AtomicBool::new(true),
-        turn_since: AtomicU64::new(0),
-    });
-    let h2 = Arc::clone(&handle);
-    // The ring is created on the reactor thread: it is that thread's alone
-    // (IORING_SETUP_SINGLE_ISSUER), and its completions' task work runs only when
-    // the thread asks for events (DEFER_TASKRUN), so completions are reaped in
-    // batches instead of interrupting the thread one by one.
-    let (ready_tx, ready_rx) = channel::<Result<(), std::io::Error>>();
-    let thread = std::thread::Builder::new()
-        .name(format!("loopd-reactor-{id}"))
-        .spawn(move || {
-            let ring = match new_ring() {
-                Ok(r) => {
-                    let _ = ready_tx.send(Ok(()));
-                    r
-                }
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e));
-                    return;
-                }
-            };
-            // Operations on a hung backing file hold a kernel worker each (reads
-            // are not serialised per file as writes are); with the default cap (4
-            // per CPU) a few of them would hold every worker, and other devices'
-            // syncs and large writes would queue behind them. Workers start only
-            // when needed, so a higher cap costs nothing until then.
-            let mut max = [IOWQ_BOUNDED, 0];
-            if let Err(e) = ring.submitter().register_iowq_max_workers(&mut max) {
-                tracing::debug!("reactor {id}: io_uring worker cap unchanged: {e}");
-            }
-            let mut r = Reactor::new(ring, rx, waker, h2, poll_max);
-            if let Err(e) = r.run() {
-                tracing::error!("reactor {id} stopped: {e:#}");
-            }
-        })
-        .map_err(ReactorError::Spawn)?;
-    match ready_rx.recv() {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => return Err(ReactorError::Ring(e)),
-        Err(_) => {
-            return Err(ReactorError::Ring(std::io::Error::other(
-                "reactor thread died",
-            )));
-        }
-    }
-    if let Ok(mut t) = handle.thread.lock() {
-        *t = Some(thread);
-    }
-    Ok(handle)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::time::Duration;
-
-    #[test]
-    fn an_idle_reactor_makes_progress_and_one_held_in_a_turn_does_not() {
-        let r = spawn(0, Duration::ZERO, 0).expect("reactor");
-        std::thread::sleep(Duration::from_millis(50));
-        assert!(r.making_progress(), "idle, waiting on its ring");
-        // As if its thread had begun a turn two seconds ago and not come back.
-        r.turn_since
-            .store(now_ms() - 2 * STUCK_AFTER_MS, Ordering::Relaxed);
-        assert!(!r.making_progress());
-        r.turn_since.store(now_ms(), Ordering::Relaxed);
-        assert!(r.making_progress(), "a turn that just began");
-        r.shutdown();
     }
 }

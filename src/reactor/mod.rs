@@ -1,23 +1,33 @@
 //! The reactor: one thread, one io_uring, many sessions (today: NBD
 //! connections; see [`session`]).
 //!
-//! Layout: [`handle`] is how other threads reach a reactor (hand over a
-//! connection, wake, stop); [`event_loop`] is the thread itself; the ring and
-//! what sessions need of it are [`crate::ring`]'s.
+//! Layout: [`session`] is what a reactor drives (an NBD connection or a ublk
+//! queue, known only through its methods); [`handle`] is how other threads
+//! reach a reactor (adopt a session, wake or kick it, stop it);
+//! [`event_loop`] is the thread itself and [`spawn`] starts it; the ring and
+//! what sessions need of it are [`crate::ring`]'s. Nothing here reads inside a
+//! session: a connection is built by whoever negotiated it
+//! ([`Session::nbd`]) and adopted whole.
 //!
 //! Contract:
-//! - A connection is handed over ([`ReactorHandle::add`]) and stays on this
-//!   reactor until it closes, or until it moves to the reactor running on the CPU
-//!   its client runs on (see [`crate::frontend::nbd::affinity`]): it stops reading requests,
-//!   cancels its posted receive, and once nothing of it is in flight (no request,
-//!   receive, send or file operation) the whole `Conn`, unparsed bytes included,
-//!   goes to the other reactor's channel. While it lives here its socket I/O and
-//!   its requests' file I/O all go through this reactor's ring, and no other
+//! - A connection is handed over ([`ReactorHandle::adopt`]) and stays on this
+//!   reactor until it closes, or until it moves to the reactor running on the
+//!   CPU its client runs on (see [`crate::frontend::nbd::affinity`]): asked
+//!   to move ([`Session::move_to`]), it stops reading requests, cancels its
+//!   posted receive, and once nothing of it is in flight
+//!   ([`Session::move_target`]: no request, receive, send or file operation)
+//!   the whole session, unparsed bytes included, goes to the other reactor's
+//!   channel to be adopted there. While it lives here its socket I/O and its
+//!   requests' file I/O all go through this reactor's ring, and no other
 //!   thread touches it. When its place goes to another peer's newcomer (see
 //!   [`crate::engine::admit`]), the accept loop tells every reactor; the one
-//!   holding it — or the one it moves to — shuts its socket down and drops
-//!   it once its operations in flight complete. Each reactor keeps its
-//!   connections' place tickets beside them for that.
+//!   holding it (found by its place's ticket, [`Session::ticket`]) — or the
+//!   one it moves to — shuts its socket down and drops it once its
+//!   operations in flight complete.
+//! - A detach (or any change connections must see at once) kicks every
+//!   reactor ([`ReactorHandle::kick`]): on its next wake-up the reactor
+//!   services every session, and each looks at its export again. No global
+//!   state carries this: the kick is a flag of the reactor's handle.
 //! - `user_data` = `tag << 56 | conn << 16 | slot`: the tag says what completed
 //!   (wake-up, receive, send, file op, cancel), `conn` indexes `conns`, `slot` the
 //!   connection's slot table. A connection's index is reused only after every
@@ -70,18 +80,6 @@ pub mod handle;
 pub mod poll;
 pub mod session;
 
-pub use handle::{NewConn, ReactorError, ReactorHandle, STUCK_AFTER_MS, spawn};
-
-use std::time::Duration;
-
-/// How long a stopping reactor waits for clients to take their replies.
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Bumped by the control plane when connections must look at their export again
-/// (a detach started); reactors compare it on every wake-up.
-pub static CONTROL_GEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// A session's index as it appears in user_data.
-fn conn_id(i: usize) -> u32 {
-    u32::try_from(i).unwrap_or(u32::MAX)
-}
+pub use event_loop::spawn;
+pub use handle::{ReactorError, ReactorHandle, STUCK_AFTER_MS};
+pub use session::Session;

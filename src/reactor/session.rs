@@ -3,12 +3,20 @@
 //! A session owns its socket or queue, its request slots and everything its
 //! in-flight operations refer to; the reactor routes each completion to the
 //! session named in its `user_data` and services the sessions a batch touched.
+//! The reactor knows sessions only through this interface: it is handed them
+//! built ([`Session::nbd`], [`Session::ublk`]), adopts them, asks them to move
+//! or stop through methods, and never reads what is inside.
 //! An NBD connection may move to another reactor; a ublk queue never moves.
 
+use crate::engine::admit::Ticket;
 use crate::engine::offload::StatusDone;
 use crate::frontend::nbd::conn::Conn;
 use crate::frontend::ublk::queue::Queue;
 use crate::ring::{Io, TAG_FILE, TAG_POLL, TAG_RECV, TAG_SEND};
+use std::sync::Arc;
+use std::time::Instant;
+
+pub use crate::frontend::nbd::conn::BYTES_BUDGET as CONN_BYTES_BUDGET;
 
 pub enum Session {
     Nbd(Box<Conn>),
@@ -16,6 +24,27 @@ pub enum Session {
 }
 
 impl Session {
+    /// An NBD connection (built where it was negotiated), as a session to
+    /// hand to a reactor.
+    pub fn nbd(c: Conn) -> Session {
+        Session::Nbd(Box::new(c))
+    }
+
+    /// A ublk queue built on its reactor.
+    pub fn ublk(q: Queue) -> Session {
+        Session::Ublk(Box::new(q))
+    }
+
+    /// Adopted by a reactor as session `si` (`stopping`: the reactor is
+    /// stopping, so the session takes no new requests).
+    pub fn adopted(&mut self, io: &mut Io, si: u32, stopping: bool) {
+        match self {
+            Session::Nbd(c) => c.arrive(stopping),
+            // A queue fetches its tags once it has its index.
+            Session::Ublk(q) => q.start(io, si),
+        }
+    }
+
     /// Route a completion (`tag`, `slot`, `res`) of session `si`.
     pub fn on_cqe(&mut self, io: &mut Io, si: u32, tag: u64, slot: u16, res: i32) {
         match self {
@@ -42,11 +71,7 @@ impl Session {
     /// Retry request `slot` parked on its range (if it still is).
     pub fn retry(&mut self, io: &mut Io, si: u32, slot: u16) {
         match self {
-            Session::Nbd(c) => {
-                if c.waiting(slot) {
-                    c.dispatch(io, si, slot);
-                }
-            }
+            Session::Nbd(c) => c.retry(io, si, slot),
             Session::Ublk(q) => q.retry(io, si, slot),
         }
     }
@@ -63,10 +88,7 @@ impl Session {
     /// The reactor is stopping: take no new requests; those in flight finish.
     pub fn stop_taking(&mut self, io: &mut Io, si: u32) {
         match self {
-            Session::Nbd(c) => {
-                c.moving = None;
-                c.close_reading(io, si);
-            }
+            Session::Nbd(c) => c.stop_taking(io, si),
             // A queue takes requests until the daemon stops its device.
             Session::Ublk(_) => {}
         }
@@ -76,11 +98,17 @@ impl Session {
     /// down; operations in flight still complete before it is dropped.
     pub fn kill(&mut self, io: &mut Io, si: u32) {
         match self {
-            Session::Nbd(c) => {
-                let _ = rustix::net::shutdown(&c.sock, rustix::net::Shutdown::Both);
-                c.kill(io, si);
-            }
+            Session::Nbd(c) => c.cut_off(io, si),
             // Its commands end when the device is stopped (or the process exits).
+            Session::Ublk(_) => {}
+        }
+    }
+
+    /// Its place among the server's connections went to another peer's
+    /// newcomer: cut off, saying why.
+    pub fn give_up_place(&mut self, io: &mut Io, si: u32) {
+        match self {
+            Session::Nbd(c) => c.give_up_place(io, si),
             Session::Ublk(_) => {}
         }
     }
@@ -93,11 +121,52 @@ impl Session {
         }
     }
 
-    /// The NBD connection, for what only connections do (moving between
-    /// reactors).
-    pub fn as_conn(&mut self) -> Option<&mut Conn> {
+    /// The ticket of its place among the server's connections (an NBD
+    /// connection's).
+    pub fn ticket(&self) -> Option<&Arc<Ticket>> {
         match self {
-            Session::Nbd(c) => Some(c),
+            Session::Nbd(c) => Some(c.ticket()),
+            Session::Ublk(_) => None,
+        }
+    }
+
+    /// One look of the stall timer (see [`crate::frontend::nbd::stall`]):
+    /// true when the session was cut off (the caller services it).
+    pub fn stall_tick(&mut self, io: &mut Io, si: u32) -> bool {
+        match self {
+            Session::Nbd(c) => c.stall_tick(io, si),
+            Session::Ublk(_) => false,
+        }
+    }
+
+    /// Where its client runs, at a look on CPU `here` (`busy`: follow
+    /// clients): the CPU the session should move to, if any.
+    pub fn look(&mut self, busy: bool, here: usize, now: Instant) -> Option<usize> {
+        match self {
+            Session::Nbd(c) => c.look(busy, here, now),
+            Session::Ublk(_) => None,
+        }
+    }
+
+    /// Start moving to peer reactor `to`: it reads no more requests here.
+    pub fn move_to(&mut self, to: usize) {
+        if let Session::Nbd(c) = self {
+            c.move_to(to);
+        }
+    }
+
+    /// Stay after all (the move cannot happen).
+    pub fn stay(&mut self) {
+        if let Session::Nbd(c) = self {
+            c.stay();
+        }
+    }
+
+    /// A moving session with nothing in flight: the peer reactor to hand it
+    /// to now.
+    pub fn move_target(&self) -> Option<usize> {
+        match self {
+            Session::Nbd(c) => c.move_target(),
             Session::Ublk(_) => None,
         }
     }

@@ -51,9 +51,10 @@ use super::quiet::Lines;
 use crate::daemon::Daemon;
 use crate::engine::admit::{Admission, PeerKey};
 use crate::frontend::nbd::affinity::Peer;
+use crate::frontend::nbd::conn::{Conn, NewConn};
 use crate::frontend::nbd::handshake::{Handshake, Policy};
 use crate::frontend::nbd::tls::TlsIo;
-use crate::reactor::{NewConn, ReactorHandle};
+use crate::reactor::{ReactorHandle, Session};
 use crate::tls::TlsContext;
 use crate::tls::ktls::KtlsError;
 use room::{Limit, Room, Which};
@@ -408,7 +409,7 @@ impl<'a> AcceptLoop<'a> {
                 Err(()) => return,
             },
         };
-        r.add(NewConn {
+        r.adopt(Session::nbd(Conn::new(NewConn {
             sock: p.sock,
             client: neg.client,
             permit: p.permit,
@@ -418,7 +419,7 @@ impl<'a> AcceptLoop<'a> {
             peer,
             tls,
             encrypted,
-        });
+        })));
     }
 
     /// Where a negotiated TLS session's records are handled from now on: by

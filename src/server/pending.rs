@@ -17,6 +17,7 @@
 
 use super::quiet::Lines;
 use crate::daemon::Daemon;
+use crate::device::Device;
 use crate::device::export::ClientRef;
 use crate::engine::admit::{PeerKey, Permit, Standing};
 use crate::frontend::nbd::handshake::{Handshake, HandshakeError, Negotiated, Notice, Step};
@@ -26,6 +27,7 @@ use crate::tls::record::RecordBoundary;
 use rustls::ServerConnection;
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// What a TLS session holds while it is set up, roughly: rustls's buffers for
@@ -92,7 +94,7 @@ pub(super) struct Pending {
     /// goes into the session whole).
     pub sent: usize,
     /// The outcome, once reached; handed over when the last reply is sent.
-    pub done: Option<Negotiated<ClientRef>>,
+    pub done: Option<Negotiated<ClientRef, Arc<Device>>>,
     pub deadline: Instant,
     pub permit: Permit,
     /// The client asked for TLS: it starts once `hs.out` (the ACK) is sent.

@@ -1,21 +1,28 @@
-//! One NBD connection's transmission phase, owned by one reactor.
+//! One NBD connection's transmission phase, owned by one reactor: the
+//! driver of the connection's pure parts.
 //!
-//! A connection has a fixed table of request slots (never reallocated, so reply
-//! headers inside it have stable addresses while a `sendmsg` refers to them), a
-//! receive buffer for request headers, and a queue of slots whose replies wait to
-//! be sent. At most one receive and one send (a `sendmsg` of queued replies, or the
+//! The connection owns its socket and buffers and feeds its parts:
+//! [`super::framing`] (bytes in → request headers, payloads, discards),
+//! [`super::slots`] (the in-flight table: slots, states, the budget they
+//! hold), [`super::replies`] (the reply queue: what to send next, how much
+//! was sent) and [`super::transport`] (plaintext or the userspace TLS record
+//! layer, behind one interface). This file holds the connection's state and
+//! life (construction, hang-up, stop, moving, the audit lines);
+//! [`super::recv`] reads requests, [`super::send`] sends replies, and
+//! [`super::run`] is the one place where requests meet the engine (planning,
+//! file operations on the ring, their completions, replies queued) — with
+//! [`super::splice`] (large buffered reads answered from pipes) and
+//! [`super::status`] (BLOCK_STATUS off the reactor) beside it;
+//! [`super::stall`] cuts off a client that holds budget others wait for.
+//!
+//! At most one receive and one send (a `sendmsg` of queued replies, or the
 //! splice of one spliced read's reply out of its pipe) are in flight per
-//! connection, which keeps the byte streams in order; file operations of different
-//! slots run concurrently and complete in any order.
-//!
-//! The work is split by phase: [`super::recv`] reads and parses requests,
-//! [`super::run`] takes them through the engine's shared execution step
-//! ([`crate::engine::exec`]), [`super::splice`] answers large buffered reads
-//! from pipes, [`super::status`] answers BLOCK_STATUS off the reactor, and
-//! [`super::reply`] sends replies. Everything runs on the reactor thread; `ci` is
-//! the connection's session index (for `user_data`) and `io` the reactor's ring
-//! and pools. Memory an SQE refers to belongs to the connection or one of its
-//! slots, which is not freed or reused until the CQE arrives.
+//! connection, which keeps the byte streams in order; file operations of
+//! different slots run concurrently and complete in any order. Everything
+//! runs on the reactor thread; `ci` is the connection's session index (for
+//! `user_data`) and `io` the reactor's ring and pools. Memory an SQE refers to
+//! belongs to the connection or one of its slots, which is not freed or
+//! reused until the CQE arrives.
 //!
 //! A client that hangs up without NBD_CMD_DISC gets no more work done
 //! ([`Conn::hang_up`]): a posted receive sees the end of the stream, and while
@@ -25,235 +32,142 @@
 //! stops reading, then cancelled, so it never outlives the connection). One
 //! that holds memory budget others wait for without taking its replies in
 //! time is cut off ([`super::stall`]). Each slot records what it holds of its
-//! device's budget share (`Slot::held`) and gives it back when released (a
-//! spliced read, when its buffer goes: its data is in pipes), and when its
-//! reply was queued (`Slot::since`, in the reactor's stall ticks).
+//! device's budget share and gives it back when released (a spliced read,
+//! when its buffer goes: its data is in pipes), and when its reply was queued
+//! (in the reactor's stall ticks).
+//!
+//! Nothing of a connection is public but its construction and what the
+//! reactor's session asks of it: its fields are the frontend's, so no code
+//! outside can make a send read memory the connection does not hold.
+//!
+//! ```compile_fail
+//! // A slot's reply header is the slot's own: it cannot be reached, let
+//! // alone given a length past its array.
+//! fn forge(c: &mut loopd::frontend::nbd::conn::Conn) {
+//!     c.slots[0].hdr_len = 4096;
+//! }
+//! ```
+//!
+//! ```compile_fail
+//! // Nor can a slot be named outside the crate.
+//! fn forge(s: &mut loopd::frontend::nbd::slots::Slot) {}
+//! ```
+//!
+//! ```no_run
+//! // What is public: the type, as the reactor's session holds it.
+//! fn held(_: &loopd::frontend::nbd::conn::Conn) {}
+//! ```
 
 use super::affinity::{Follow, Peer};
+use super::framing::{Framing, RecvState};
 use super::lines;
+use super::replies::ReplyQueue;
+use super::slots::{SLOTS, SlotState, Slots};
 use super::tls::TlsIo;
+use super::transport::Transport;
 use crate::device::Device;
 use crate::device::export::{ClientRef, Export};
-use crate::engine::admit::{PeerKey, Permit};
-use crate::engine::buffer::AlignedBuf;
-use crate::engine::exec::Request;
-use crate::engine::splice::{MAX_PIPES, Pipe, PipePool, part_len};
-use crate::frontend::nbd::wire::{ExportView, MAX_REPLY_HEADER, Replies};
+use crate::engine::admit::{PeerKey, Permit, Ticket};
+use crate::frontend::nbd::wire::{ExportView, Replies};
 use crate::ring::{Io, TAG_CANCEL, TAG_FILE, TAG_POLL, TAG_RECV, ud};
 use io_uring::opcode;
-use std::collections::VecDeque;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
 
-/// Requests a connection may have between header and reply.
-pub const SLOTS: u16 = 128;
 /// Bytes of request buffers a connection may hold before it stops reading (at
 /// most; a quarter of the daemon's memory budget when that is less).
 pub const BYTES_BUDGET: usize = 128 << 20;
-/// Size of the header receive buffer.
-pub const RBUF: usize = 64 << 10;
-/// iovecs in one `sendmsg`.
-pub const MAX_IOV: usize = 64;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SlotState {
-    Free,
-    /// A write's payload is arriving into the task's buffer.
-    Receiving,
-    /// Planned, waiting for its range.
-    WaitLock,
-    /// A file operation is in flight.
-    Io,
-    /// The reply is queued or being sent.
-    Queued,
-}
-
-pub struct Slot {
-    pub state: SlotState,
-    pub cookie: u64,
-    /// The request's offset (an extended reply header repeats it).
-    pub offset: u64,
-    /// Effect bytes after the piece in flight, for a request longer than a
-    /// task can be (an extended header's 64-bit `TRIM`, `WRITE_ZEROES` or
-    /// `CACHE`, run one piece after the other), and whether the request asked
-    /// for FUA (which the last piece carries).
-    pub rest: u64,
-    pub rest_fua: bool,
-    /// Bytes of its device's share of the memory budget this request holds
-    /// ([`Export::hold`]), given back when the slot is released.
-    pub held: usize,
-    /// The reactor's stall tick ([`Io::ticks`]) when its reply was queued,
-    /// or, while its write's payload arrives, when its header was read.
-    pub since: u32,
-    /// The request as the engine tracks it (task, range, in-flight count).
-    pub req: Request,
-    pub hdr: [u8; MAX_REPLY_HEADER],
-    pub hdr_len: usize,
-    /// Bytes of reply data after the header (read data or status descriptors).
-    pub data_len: usize,
-    /// Block-status descriptors, when this is a block-status reply.
-    pub extra: Option<AlignedBuf>,
-    /// A spliced read: the pipes holding its reply, in order (the header and the
-    /// first `part` data bytes in the first, the rest in the second).
-    pub pipes: [Option<Pipe>; MAX_PIPES],
-    pub part: usize,
-    /// Data bytes spliced into the pipes so far.
-    pub piped: usize,
-}
-
-impl Slot {
-    fn new() -> Slot {
-        Slot {
-            state: SlotState::Free,
-            cookie: 0,
-            offset: 0,
-            rest: 0,
-            rest_fua: false,
-            held: 0,
-            since: 0,
-            req: Request::default(),
-            hdr: [0; MAX_REPLY_HEADER],
-            hdr_len: 0,
-            data_len: 0,
-            extra: None,
-            pipes: [None, None],
-            part: 0,
-            piped: 0,
-        }
-    }
-
-    /// Pointer to the reply data (valid while the slot is `Queued`).
-    pub fn data_ptr(&self) -> *const u8 {
-        if let Some(e) = &self.extra {
-            return e.as_ptr();
-        }
-        match &self.req.task {
-            Some(t) if self.data_len > 0 => t.read_data().as_ptr(),
-            _ => std::ptr::null(),
-        }
-    }
-
-    pub fn reply_len(&self) -> usize {
-        self.hdr_len + self.data_len
-    }
-
-    /// Whether the reply is spliced out of pipes rather than sent from memory.
-    pub fn spliced(&self) -> bool {
-        self.pipes[0].is_some()
-    }
-
-    /// The pipe holding reply byte `at` of a spliced reply, and how many reply
-    /// bytes it holds from there on.
-    pub(super) fn pipe_at(&self, at: usize) -> Option<(&Pipe, usize)> {
-        let mut end = self.hdr_len;
-        for (i, p) in self.pipes.iter().enumerate() {
-            end += part_len(self.data_len, self.part, i);
-            if at < end {
-                return p.as_ref().map(|p| (p, end - at));
-            }
-        }
-        None
-    }
-
-    /// Give the pipes back to `pool`: for reuse if the whole reply was `sent`
-    /// (they are empty), else closed with whatever they hold.
-    pub(super) fn drop_pipes(&mut self, pool: &mut PipePool, sent: bool) {
-        for p in self.pipes.iter_mut().filter_map(Option::take) {
-            if sent { pool.put(p) } else { pool.discard(p) }
-        }
-        self.piped = 0;
-    }
-}
-
-/// What the next received bytes are.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RecvState {
-    /// Request headers, into `rbuf`.
-    Header,
-    /// The payload of the write in `slot`; `got` bytes so far.
-    Payload { slot: u16, got: usize },
-    /// The payload of a rejected write, to be thrown away.
-    Discard { remaining: u64 },
-}
-
-pub struct Conn {
+/// A negotiated connection, ready for the transmission phase.
+pub struct NewConn {
     pub sock: OwnedFd,
-    pub export: Arc<Export>,
+    /// Its registration as a client of the export its handshake selected.
+    pub client: ClientRef,
+    /// Its place among the server's connections.
+    pub permit: Permit,
+    pub structured: bool,
+    /// Extended headers were negotiated (32-byte headers, 64-bit lengths).
+    pub extended: bool,
+    pub meta_context: bool,
+    /// How to find where the client runs.
+    pub peer: Peer,
+    /// The userspace TLS record layer of an encrypted session the kernel does
+    /// not carry (see [`super::tls`]).
+    pub tls: Option<Box<TlsIo>>,
+    /// TLS was negotiated (kernel or userspace records).
+    pub encrypted: bool,
+}
+
+/// One NBD connection. See the module documentation.
+pub struct Conn {
+    pub(super) sock: OwnedFd,
+    pub(super) export: Arc<Export>,
     /// Counts this connection as a client of `export` until it is dropped.
     _client: ClientRef,
     /// Its place among the server's connections.
-    _permit: Permit,
+    permit: Permit,
     /// The configuration this connection uses, as of `epoch`.
-    pub dev: Arc<Device>,
-    pub epoch: u64,
-    pub view: ExportView,
+    pub(super) dev: Arc<Device>,
+    pub(super) epoch: u64,
+    pub(super) view: ExportView,
     /// How replies are framed (simple, structured, extended headers).
-    pub replies: Replies,
-    pub rbuf: AlignedBuf,
-    pub rstart: usize,
-    pub rend: usize,
-    pub recv: RecvState,
-    pub recv_inflight: bool,
+    pub(super) replies: Replies,
+    /// Request bytes in: headers, payloads, discards.
+    pub(super) framing: Framing,
+    pub(super) recv_inflight: bool,
     /// A poll for a hang-up is posted (while reads are paused), and whether
     /// a cancel of it has been submitted.
-    pub poll_inflight: bool,
-    pub poll_cancel_sent: bool,
+    pub(super) poll_inflight: bool,
+    poll_cancel_sent: bool,
     /// The poll failed (not cancelled): none is posted again, rather than
     /// one a turn.
-    pub poll_failed: bool,
+    pub(super) poll_failed: bool,
     /// No more requests will be read (EOF, DISC, error or shutdown).
-    pub read_closed: bool,
+    pub(super) read_closed: bool,
     /// The socket is broken: replies are dropped, not sent.
-    pub dead: bool,
-    pub slots: Box<[Slot]>,
-    pub free_slots: Vec<u16>,
-    /// Bytes of the memory budget its requests hold (the sum of their slots'
-    /// `held`): it stops reading past the reactor's `per_conn_bytes`.
-    pub bytes_held: usize,
-    pub sendq: VecDeque<u16>,
-    pub send_inflight: bool,
-    /// Bytes of the front reply already sent by earlier partial sends.
-    pub front_sent: usize,
-    /// Slots covered by the send in flight (a prefix of `sendq`).
-    pub sending: usize,
-    pub iov: Box<[libc::iovec; MAX_IOV]>,
-    pub msg: Box<libc::msghdr>,
-    pub file_ops: u32,
+    pub(super) dead: bool,
+    /// The in-flight table.
+    pub(super) slots: Slots,
+    /// Replies waiting to be sent, in order.
+    pub(super) sendq: ReplyQueue,
+    pub(super) send_inflight: bool,
+    /// Plaintext, or the userspace TLS record layer.
+    pub(super) transport: Transport,
+    /// File operations (and block-status queries) in flight.
+    pub(super) file_ops: u32,
     /// A cancel for the receive has been submitted.
-    pub cancel_sent: bool,
+    pub(super) cancel_sent: bool,
     /// Where the client runs, and whether to follow it to another reactor.
-    pub peer: Peer,
-    pub follow: Follow,
+    peer: Peer,
+    follow: Follow,
     /// A request was read since the reactor last looked where the client runs.
-    pub active: bool,
+    pub(super) active: bool,
     /// Moving to this reactor (an index into the reactor's peers): no more
     /// requests are read; the move happens once nothing is in flight.
-    pub moving: Option<usize>,
-    /// The TLS record layer, when the session is encrypted in userspace (with
-    /// kTLS, or without TLS, the socket carries plaintext and this is `None`).
-    pub tls: Option<Box<TlsIo>>,
+    pub(super) moving: Option<usize>,
     /// For the audit lines at connect and disconnect.
-    pub audit: ConnAudit,
+    pub(super) audit: ConnAudit,
     /// Set once nobody will read a reply (the connection is dead): the offload
     /// workers skip this connection's block-status queries not yet started.
-    pub gone: Arc<AtomicBool>,
+    pub(super) gone: Arc<AtomicBool>,
     /// The kernel's own NBD client (a socket pair of this process, for
     /// `--blockdev nbd`).
-    pub kernel: bool,
+    pub(super) kernel: bool,
 }
 
 /// What the connect and disconnect lines say about a connection.
-pub struct ConnAudit {
+pub(super) struct ConnAudit {
     /// The peer: `ADDR:PORT`, or `unix uid=U pid=P`.
-    pub who: String,
+    pub(super) who: String,
     /// The peer as the rate limit of these lines counts it ([`super::lines`]).
-    pub key: PeerKey,
-    pub opened: std::time::Instant,
+    pub(super) key: PeerKey,
+    pub(super) opened: std::time::Instant,
     /// Requests read.
-    pub served: u64,
+    pub(super) served: u64,
     /// Why it ended (set where reading stops).
-    pub reason: &'static str,
+    pub(super) reason: &'static str,
 }
 
 /// Who is at the other end of `sock`, for log lines and for their rate limit.
@@ -300,44 +214,35 @@ impl Drop for Conn {
     }
 }
 
-// SAFETY: the raw pointers in `iov`/`msg` point into this connection's own slots
-// and task buffers and are only dereferenced (by the kernel) while a send is in
-// flight; the connection moves between threads only before it is handed to its
-// first reactor and when it moves to another (`ready_to_move`: nothing in flight).
+// SAFETY: the raw pointers a connection hands the kernel (its send's iovecs,
+// its receive targets) point into its own slots and buffers and are only
+// dereferenced while an operation is in flight; the connection moves between
+// threads only before it is handed to its first reactor and when it moves to
+// another (`move_target`: nothing in flight).
 unsafe impl Send for Conn {}
 
 impl Conn {
-    /// A negotiated connection; `replies` is the framing the handshake agreed
-    /// on ([`Replies::of`]).
-    // The negotiated facts, one argument each: the reactor's NewConn (a
-    // layer above) cannot be taken here.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        sock: OwnedFd,
-        client: ClientRef,
-        permit: Permit,
-        replies: Replies,
-        meta_context: bool,
-        peer: Peer,
-        tls: Option<Box<TlsIo>>,
-        encrypted: bool,
-    ) -> Conn {
-        let export = Arc::clone(client.export());
+    /// A negotiated connection (the framing of its replies as the handshake
+    /// agreed, [`Replies::of`]). Built on the thread that negotiated it; it
+    /// then goes to its reactor as a session.
+    pub fn new(nc: NewConn) -> Conn {
+        let replies = Replies::of(nc.structured, nc.extended);
+        let export = Arc::clone(nc.client.export());
         let (dev, epoch) = export.current();
         let view = ExportView {
             size: dev.size,
             read_only: dev.read_only,
             structured: replies != Replies::Simple,
             extended: replies == Replies::Extended,
-            meta_context,
+            meta_context: nc.meta_context,
         };
         tracing::debug!("new connection to {:?}: {replies:?} replies", dev.name);
-        let kernel = own_socket_pair(&sock);
-        let (who, key) = describe_peer(&sock);
+        let kernel = own_socket_pair(&nc.sock);
+        let (who, key) = describe_peer(&nc.sock);
         let audit = ConnAudit {
             who,
             key,
-            opened: std::time::Instant::now(),
+            opened: Instant::now(),
             served: 0,
             reason: "closed",
         };
@@ -346,105 +251,140 @@ impl Conn {
                 "audit: NBD client {} connected to {}, tls {}{}",
                 audit.who,
                 crate::text::quoted(&export.name),
-                if encrypted { "yes" } else { "no" },
+                if nc.encrypted { "yes" } else { "no" },
                 lines::left_out(skipped)
             );
         }
-        // SAFETY: msghdr and iovec are plain C structs for which all-zero is valid.
-        let msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        let iov = [libc::iovec {
-            iov_base: std::ptr::null_mut(),
-            iov_len: 0,
-        }; MAX_IOV];
         Conn {
-            sock,
+            sock: nc.sock,
             export,
-            _client: client,
-            _permit: permit,
+            _client: nc.client,
+            permit: nc.permit,
             dev,
             epoch,
             view,
             replies,
-            // Outside the budget: bounded by --max-connections, not by what
-            // clients send, and counting it would let idle connections eat
-            // the reserve other devices' requests need.
-            rbuf: AlignedBuf::unbudgeted(RBUF),
-            rstart: 0,
-            rend: 0,
-            recv: RecvState::Header,
+            framing: Framing::new(replies == Replies::Extended),
             recv_inflight: false,
             poll_inflight: false,
             poll_cancel_sent: false,
             poll_failed: false,
             read_closed: false,
             dead: false,
-            slots: (0..SLOTS).map(|_| Slot::new()).collect(),
-            free_slots: (0..SLOTS).rev().collect(),
-            bytes_held: 0,
-            sendq: VecDeque::with_capacity(usize::from(SLOTS)),
+            slots: Slots::new(),
+            sendq: ReplyQueue::with_capacity(usize::from(SLOTS)),
             send_inflight: false,
-            front_sent: 0,
-            sending: 0,
-            iov: Box::new(iov),
-            msg: Box::new(msg),
+            transport: Transport::new(nc.tls),
             file_ops: 0,
             cancel_sent: false,
-            peer,
+            peer: nc.peer,
             follow: Follow::default(),
             active: false,
             moving: None,
-            tls,
             audit,
             gone: Arc::new(AtomicBool::new(false)),
             kernel,
         }
     }
 
-    /// Bytes buffered but not yet parsed.
-    pub fn avail(&self) -> usize {
-        self.rend - self.rstart
+    pub(super) fn fd(&self) -> RawFd {
+        self.sock.as_raw_fd()
     }
 
-    /// Move unparsed bytes to the front of `rbuf`.
-    pub fn compact(&mut self) {
-        if self.rstart > 0 {
-            let (s, e) = (self.rstart, self.rend);
-            self.rbuf.as_mut_slice().copy_within(s..e, 0);
-            self.rend = e - s;
-            self.rstart = 0;
-        }
-    }
-
-    /// Whether every slot is back in the free list.
-    pub fn idle(&self) -> bool {
-        self.free_slots.len() == usize::from(SLOTS)
+    /// The ticket of its place among the server's connections.
+    pub(crate) fn ticket(&self) -> &Arc<Ticket> {
+        self.permit.ticket()
     }
 
     /// Whether a moving connection has nothing in flight (no request, receive,
-    /// send or file operation) and may go to its new reactor.
-    pub fn ready_to_move(&self) -> bool {
-        self.moving.is_some()
-            && !self.read_closed
+    /// send or file operation) and may go to its new reactor: where to (an
+    /// index into the reactor's peers).
+    pub(crate) fn move_target(&self) -> Option<usize> {
+        let ready = !self.read_closed
             && !self.dead
-            && self.recv == RecvState::Header
+            && self.framing.state() == RecvState::Header
             && !self.ops_in_flight()
             && self.sendq.is_empty()
-            && self.idle()
+            && self.slots.idle();
+        self.moving.filter(|_| ready)
     }
 
     /// Whether the connection has nothing in flight and can be dropped.
-    pub fn finished(&self) -> bool {
-        self.read_closed && !self.ops_in_flight() && self.idle()
+    fn finished(&self) -> bool {
+        self.read_closed && !self.ops_in_flight() && self.slots.idle()
     }
 
     /// Whether a receive, poll, send or file operation of this connection is
     /// in the ring.
-    pub fn ops_in_flight(&self) -> bool {
+    pub(crate) fn ops_in_flight(&self) -> bool {
         self.recv_inflight || self.poll_inflight || self.send_inflight || self.file_ops > 0
     }
-}
 
-impl Conn {
+    /// Where the client runs, at one of the reactor's looks (on CPU `here`,
+    /// at `now`; `busy`: the machine is busy enough to follow clients): the
+    /// CPU to move to, if the connection should follow its client there.
+    pub(crate) fn look(&mut self, busy: bool, here: usize, now: Instant) -> Option<usize> {
+        if self.moving.is_some() || self.read_closed || self.dead {
+            return None;
+        }
+        // Only clients that sent requests are worth a look (and the probe).
+        let client = if busy && std::mem::take(&mut self.active) {
+            self.peer.cpu(&self.sock)
+        } else {
+            None
+        };
+        self.follow.observe(client, here, now)
+    }
+
+    /// Start moving to peer reactor `to` (no more requests are read here).
+    pub(crate) fn move_to(&mut self, to: usize) {
+        self.moving = Some(to);
+    }
+
+    /// Stay here after all (the move could not happen).
+    pub(crate) fn stay(&mut self) {
+        self.moving = None;
+    }
+
+    /// Taken in by a reactor: a connection that moved there is counted in
+    /// its device's moves; one arriving while the reactor stops reads
+    /// nothing more.
+    pub(crate) fn arrive(&mut self, stopping: bool) {
+        if self.moving.take().is_some() {
+            self.dev.stats.moves.fetch_add(1, Ordering::Relaxed);
+        }
+        if stopping {
+            self.read_closed = true;
+        }
+    }
+
+    /// The reactor is stopping: take no new requests; those in flight finish.
+    pub(crate) fn stop_taking(&mut self, io: &mut Io, ci: u32) {
+        self.moving = None;
+        self.close_reading(io, ci);
+    }
+
+    /// Cut the connection off now (drain timeout, reactor exit): its socket is
+    /// shut down; operations in flight still complete before it is dropped.
+    pub(crate) fn cut_off(&mut self, io: &mut Io, ci: u32) {
+        let _ = rustix::net::shutdown(&self.sock, rustix::net::Shutdown::Both);
+        self.kill(io, ci);
+    }
+
+    /// Its place went to another peer's newcomer (see `engine::admit`): cut
+    /// off, and the disconnect line says why.
+    pub(crate) fn give_up_place(&mut self, io: &mut Io, ci: u32) {
+        self.cut_off(io, ci);
+        self.audit.reason = "closed to make room for another peer (--max-connections)";
+    }
+
+    /// Retry request `si` parked on its range (if it still is).
+    pub(crate) fn retry(&mut self, io: &mut Io, ci: u32, si: u16) {
+        if self.slots.get(si).state() == SlotState::WaitLock {
+            self.dispatch(io, ci, si);
+        }
+    }
+
     /// Pick up the export's new configuration (no request of ours is in flight
     /// on the old one: the swap waited for them).
     pub(super) fn reload(&mut self) {
@@ -456,7 +396,7 @@ impl Conn {
     }
 
     /// Stop reading requests; cancel the receive in flight.
-    pub fn close_reading(&mut self, io: &mut Io, ci: u32) {
+    pub(super) fn close_reading(&mut self, io: &mut Io, ci: u32) {
         if !self.read_closed {
             self.audit.reason = "closed by the server";
         }
@@ -471,14 +411,12 @@ impl Conn {
         if self.file_ops == 0 {
             return;
         }
-        for si in 0..SLOTS {
-            if self.slots[si as usize].state == SlotState::Io {
-                let e = opcode::AsyncCancel::new(ud(TAG_FILE, ci, si))
-                    .build()
-                    .user_data(ud(TAG_CANCEL, ci, 0));
-                // SAFETY: a cancel refers to no memory, only to a user_data value.
-                unsafe { io.push(e) };
-            }
+        for si in self.slots.in_state(SlotState::Io) {
+            let e = opcode::AsyncCancel::new(ud(TAG_FILE, ci, si))
+                .build()
+                .user_data(ud(TAG_CANCEL, ci, 0));
+            // SAFETY: a cancel refers to no memory, only to a user_data value.
+            unsafe { io.push(e) };
         }
     }
 
@@ -511,30 +449,26 @@ impl Conn {
     /// read's buffer goes back. Wakes a connection of this device refused its
     /// share ([`Export::unhold`]).
     pub(super) fn unhold(&mut self, si: u16) {
-        let held = std::mem::take(&mut self.slots[si as usize].held);
+        let held = self.slots.unhold(si);
         if held > 0 {
             self.export.unhold(held);
-            self.bytes_held = self.bytes_held.saturating_sub(held);
         }
     }
 
     /// Free a slot: release its range (or its place in line) and its buffers.
-    pub fn release_slot(&mut self, io: &mut Io, si: u16) {
-        if self.slots[si as usize].state == SlotState::Free {
+    pub(super) fn release_slot(&mut self, io: &mut Io, si: u16) {
+        if self.slots.get(si).state() == SlotState::Free {
             return;
         }
         self.unhold(si);
-        let slot = &mut self.slots[si as usize];
-        slot.req.release(&self.dev, &self.export, &mut io.pool);
-        if let Some(e) = slot.extra.take() {
+        let slot = self.slots.get_mut(si);
+        slot.req_mut()
+            .release(&self.dev, &self.export, &mut io.pool);
+        if let Some(e) = slot.take_extra() {
             io.pool.put(e);
         }
         slot.drop_pipes(&mut io.pipes, false);
-        slot.state = SlotState::Free;
-        slot.rest = 0;
-        slot.data_len = 0;
-        slot.hdr_len = 0;
-        self.free_slots.push(si);
+        self.slots.free(si);
     }
 
     /// The client hung up (its socket closed or broke without NBD_CMD_DISC):
@@ -558,7 +492,7 @@ impl Conn {
     /// the client closed or broke its socket while no receive was posted.
     /// After NBD_CMD_DISC (or once the server stopped reading) only a full
     /// hang-up counts: a client may half-close and still read its replies.
-    pub fn on_poll(&mut self, io: &mut Io, ci: u32, res: i32) {
+    pub(crate) fn on_poll(&mut self, io: &mut Io, ci: u32, res: i32) {
         self.poll_inflight = false;
         self.poll_cancel_sent = false;
         if res < 0 && res != -libc::ECANCELED {
@@ -582,10 +516,9 @@ impl Conn {
             self.audit.reason = "connection closed by the client";
         }
         self.read_closed = true;
-        if let RecvState::Payload { slot, .. } = self.recv
-            && !self.recv_inflight
+        if !self.recv_inflight
+            && let Some(slot) = self.framing.end_payload()
         {
-            self.recv = RecvState::Header;
             self.release_slot(io, slot);
         }
         self.hang_up(io, ci);
@@ -593,7 +526,7 @@ impl Conn {
 
     /// The socket is unusable: drop queued replies and parked requests; requests
     /// with a file operation or receive in flight are released when it completes.
-    pub fn kill(&mut self, io: &mut Io, ci: u32) {
+    pub(super) fn kill(&mut self, io: &mut Io, ci: u32) {
         self.gone.store(true, Ordering::Relaxed);
         self.dead = true;
         self.close_reading(io, ci);
@@ -602,19 +535,19 @@ impl Conn {
 
     fn drop_unsent(&mut self, io: &mut Io) {
         if !self.send_inflight {
-            while let Some(si) = self.sendq.pop_front() {
+            while let Some(si) = self.sendq.pop() {
                 self.release_slot(io, si);
             }
         }
         for si in 0..SLOTS {
-            if self.slots[si as usize].state == SlotState::WaitLock {
+            if self.slots.get(si).state() == SlotState::WaitLock {
                 self.release_slot(io, si);
             }
         }
     }
 
     /// After a batch: parse, send, and report whether the connection is done.
-    pub fn service(&mut self, io: &mut Io, ci: u32) -> bool {
+    pub(crate) fn service(&mut self, io: &mut Io, ci: u32) -> bool {
         self.pump(io, ci);
         self.send(io, ci);
         if self.dead {

@@ -32,7 +32,6 @@
 
 use super::proto::*;
 use super::wire::{self, WireError};
-use crate::device::Device;
 use std::io::{Read, Write};
 use std::sync::Arc;
 use thiserror::Error;
@@ -45,13 +44,16 @@ pub trait Exports {
     /// What selecting an export hands back: the connection's registration as a
     /// client, held for as long as the connection lives.
     type Client;
-    /// The device exported as `name` (`""` is the default export), for
-    /// `INFO` and meta-context queries.
-    fn find(&self, name: &str, ids: &[String]) -> Option<Arc<Device>>;
+    /// An export as the handshake is given it (the daemon's: its device);
+    /// the handshake sees only its [`ExportFacts`].
+    type Export: ExportFacts;
+    /// The export named `name` (`""` is the default export), for `INFO` and
+    /// meta-context queries.
+    fn find(&self, name: &str, ids: &[String]) -> Option<Self::Export>;
     /// Select `name` for the transmission phase: from now on the connection
     /// counts as its client. `None` if there is no such export or it takes no
     /// new clients (a detach has begun).
-    fn join(&self, name: &str, ids: &[String]) -> Option<(Arc<Device>, Self::Client)>;
+    fn join(&self, name: &str, ids: &[String]) -> Option<(Self::Export, Self::Client)>;
     /// Every export's name the client may see, for `NBD_OPT_LIST`.
     fn names(&self, ids: &[String]) -> Vec<String>;
 }
@@ -81,9 +83,41 @@ pub enum HandshakeError {
     NoTls,
 }
 
-/// The outcome of a successful handshake.
-pub struct Negotiated<C> {
-    pub dev: Arc<Device>,
+/// All the handshake needs of an export: what it tells the client about it.
+pub trait ExportFacts {
+    /// The name it is exported as (`NBD_INFO_NAME`).
+    fn name(&self) -> &str;
+    /// Its size in bytes.
+    fn size(&self) -> u64;
+    fn read_only(&self) -> bool;
+    /// Its logical block size.
+    fn block_size(&self) -> u32;
+    /// Whether its block size is the least a client may use.
+    fn strict_block_size(&self) -> bool;
+}
+
+impl<T: ExportFacts + ?Sized> ExportFacts for Arc<T> {
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+    fn size(&self) -> u64 {
+        (**self).size()
+    }
+    fn read_only(&self) -> bool {
+        (**self).read_only()
+    }
+    fn block_size(&self) -> u32 {
+        (**self).block_size()
+    }
+    fn strict_block_size(&self) -> bool {
+        (**self).strict_block_size()
+    }
+}
+
+/// The outcome of a successful handshake (`X`: the export selected, as
+/// [`Exports::Export`]).
+pub struct Negotiated<C, X> {
+    pub dev: X,
     /// The connection's registration as a client of the export.
     pub client: C,
     /// Structured replies (also true with extended headers).
@@ -148,13 +182,13 @@ const DISCARD_CHUNK: usize = 64 << 10;
 
 /// Transmission flags for a device (`structured`: structured replies or
 /// extended headers were negotiated).
-pub fn transmission_flags(dev: &Device, structured: bool) -> u16 {
+pub fn transmission_flags(dev: &impl ExportFacts, structured: bool) -> u16 {
     let mut f = TFLAG_HAS_FLAGS
         | TFLAG_SEND_FLUSH
         | TFLAG_SEND_FUA
         | TFLAG_SEND_CACHE
         | TFLAG_CAN_MULTI_CONN;
-    if dev.read_only {
+    if dev.read_only() {
         f |= TFLAG_READ_ONLY;
     } else {
         f |= TFLAG_SEND_TRIM | TFLAG_SEND_WRITE_ZEROES | TFLAG_SEND_FAST_ZERO;
@@ -174,13 +208,13 @@ pub fn transmission_flags(dev: &Device, structured: bool) -> u16 {
 /// which keeps well-behaved clients aligned and fast. A device configured
 /// `strict_block_size` advertises its block size as the minimum instead, and
 /// strict clients (libnbd) then refuse unaligned requests themselves.
-pub fn block_sizes(dev: &Device) -> (u32, u32, u32) {
-    let min = if dev.strict_block_size {
-        dev.block_size
+pub fn block_sizes(dev: &impl ExportFacts) -> (u32, u32, u32) {
+    let min = if dev.strict_block_size() {
+        dev.block_size()
     } else {
         1
     };
-    (min, dev.block_size.max(4096), MAX_PAYLOAD)
+    (min, dev.block_size().max(4096), MAX_PAYLOAD)
 }
 
 /// What the handshake is waiting for.
@@ -196,8 +230,11 @@ enum Phase {
     Discard { option: u32, left: u64 },
 }
 
+/// What a handshake over exports `E` negotiates.
+pub type NegotiatedWith<E> = Negotiated<<E as Exports>::Client, <E as Exports>::Export>;
+
 /// Progress after [`Handshake::feed`].
-pub enum Step<C> {
+pub enum Step<C, X> {
     /// Wants more bytes ([`Handshake::want`]).
     More,
     /// `STARTTLS` was acknowledged: send what [`Handshake::out`] holds, run the
@@ -205,7 +242,7 @@ pub enum Step<C> {
     StartTls,
     /// The handshake is over: `Some` enters the transmission phase, `None` means
     /// the client aborted. Send what [`Handshake::out`] holds first.
-    Done(Option<Negotiated<C>>),
+    Done(Option<Negotiated<C, X>>),
 }
 
 /// Where TLS stands on a connection.
@@ -308,7 +345,7 @@ impl Handshake {
         &mut self,
         input: &[u8],
         exports: &E,
-    ) -> Result<Step<E::Client>, HandshakeError> {
+    ) -> Result<Step<E::Client, E::Export>, HandshakeError> {
         if self.tls == Tls::Starting {
             return Err(HandshakeError::TlsNotStarted);
         }
@@ -339,7 +376,7 @@ impl Handshake {
         &mut self,
         msg: &[u8],
         exports: &E,
-    ) -> Result<Step<E::Client>, HandshakeError> {
+    ) -> Result<Step<E::Client, E::Export>, HandshakeError> {
         match self.phase {
             Phase::Flags => {
                 let mut cf = [0u8; 4];
@@ -393,7 +430,7 @@ impl Handshake {
         option: u32,
         data: &[u8],
         exports: &E,
-    ) -> Result<Step<E::Client>, HandshakeError> {
+    ) -> Result<Step<E::Client, E::Export>, HandshakeError> {
         let tls_missing = self.policy.tls == TlsMode::Require && self.tls != Tls::Started;
         if tls_missing && !matches!(option, OPT_STARTTLS | OPT_ABORT) {
             // This option has no error reply: all that is left is to close.
@@ -419,7 +456,7 @@ impl Handshake {
                     return Err(HandshakeError::UnknownExport(crate::text::untrusted(name)));
                 };
                 let flags = transmission_flags(&dev, self.haggled.structured);
-                self.out.extend_from_slice(&dev.size.to_be_bytes());
+                self.out.extend_from_slice(&dev.size().to_be_bytes());
                 self.out.extend_from_slice(&flags.to_be_bytes());
                 if !self.no_zeroes {
                     self.out.extend_from_slice(&[0u8; 124]);
@@ -504,7 +541,7 @@ impl Handshake {
         }
     }
 
-    fn done<C>(&mut self, dev: Arc<Device>, client: C) -> Negotiated<C> {
+    fn done<C, X>(&mut self, dev: X, client: C) -> Negotiated<C, X> {
         Negotiated {
             dev,
             client,
@@ -521,7 +558,7 @@ impl Handshake {
         option: u32,
         data: &[u8],
         exports: &E,
-    ) -> Result<Step<E::Client>, HandshakeError> {
+    ) -> Result<Step<E::Client, E::Export>, HandshakeError> {
         let req = match wire::parse_info_request(data) {
             Ok(r) => r,
             Err(e) => {
@@ -543,10 +580,12 @@ impl Handshake {
             }
         };
         let flags = transmission_flags(&dev, self.haggled.structured);
-        self.reply(option, REP_INFO, &wire::info_export(dev.size, flags));
+        self.reply(option, REP_INFO, &wire::info_export(dev.size(), flags));
         for &kind in &req.requests {
             match kind {
-                INFO_NAME => self.reply(option, REP_INFO, &wire::info_string(INFO_NAME, &dev.name)),
+                INFO_NAME => {
+                    self.reply(option, REP_INFO, &wire::info_string(INFO_NAME, dev.name()))
+                }
                 INFO_BLOCK_SIZE => {
                     let (min, pref, max) = block_sizes(&dev);
                     self.reply(option, REP_INFO, &wire::info_block_size(min, pref, max))
@@ -563,7 +602,7 @@ impl Handshake {
         }
     }
 
-    fn unknown<C>(&mut self, option: u32, name: &str) -> Result<Step<C>, HandshakeError> {
+    fn unknown<C, X>(&mut self, option: u32, name: &str) -> Result<Step<C, X>, HandshakeError> {
         self.notices.push(Notice::UnknownExport {
             option,
             name: crate::text::untrusted(name),
@@ -622,7 +661,7 @@ impl Handshake {
 pub fn negotiate<S: Read + Write, E: Exports + ?Sized>(
     s: &mut S,
     exports: &E,
-) -> Result<Option<Negotiated<E::Client>>, HandshakeError> {
+) -> Result<Option<NegotiatedWith<E>>, HandshakeError> {
     negotiate_with(s, exports, Policy::default())
 }
 
@@ -632,7 +671,7 @@ pub fn negotiate_with<S: Read + Write, E: Exports + ?Sized>(
     s: &mut S,
     exports: &E,
     policy: Policy,
-) -> Result<Option<Negotiated<E::Client>>, HandshakeError> {
+) -> Result<Option<NegotiatedWith<E>>, HandshakeError> {
     let mut h = Handshake::new(policy);
     let mut buf = vec![0u8; DISCARD_CHUNK];
     loop {

@@ -1,27 +1,26 @@
-//! Reading requests: headers into the connection's buffer, write payloads
-//! straight into their task's buffer, rejected payloads thrown away. A request is
-//! taken only when a slot, the connection's byte allowance, its device's share
-//! of the memory budget and the budget itself allow, and while its export is
-//! not frozen. A client that hangs up (EOF or a broken socket before
-//! NBD_CMD_DISC) stops its requests ([`Conn::hang_up`]), seen by the posted
-//! receive, or, while reading is paused, by a poll of the socket
-//! ([`Conn::on_poll`]).
+//! Reading requests: the connection's receive path, feeding its framing
+//! ([`super::framing`]) from the transport ([`super::transport`]). Headers
+//! arrive into the framing's buffer, write payloads straight into their
+//! task's buffer, rejected payloads are thrown away. A request is taken only
+//! when a slot, the connection's byte allowance, its device's share of the
+//! memory budget and the budget itself allow, and while its export is not
+//! frozen; it then goes to the engine ([`super::run`]). A client that hangs
+//! up (EOF or a broken socket before NBD_CMD_DISC) stops its requests
+//! ([`Conn::hang_up`]), seen by the posted receive, or, while reading is
+//! paused, by a poll of the socket ([`Conn::on_poll`]).
 
-use super::conn::{Conn, RBUF, RecvState, SlotState};
-use super::tls::Received;
+use super::conn::Conn;
+use super::framing::{Got, Step};
+use super::slots::{PIECE, SlotState};
+use super::transport::RecvDone;
 use crate::block::Op;
-use crate::engine::task::{self, Task};
+use crate::engine::task;
 use crate::engine::{budget, buffer};
 use crate::frontend::nbd::proto::*;
 use crate::frontend::nbd::wire::{self, Command};
-use crate::ring::{Io, TAG_POLL, TAG_RECV, ud};
+use crate::ring::{Io, TAG_POLL, ud};
 use io_uring::{opcode, types};
-use std::os::fd::AsRawFd;
 use std::sync::Arc;
-
-/// Effect bytes of one piece of a request longer than a task can be (a power
-/// of two, so pieces of an aligned request stay aligned).
-pub(super) const PIECE: u32 = 1 << 31;
 
 /// Bytes of reply descriptors a BLOCK_STATUS holds (64-bit descriptors, the
 /// larger kind), counted against the budget's shares like a read's data.
@@ -43,93 +42,26 @@ impl Conn {
     /// buffer of one of its slots, which stays put until the receive completes.
     unsafe fn post_recv(&mut self, io: &mut Io, ci: u32, ptr: *mut u8, len: usize) {
         self.recv_inflight = true;
-        let (ptr, len) = match self.tls.as_mut() {
-            None => (ptr, len),
-            Some(tls) => {
-                // Already decrypted (or over): the receive completes through
-                // the ring as a NOP whose count is `ready`, so `on_recv` runs
-                // as for any receive.
-                // SAFETY: by this function's contract, the target stays valid
-                // until this receive completes.
-                let now = match unsafe { tls.set_target(ptr, len) } {
-                    Ok(Received::NeedMore) => None,
-                    Ok(Received::Plain(n)) => Some(n),
-                    Ok(Received::Closed) => Some(0),
-                    Err(e) => {
-                        tracing::info!("closing a TLS connection to {:?}: {e}", self.dev.name);
-                        self.dead = true;
-                        Some(0)
-                    }
-                };
-                match now {
-                    None => tls.rx_space(),
-                    Some(n) => {
-                        tls.ready = Some(n);
-                        let e = opcode::Nop::new().build().user_data(ud(TAG_RECV, ci, 0));
-                        // SAFETY: a NOP refers to no memory.
-                        unsafe { io.push(e) };
-                        return;
-                    }
-                }
-            }
-        };
-        // SAFETY: by this function's contract (or, with TLS, the free tail of
-        // the record layer's ciphertext buffer, which lives in the connection).
-        unsafe { self.push_recv(io, ci, ptr, len) };
-    }
-
-    /// Submit the receive SQE of `len` bytes into `ptr`.
-    ///
-    /// # Safety
-    /// As [`Conn::post_recv`]: the memory stays put until the receive completes.
-    unsafe fn push_recv(&self, io: &mut Io, ci: u32, ptr: *mut u8, len: usize) {
-        let len = u32::try_from(len).unwrap_or(u32::MAX);
-        let e = opcode::Recv::new(types::Fd(self.sock.as_raw_fd()), ptr, len)
-            .build()
-            .user_data(ud(TAG_RECV, ci, 0));
+        let fd = self.fd();
         // SAFETY: by this function's contract.
-        unsafe { io.push(e) };
+        if let Err(e) = unsafe { self.transport.post_recv(io, ci, fd, ptr, len) } {
+            tracing::info!("closing a TLS connection to {:?}: {e}", self.dev.name);
+            self.dead = true;
+        }
     }
 
-    /// A TLS receive completed: what it means for the connection's target.
-    /// `Some(res)` goes on as a plaintext receive's result; `None` means the
-    /// receive goes on (more ciphertext was asked for).
-    fn tls_received(&mut self, io: &mut Io, ci: u32, res: i32) -> Option<i32> {
-        let tls = self.tls.as_mut()?;
-        if let Some(n) = tls.ready.take() {
-            return Some(i32::try_from(n).unwrap_or(-libc::EPROTO));
-        }
-        if res <= 0 {
-            return Some(res);
-        }
-        match tls.received(res as usize) {
-            Ok(Received::Plain(n)) => Some(i32::try_from(n).unwrap_or(-libc::EPROTO)),
-            Ok(Received::Closed) => Some(0),
-            Ok(Received::NeedMore) => {
-                if self.read_closed || self.moving.is_some() {
-                    return Some(-libc::ECANCELED);
-                }
-                let (ptr, len) = tls.rx_space();
-                if len == 0 {
-                    return Some(-libc::EPROTO);
-                }
-                self.recv_inflight = true;
-                // SAFETY: the free tail of the record layer's ciphertext buffer,
-                // which lives in the connection until the receive completes.
-                unsafe { self.push_recv(io, ci, ptr, len) };
-                None
-            }
-            Err(e) => {
-                tracing::info!("closing a TLS connection to {:?}: {e}", self.dev.name);
-                self.dead = true;
-                Some(-libc::EPROTO)
-            }
-        }
+    /// Post the receive the framing asked for, into its buffer.
+    fn post_framing_recv(&mut self, io: &mut Io, ci: u32) {
+        let space = self.framing.recv_space();
+        let (ptr, len) = (space.as_mut_ptr(), space.len());
+        // SAFETY: the framing's buffer, allocated once, lives as long as the
+        // connection, which outlives the receive.
+        unsafe { self.post_recv(io, ci, ptr, len) };
     }
 
     /// Parse what is buffered and keep a receive posted, as far as budget
     /// allows; while none is posted, watch the socket for a hang-up.
-    pub fn pump(&mut self, io: &mut Io, ci: u32) {
+    pub(super) fn pump(&mut self, io: &mut Io, ci: u32) {
         self.take_requests(io, ci);
         if !(self.recv_inflight
             || self.poll_inflight
@@ -140,7 +72,7 @@ impl Conn {
         {
             self.poll_inflight = true;
             let ev = libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR;
-            let e = opcode::PollAdd::new(types::Fd(self.sock.as_raw_fd()), ev as u32)
+            let e = opcode::PollAdd::new(types::Fd(self.fd()), ev as u32)
                 .build()
                 .user_data(ud(TAG_POLL, ci, 0));
             // SAFETY: a poll refers to no memory; the socket stays open until
@@ -167,44 +99,21 @@ impl Conn {
             if self.read_closed || self.recv_inflight || self.dead {
                 return;
             }
-            match self.recv {
-                RecvState::Discard { remaining } => {
-                    let avail = self.avail();
-                    let take = usize::try_from(remaining).map_or(avail, |r| r.min(avail));
-                    self.rstart += take;
-                    let left = remaining - take as u64;
-                    if left == 0 {
-                        self.recv = RecvState::Header;
-                        continue;
-                    }
-                    self.recv = RecvState::Discard { remaining: left };
-                    self.rstart = 0;
-                    self.rend = 0;
-                    let ptr = self.rbuf.as_mut_ptr();
-                    let n = usize::try_from(left).unwrap_or(RBUF).min(RBUF);
-                    // SAFETY: n <= RBUF bytes of the connection's receive buffer.
-                    unsafe { self.post_recv(io, ci, ptr, n) };
-                    return;
-                }
-                RecvState::Payload { .. } => return,
-                RecvState::Header if self.moving.is_some() => {
-                    // Read no further here: what arrives is the new reactor's.
-                    self.cancel_recv(io, ci);
-                    return;
-                }
-                RecvState::Header => {}
-            }
-            let hlen = wire::request_len(self.view.extended);
-            if self.avail() < hlen {
-                self.compact();
-                let at = self.rend;
-                // SAFETY: at <= RBUF, the buffer's capacity.
-                let ptr = unsafe { self.rbuf.as_mut_ptr().add(at) };
-                // SAFETY: the free tail of the connection's receive buffer.
-                unsafe { self.post_recv(io, ci, ptr, RBUF - at) };
+            if self.moving.is_some() && self.framing.state() == super::framing::RecvState::Header {
+                // Read no further here: what arrives is the new reactor's.
+                self.cancel_recv(io, ci);
                 return;
             }
-            if self.free_slots.is_empty() || self.bytes_held > io.per_conn_bytes {
+            match self.framing.step() {
+                Step::Again => continue,
+                Step::Payload => return,
+                Step::Receive => {
+                    self.post_framing_recv(io, ci);
+                    return;
+                }
+                Step::Header => {}
+            }
+            if !self.slots.can_take(io.per_conn_bytes) {
                 return; // resumed when a reply has been sent
             }
             if !self.export.enter(&io.waker) {
@@ -214,8 +123,7 @@ impl Conn {
             if self.export.epoch() != self.epoch {
                 self.reload();
             }
-            let hdr = &self.rbuf.as_slice()[self.rstart..self.rstart + hlen];
-            let req = match wire::parse_header(hdr, self.view.extended) {
+            let req = match self.framing.parse() {
                 Ok(r) => r,
                 Err(e) => {
                     self.audit.reason = "framing error";
@@ -257,30 +165,21 @@ impl Conn {
                 io.parked.push(ci);
                 return;
             }
-            self.rstart += hlen;
+            self.framing.consume_header();
             self.active = true;
             self.audit.served += 1;
-            let Some(si) = self.free_slots.pop() else {
+            let Some(si) = self.slots.take(held) else {
                 self.export.unhold(held);
                 self.export.leave();
                 return;
             };
-            self.bytes_held += held;
-            let slot = &mut self.slots[si as usize];
-            slot.held = held;
-            slot.cookie = req.cookie;
-            slot.offset = req.offset;
-            slot.rest = 0;
-            slot.rest_fua = req.flags & CMD_FLAG_FUA != 0;
-            slot.req.arrived(None);
+            let slot = self.slots.get_mut(si);
+            slot.begin(req.cookie, req.offset, req.flags & CMD_FLAG_FUA != 0, held);
+            slot.req_mut().arrived(None);
             let cmd = match valid {
                 Err(rej) => {
-                    self.slots[si as usize].state = SlotState::Io;
-                    if rej.payload > 0 {
-                        self.recv = RecvState::Discard {
-                            remaining: rej.payload,
-                        };
-                    }
+                    slot.set_state(SlotState::Io);
+                    self.framing.discard(rej.payload);
                     self.finish(io, ci, si, req.kind == CMD_READ, Err(rej.errno));
                     continue;
                 }
@@ -295,47 +194,41 @@ impl Conn {
                     continue;
                 }
                 // DISC: answered by closing once everything before it is.
-                let slot = &mut self.slots[si as usize];
-                slot.req.entered = false;
-                slot.req.started = None;
+                let r = slot.req_mut();
+                r.entered = false;
+                r.started = None;
                 self.export.leave();
-                self.free_slots.push(si);
+                self.slots.untake(si);
                 self.audit.reason = "client disconnected (NBD_CMD_DISC)";
                 self.read_closed = true;
                 return;
             };
             if matches!(op, Op::Trim | Op::WriteZeroes | Op::Cache) {
-                self.slots[si as usize].rest = req.len - u64::from(piece).min(req.len);
+                slot.set_rest(req.len - u64::from(piece).min(req.len));
             }
             let mut flags = wire::req_flags(req.flags);
             // FUA goes with the last piece: its sync covers the ones before.
-            flags.fua &= self.slots[si as usize].rest == 0;
-            let mut task = Task::plan(&self.dev, op, flags, req.offset, piece, &mut io.pool);
+            flags.fua &= slot.rest() == 0;
+            let mut task = self.plan(io, op, flags, req.offset, piece);
             let len = piece as usize;
             if op == Op::Write {
-                let have = self.avail().min(len);
-                let (s, e) = (self.rstart, self.rstart + have);
-                task.payload_mut()[..have].copy_from_slice(&self.rbuf.as_slice()[s..e]);
-                self.rstart = e;
+                let have = self.framing.take_payload(task.payload_mut());
                 if have < len {
                     let ptr = task.payload_mut()[have..].as_mut_ptr();
-                    let slot = &mut self.slots[si as usize];
+                    let slot = self.slots.get_mut(si);
                     // Its payload must arrive within the progress deadline
                     // of its header while others wait for budget.
-                    slot.since = io.ticks;
-                    slot.req.task = Some(task);
-                    slot.state = SlotState::Receiving;
-                    self.recv = RecvState::Payload {
-                        slot: si,
-                        got: have,
-                    };
+                    slot.stamp(io.ticks);
+                    slot.req_mut().task = Some(task);
+                    slot.set_state(SlotState::Receiving);
+                    self.framing.expect_payload(si, have);
                     // SAFETY: the rest of the slot's task buffer, which stays in
                     // the slot until the receive completes.
                     unsafe { self.post_recv(io, ci, ptr, len - have) };
                     return;
                 }
             }
-            self.slots[si as usize].req.task = Some(task);
+            self.slots.get_mut(si).req_mut().task = Some(task);
             self.dispatch(io, ci, si);
         }
     }
@@ -391,15 +284,22 @@ impl Conn {
         false
     }
 
-    pub fn on_recv(&mut self, io: &mut Io, ci: u32, res: i32) {
+    /// A receive completed with `res`.
+    pub(crate) fn on_recv(&mut self, io: &mut Io, ci: u32, res: i32) {
         self.recv_inflight = false;
-        let res = if self.tls.is_some() {
-            match self.tls_received(io, ci, res) {
-                Some(r) => r,
-                None => return,
+        let stop = self.read_closed || self.moving.is_some();
+        let fd = self.fd();
+        let res = match self.transport.on_recv(io, ci, fd, res, stop) {
+            RecvDone::Result(r) => r,
+            RecvDone::Again => {
+                self.recv_inflight = true;
+                return;
             }
-        } else {
-            res
+            RecvDone::Failed(e) => {
+                tracing::info!("closing a TLS connection to {:?}: {e}", self.dev.name);
+                self.dead = true;
+                -libc::EPROTO
+            }
         };
         if self.moving.is_some() && !self.read_closed {
             // Our cancel, or a receive that beat it: either way none is pending.
@@ -424,9 +324,8 @@ impl Conn {
                 );
             }
             self.read_closed = true;
-            if let RecvState::Payload { slot, .. } = self.recv {
+            if let Some(slot) = self.framing.end_payload() {
                 // A write cut off mid-payload was never acknowledged: drop it.
-                self.recv = RecvState::Header;
                 self.release_slot(io, slot);
             }
             if res != -libc::ECANCELED {
@@ -437,32 +336,28 @@ impl Conn {
             }
             return;
         }
-        let n = res as usize;
-        match self.recv {
-            RecvState::Header | RecvState::Discard { .. } => self.rend += n,
-            RecvState::Payload { slot, got } => {
-                let got = got + n;
-                let Some(t) = self.slots[slot as usize].req.task.as_mut() else {
-                    return;
-                };
-                let total = t.len() as usize;
-                if got < total {
-                    if self.read_closed {
-                        // Stopping: this write will never be complete.
-                        self.recv = RecvState::Header;
-                        self.release_slot(io, slot);
-                        return;
-                    }
-                    let ptr = t.payload_mut()[got..].as_mut_ptr();
-                    self.recv = RecvState::Payload { slot, got };
-                    // SAFETY: the rest of the slot's task buffer, which stays in
-                    // the slot until the receive completes.
-                    unsafe { self.post_recv(io, ci, ptr, total - got) };
-                    return;
-                }
-                self.recv = RecvState::Header;
-                self.dispatch(io, ci, slot);
+        let Got::Payload { slot, got } = self.framing.received(res.unsigned_abs() as usize) else {
+            return;
+        };
+        let read_closed = self.read_closed;
+        let Some(t) = self.slots.get_mut(slot).req_mut().task.as_mut() else {
+            return;
+        };
+        let total = t.len() as usize;
+        if got < total {
+            if read_closed {
+                // Stopping: this write will never be complete.
+                self.framing.end_payload();
+                self.release_slot(io, slot);
+                return;
             }
+            let ptr = t.payload_mut()[got..].as_mut_ptr();
+            // SAFETY: the rest of the slot's task buffer, which stays in the
+            // slot until the receive completes.
+            unsafe { self.post_recv(io, ci, ptr, total - got) };
+            return;
         }
+        self.framing.end_payload();
+        self.dispatch(io, ci, slot);
     }
 }

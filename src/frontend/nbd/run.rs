@@ -1,21 +1,36 @@
 //! Running a parsed request through the engine's shared execution step
 //! ([`crate::engine::exec`]): its range, its inline paths, its file operations
 //! on the reactor's ring, and its result turned into a queued reply.
+//!
+//! This is the one place where the connection meets the engine: tasks are
+//! planned here ([`Conn::plan`]), every file operation of the connection is
+//! submitted here (a task's through [`Conn::submit_file_op`], which leaves
+//! to the ring how the device's backend runs it; the splice path's entry
+//! through [`Conn::submit_splice`]), and every file completion arrives in
+//! [`Conn::on_file`], which decodes it with the task
+//! ([`crate::engine::task::Task::complete`]) or hands it to the splice path.
 
-use super::conn::{Conn, SlotState};
-use super::recv::PIECE;
+use super::conn::Conn;
+use super::slots::SlotState;
 use crate::block::Op;
+use crate::block::ReqFlags;
 use crate::device::stats::Path;
 use crate::engine::splice::SPLICE_MIN;
 use crate::engine::task::{FileOp, Next, Task};
 use crate::engine::{clip, exec};
 use crate::frontend::nbd::wire::{self, NbdErrno};
 use crate::ring::{Io, TAG_FILE, ud};
+use io_uring::squeue;
 use std::sync::atomic::Ordering;
 
 impl Conn {
+    /// Plan the task of a request: `op` of `len` bytes at `offset`.
+    pub(super) fn plan(&self, io: &mut Io, op: Op, flags: ReqFlags, offset: u64, len: u32) -> Task {
+        Task::plan(&self.dev, op, flags, offset, len, &mut io.pool)
+    }
+
     /// Start a planned request: take its range, then run its first operation.
-    pub fn dispatch(&mut self, io: &mut Io, ci: u32, si: u16) {
+    pub(super) fn dispatch(&mut self, io: &mut Io, ci: u32, si: u16) {
         if let Some(next) = self.begin(io, ci, si) {
             self.advance(io, ci, si, next);
         }
@@ -25,23 +40,23 @@ impl Conn {
     /// `None` when it waits for its range or went to the splice path.
     fn begin(&mut self, io: &mut Io, ci: u32, si: u16) -> Option<Next> {
         let dev = &self.dev;
-        let slot = &mut self.slots[si as usize];
-        if !slot.req.admit(dev, &io.waker) {
-            slot.state = SlotState::WaitLock;
+        let slot = self.slots.get_mut(si);
+        if !slot.req_mut().admit(dev, &io.waker) {
+            slot.set_state(SlotState::WaitLock);
             io.lock_waiters.push((ci, si));
             return None;
         }
-        let task = slot.req.task.as_mut()?;
+        let task = slot.req_mut().task.as_mut()?;
         // A userspace TLS session sends from memory only.
         let splice = task.op() == Op::Read
             && task.path() == Path::Buffered
             && dev.splice_reads
-            && self.tls.is_none()
+            && self.transport.can_splice()
             && task.len() as usize >= SPLICE_MIN;
         if splice && self.start_splice(io, ci, si) {
             return None;
         }
-        let task = self.slots[si as usize].req.task.as_mut()?;
+        let task = self.slots.get_mut(si).req_mut().task.as_mut()?;
         Some(exec::start(&self.dev, task, &mut io.pool))
     }
 
@@ -54,10 +69,26 @@ impl Conn {
     /// `op` was yielded by the slot's task, which the slot keeps (its buffers
     /// untouched) until the completion arrives.
     pub(super) unsafe fn submit_file_op(&mut self, io: &mut Io, ci: u32, si: u16, op: FileOp) {
-        self.slots[si as usize].state = SlotState::Io;
+        self.slots.get_mut(si).set_state(SlotState::Io);
         self.file_ops += 1;
         // SAFETY: by this function's contract.
         unsafe { io.submit_file(&self.dev.backend, op, ud(TAG_FILE, ci, si)) };
+    }
+
+    /// Submit `e`, the splice path's entry for slot `si` (built by the
+    /// device's backend, see [`crate::backing::Backend::splice_sqe`]), counted
+    /// in flight like [`Conn::submit_file_op`]'s until its completion reaches
+    /// [`Conn::on_file`].
+    ///
+    /// # Safety
+    /// `e` refers to no memory, only to the slot's pipe and the backend's
+    /// descriptor, which the slot and the device keep until the completion
+    /// arrives.
+    pub(super) unsafe fn submit_splice(&mut self, io: &mut Io, ci: u32, si: u16, e: squeue::Entry) {
+        self.slots.get_mut(si).set_state(SlotState::Io);
+        self.file_ops += 1;
+        // SAFETY: by this function's contract.
+        unsafe { io.push_file(e, ud(TAG_FILE, ci, si)) };
     }
 
     /// Take slot `si`'s request on from `next`: submit its operation, or, when
@@ -75,10 +106,10 @@ impl Conn {
                     return;
                 }
                 Next::Done(r) => {
-                    let task = self.slots[si as usize].req.task.as_ref();
+                    let task = self.slots.get(si).req().task.as_ref();
                     let is_read = task.is_some_and(|t| t.op() == Op::Read);
                     exec::conclude(&self.dev, task, &r);
-                    if r.is_ok() && self.slots[si as usize].rest > 0 {
+                    if r.is_ok() && self.slots.get(si).rest() > 0 {
                         match self.next_piece(io, ci, si) {
                             Some(n) => {
                                 next = n;
@@ -95,7 +126,7 @@ impl Conn {
     }
 
     /// Plan and begin the next piece of a request longer than a task can be
-    /// (see [`super::conn::Slot::rest`]): the piece before gives up its range,
+    /// (see [`super::slots::Slot::rest`]): the piece before gives up its range,
     /// the next one takes its own. Past the end of the backing file there is
     /// nothing left to do ([`crate::engine::clip`]): the pieces stop there,
     /// and a FUA request gets the sync its last piece would have made. A
@@ -103,11 +134,11 @@ impl Conn {
     /// itself told it (`Task::start_sized`), never on the size loopd last
     /// saw, which another writer of a `--shared` image may have passed.
     fn next_piece(&mut self, io: &mut Io, ci: u32, si: u16) -> Option<Next> {
-        let slot = &mut self.slots[si as usize];
-        if let Some(t) = slot.req.ticket.take() {
+        let slot = self.slots.get_mut(si);
+        if let Some(t) = slot.req_mut().ticket.take() {
             self.dev.lock.unlock(t);
         }
-        let mut done = slot.req.task.take()?;
+        let mut done = slot.req_mut().task.take()?;
         done.recycle(&mut io.pool);
         let off = done.offset() + u64::from(done.len());
         let more = if done.op() == Op::WriteZeroes {
@@ -117,49 +148,46 @@ impl Conn {
             clip::more_in_file(self.dev.offset, off, size)
         };
         let task = if more {
-            let len = u32::try_from(slot.rest).map_or(PIECE, |r| r.min(PIECE));
-            slot.rest -= u64::from(len);
+            let len = slot.next_piece_len();
             let mut flags = done.flags();
-            flags.fua = slot.rest_fua && slot.rest == 0;
+            flags.fua = slot.rest_fua() && slot.rest() == 0;
             Task::plan(&self.dev, done.op(), flags, off, len, &mut io.pool)
-        } else if slot.rest_fua {
-            slot.rest = 0;
+        } else if slot.rest_fua() {
+            slot.set_rest(0);
             Task::plan(&self.dev, Op::Flush, done.flags(), off, 0, &mut io.pool)
         } else {
-            slot.rest = 0;
-            slot.req.task = Some(done);
+            slot.set_rest(0);
+            slot.req_mut().task = Some(done);
             return Some(Next::Done(Ok(0)));
         };
-        slot.req.task = Some(task);
+        slot.req_mut().task = Some(task);
         self.begin(io, ci, si)
     }
 
-    pub fn on_file(&mut self, io: &mut Io, ci: u32, si: u16, res: i32) {
+    pub(crate) fn on_file(&mut self, io: &mut Io, ci: u32, si: u16, res: i32) {
         self.file_ops = self.file_ops.saturating_sub(1);
         if self.dead {
             // Nobody to answer: stop here (the range is released with the slot).
             self.release_slot(io, si);
             return;
         }
-        if self.slots[si as usize].spliced() {
+        if self.slots.get(si).spliced() {
             self.on_splice_in(io, ci, si, res);
             return;
         }
-        let Some(task) = self.slots[si as usize].req.task.as_mut() else {
+        let Some(task) = self.slots.get_mut(si).req_mut().task.as_mut() else {
             return;
         };
         let next = task.complete(res, &mut io.pool);
         self.advance(io, ci, si, next);
     }
 
-    /// Whether slot `si` is parked waiting for its range.
-    pub fn waiting(&self, si: u16) -> bool {
-        self.slots[si as usize].state == SlotState::WaitLock
-    }
-
     /// The request in `si` is done with the file (see [`exec::Request::settle`]).
     pub(super) fn settle(&mut self, si: u16) {
-        self.slots[si as usize].req.settle(&self.dev, &self.export);
+        self.slots
+            .get_mut(si)
+            .req_mut()
+            .settle(&self.dev, &self.export);
     }
 
     /// Queue the reply of slot `si` (or drop it on a dead socket).
@@ -175,16 +203,13 @@ impl Conn {
         if let Err(e) = r {
             self.dev.stats.error(e);
         }
-        let slot = &mut self.slots[si as usize];
+        let slot = self.slots.get_mut(si);
         let r = if is_read { r } else { r.map(|_| 0) };
-        slot.data_len = r.map_or(0, |n| n as usize);
-        slot.hdr_len = wire::reply_header(
-            &mut slot.hdr,
-            is_read,
-            self.replies,
-            slot.cookie,
-            slot.offset,
-            r,
+        let (cookie, offset, replies) = (slot.cookie(), slot.offset(), self.replies);
+        slot.set_reply(
+            |hdr| wire::reply_header(hdr, is_read, replies, cookie, offset, r),
+            r.map_or(0, |n| n as usize),
+            None,
         );
         self.queue(io, si);
     }
@@ -194,11 +219,11 @@ impl Conn {
             self.release_slot(io, si);
             return;
         }
-        let slot = &mut self.slots[si as usize];
-        slot.state = SlotState::Queued;
+        let slot = self.slots.get_mut(si);
+        slot.set_state(SlotState::Queued);
         // Its client must take it within the progress deadline while others
         // wait for budget (see `super::stall`).
-        slot.since = io.ticks;
-        self.sendq.push_back(si);
+        slot.stamp(io.ticks);
+        self.sendq.push(si);
     }
 }

@@ -5,9 +5,9 @@
 
 use super::conn::Conn;
 use crate::device::stats::Path;
-use crate::engine::splice::{MAX_PIPES, part_len};
+use crate::engine::splice::MAX_PIPES;
 use crate::frontend::nbd::wire;
-use crate::ring::{Io, TAG_FILE, ud};
+use crate::ring::Io;
 use std::os::fd::AsFd;
 
 impl Conn {
@@ -16,52 +16,44 @@ impl Conn {
     /// the read needs more pipes than a reply may use, no pipe can be had, or the
     /// header write fails; the caller copies instead.
     pub(super) fn start_splice(&mut self, io: &mut Io, ci: u32, si: u16) -> bool {
-        let slot = &mut self.slots[si as usize];
-        let Some(task) = slot.req.task.as_ref() else {
+        let replies = self.replies;
+        let slot = self.slots.get_mut(si);
+        let Some(task) = slot.req().task.as_ref() else {
             return false;
         };
+        let (offset, len) = (task.offset(), task.len());
         let Some(part) = io.pipes.part_bytes() else {
             return false;
         };
-        let parts = (task.len() as usize).div_ceil(part);
+        let parts = (len as usize).div_ceil(part);
         if parts > MAX_PIPES || !io.pipes.can_take(parts) {
             return false;
         }
-        slot.part = part;
-        for i in 0..parts {
-            match io.pipes.take() {
-                Some(p) => slot.pipes[i] = Some(p),
-                None => {
-                    slot.drop_pipes(&mut io.pipes, false);
-                    return false;
-                }
-            }
+        if !slot.take_pipes(&mut io.pipes, parts, part) {
+            return false;
         }
         // The success header; should the read fail, the pipes are dropped and an
-        // error reply sent the ordinary way instead.
-        let n = wire::reply_header(
-            &mut slot.hdr,
-            true,
-            self.replies,
-            slot.cookie,
-            task.offset(),
-            Ok(task.len()),
+        // error reply sent the ordinary way instead. The reply's shape (for
+        // `pipe_at`): a fallback to copying sets it anew.
+        let cookie = slot.cookie();
+        slot.set_reply(
+            |hdr| wire::reply_header(hdr, true, replies, cookie, offset, Ok(len)),
+            len as usize,
+            None,
         );
-        let written = match &slot.pipes[0] {
-            Some(p) => rustix::io::write(&p.w, &slot.hdr[..n]),
+        let n = slot.header().len();
+        let written = match slot.first_pipe() {
+            Some(p) => rustix::io::write(&p.w, slot.header()),
             None => Ok(0),
         };
         if !matches!(written, Ok(w) if w == n) {
             slot.drop_pipes(&mut io.pipes, false);
             return false;
         }
-        // The reply's shape, for `pipe_at`; a fallback to copying sets it anew.
-        slot.hdr_len = n;
-        slot.data_len = task.len() as usize;
         // The data never passes through memory of ours: lend the buffer out,
         // and with it the request's hold on its device's share (what waits
         // for that share is woken).
-        if let Some(t) = slot.req.task.as_mut() {
+        if let Some(t) = slot.req_mut().task.as_mut() {
             t.recycle(&mut io.pool);
         }
         self.unhold(si);
@@ -71,16 +63,14 @@ impl Conn {
 
     /// Splice the next part of slot `si`'s read from the file into its pipe.
     fn splice_in(&mut self, io: &mut Io, ci: u32, si: u16) {
-        let slot = &mut self.slots[si as usize];
-        let Some(task) = slot.req.task.as_ref() else {
+        let slot = self.slots.get(si);
+        let Some(task) = slot.req().task.as_ref() else {
             return;
         };
-        let i = slot.piped / slot.part;
-        let Some(pipe) = slot.pipes.get(i).and_then(Option::as_ref) else {
+        let Some((pipe, piped, left)) = slot.next_to_pipe(task.len() as usize) else {
             return;
         };
-        let left = (i * slot.part + part_len(task.len() as usize, slot.part, i)) - slot.piped;
-        let off = self.dev.file_offset(task.offset()) + slot.piped as u64;
+        let off = self.dev.file_offset(task.offset()) + piped as u64;
         let left = u32::try_from(left).unwrap_or(0);
         // Only a backend with the splice capability gets here (the device's
         // `splice_reads`); should it have none, copy instead.
@@ -88,20 +78,17 @@ impl Conn {
             self.on_splice_in(io, ci, si, -libc::EOPNOTSUPP);
             return;
         };
-        self.slots[si as usize].state = super::conn::SlotState::Io;
-        self.file_ops += 1;
         // SAFETY: a splice refers to no memory; the pipe stays in the slot and the
         // file open with the device until the completion arrives.
-        unsafe { io.push_file(e, ud(TAG_FILE, ci, si)) };
+        unsafe { self.submit_splice(io, ci, si, e) };
     }
 
     /// A splice into slot `si`'s pipes completed with `res`.
     pub(super) fn on_splice_in(&mut self, io: &mut Io, ci: u32, si: u16, res: i32) {
-        let slot = &mut self.slots[si as usize];
-        let len = slot.req.task.as_ref().map_or(0, |t| t.len());
+        let slot = self.slots.get_mut(si);
+        let len = slot.req().task.as_ref().map_or(0, |t| t.len());
         if res > 0 {
-            slot.piped += res as usize;
-            if slot.piped < len as usize {
+            if slot.piped(res.unsigned_abs() as usize) < len as usize {
                 self.splice_in(io, ci, si);
             } else {
                 self.dev.stats.path(Path::Spliced);
@@ -115,17 +102,16 @@ impl Conn {
         // error, or a file that cannot splice: drop what the pipes hold and copy
         // instead; that path zero-fills, and reports errors the usual way.
         slot.drop_pipes(&mut io.pipes, false);
-        let Some(task) = slot.req.task.as_mut() else {
+        let Some(task) = slot.req_mut().task.as_mut() else {
             return;
         };
         task.rebuffer(&mut io.pool);
         // The buffer is back: so is its hold on the device's share (counted
         // whatever the share, like the buffer itself: the request is taken).
         let cap = task.buffer_capacity();
-        slot.held = cap;
+        self.slots.hold_more(si, cap);
         self.export.hold_taken(cap);
-        self.bytes_held += cap;
-        let Some(task) = self.slots[si as usize].req.task.as_mut() else {
+        let Some(task) = self.slots.get_mut(si).req_mut().task.as_mut() else {
             return;
         };
         self.dev.stats.path(Path::Buffered);

@@ -27,7 +27,8 @@
 //! `stalled_clients`). Cost on the data path: one plain store per queued
 //! reply (and per write whose payload is received on its own).
 
-use super::conn::{Conn, RecvState};
+use super::conn::Conn;
+use super::framing::RecvState;
 use crate::engine::budget::{self, KERNEL_REPLY_TIMEOUT};
 use crate::ring::Io;
 use std::time::Duration;
@@ -57,16 +58,16 @@ fn oldest(now: u32, reply: Option<u32>, payload: Option<u32>) -> Option<(u32, bo
 impl Conn {
     /// One look, at tick `io.ticks`, while requests wait for budget. True: the
     /// connection was cut off (the caller services it).
-    pub fn stall_tick(&mut self, io: &mut Io, ci: u32) -> bool {
+    pub(crate) fn stall_tick(&mut self, io: &mut Io, ci: u32) -> bool {
         let Some(limit) = budget::global().reply_timeout() else {
             return false;
         };
-        if self.dead || self.bytes_held == 0 {
+        if self.dead || self.slots.bytes_held() == 0 {
             return false;
         }
-        let reply = self.sendq.front().map(|&si| self.slots[si as usize].since);
-        let payload = match self.recv {
-            RecvState::Payload { slot, .. } => Some(self.slots[slot as usize].since),
+        let reply = self.sendq.front().map(|si| self.slots.get(si).since());
+        let payload = match self.framing.state() {
+            RecvState::Payload { slot, .. } => Some(self.slots.get(slot).since()),
             _ => None,
         };
         let Some((age, sending)) = oldest(io.ticks, reply, payload) else {
@@ -99,7 +100,7 @@ impl Conn {
                 self.audit.who,
                 crate::text::quoted(&self.export.name),
                 limit.as_secs_f64(),
-                self.bytes_held,
+                self.slots.bytes_held(),
                 super::lines::left_out(skipped)
             );
         }

@@ -2,7 +2,8 @@
 //! ([`crate::engine::offload`]), answered as one structured reply chunk
 //! (`NBD_REPLY_TYPE_BLOCK_STATUS_EXT`, 64-bit lengths, with extended headers).
 
-use super::conn::{Conn, SlotState};
+use super::conn::Conn;
+use super::slots::SlotState;
 use crate::block::Extent;
 use crate::device::status;
 use crate::engine::offload;
@@ -25,7 +26,7 @@ impl Conn {
         one: bool,
     ) {
         let out = vec![Extent::default(); status::MAX_DESCRIPTORS];
-        self.slots[si as usize].state = SlotState::Io;
+        self.slots.get_mut(si).set_state(SlotState::Io);
         self.file_ops += 1;
         offload::submit(offload::StatusJob {
             dev: Arc::clone(&self.dev),
@@ -41,7 +42,7 @@ impl Conn {
     }
 
     /// A block-status request came back from the workers.
-    pub fn on_status(&mut self, io: &mut Io, ci: u32, d: offload::StatusDone) {
+    pub(crate) fn on_status(&mut self, io: &mut Io, ci: u32, d: offload::StatusDone) {
         self.file_ops = self.file_ops.saturating_sub(1);
         let si = d.slot;
         if self.dead {
@@ -51,36 +52,37 @@ impl Conn {
         match d.res {
             Ok(n) => {
                 self.settle(si);
-                let slot = &mut self.slots[si as usize];
+                let slot = self.slots.get_mut(si);
+                let (cookie, offset) = (slot.cookie(), slot.offset());
                 let extents = &d.out[..n.min(d.out.len())];
                 // Extended headers get 64-bit descriptors (BLOCK_STATUS_EXT).
-                let (n, size) = if self.replies == Replies::Extended {
+                if self.replies == Replies::Extended {
                     let mut out = io.pool.get(16 * status::MAX_DESCRIPTORS);
                     let n = wire::encode_extents_ext(out.as_mut_slice(), extents);
                     let count = u32::try_from(n).unwrap_or(0);
-                    slot.hdr_len = wire::block_status_ext_header(
-                        &mut slot.hdr,
-                        slot.cookie,
-                        slot.offset,
-                        BASE_ALLOCATION_ID,
-                        count,
+                    slot.set_reply(
+                        |hdr| {
+                            wire::block_status_ext_header(
+                                hdr,
+                                cookie,
+                                offset,
+                                BASE_ALLOCATION_ID,
+                                count,
+                            )
+                        },
+                        16 * n,
+                        Some(out),
                     );
-                    slot.extra = Some(out);
-                    (n, 16)
                 } else {
                     let mut out = io.pool.get(8 * status::MAX_DESCRIPTORS);
                     let n = wire::encode_extents(out.as_mut_slice(), extents);
                     let count = u32::try_from(n).unwrap_or(0);
-                    slot.hdr_len = wire::block_status_header(
-                        &mut slot.hdr,
-                        slot.cookie,
-                        BASE_ALLOCATION_ID,
-                        count,
+                    slot.set_reply(
+                        |hdr| wire::block_status_header(hdr, cookie, BASE_ALLOCATION_ID, count),
+                        8 * n,
+                        Some(out),
                     );
-                    slot.extra = Some(out);
-                    (n, 8)
-                };
-                slot.data_len = size * n;
+                }
                 self.queue(io, si);
             }
             Err(e) => {

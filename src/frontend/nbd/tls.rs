@@ -36,7 +36,7 @@ pub enum TlsIoError {
 
 /// What a receive completion turned into.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Received {
+pub(super) enum Received {
     /// This many plaintext bytes are in the receive target.
     Plain(usize),
     /// Only part of a record arrived: receive more ciphertext.
@@ -54,7 +54,7 @@ pub struct TlsIo {
     /// The connection's receive target: pointer and length.
     want: (*mut u8, usize),
     /// Plaintext delivered without a receive (the NOP's result).
-    pub ready: Option<usize>,
+    pub(super) ready: Option<usize>,
     /// Ciphertext of the send in flight, `tx_sent` bytes of it sent.
     tx: Vec<u8>,
     tx_sent: usize,
@@ -66,7 +66,7 @@ pub struct TlsIo {
 // it is written through only while that receive is in flight, on the thread
 // that runs the connection, and a `TlsIo` changes threads only with its
 // connection when no receive is in flight (handed to its first reactor, or
-// moved once `Conn::ready_to_move`).
+// moved once `Conn::move_target` says it may go).
 unsafe impl Send for TlsIo {}
 
 impl TlsIo {
@@ -95,14 +95,18 @@ impl TlsIo {
     /// # Safety
     /// `ptr..ptr+len` is writable and stays valid until the receive it stands
     /// for completes (the connection's `post_recv` contract).
-    pub unsafe fn set_target(&mut self, ptr: *mut u8, len: usize) -> Result<Received, TlsIoError> {
+    pub(super) unsafe fn set_target(
+        &mut self,
+        ptr: *mut u8,
+        len: usize,
+    ) -> Result<Received, TlsIoError> {
         self.want = (ptr, len);
         self.fill()
     }
 
     /// Free space for ciphertext: pointer and length (moves what is buffered to
     /// the front first).
-    pub fn rx_space(&mut self) -> (*mut u8, usize) {
+    pub(super) fn rx_space(&mut self) -> (*mut u8, usize) {
         if self.rx_start > 0 {
             self.rx.copy_within(self.rx_start..self.rx_end, 0);
             self.rx_end -= self.rx_start;
@@ -113,7 +117,7 @@ impl TlsIo {
     }
 
     /// `n` bytes of ciphertext arrived in [`TlsIo::rx_space`].
-    pub fn received(&mut self, n: usize) -> Result<Received, TlsIoError> {
+    pub(super) fn received(&mut self, n: usize) -> Result<Received, TlsIoError> {
         self.rx_end = (self.rx_end + n).min(self.rx.len());
         self.fill()
     }
@@ -160,25 +164,33 @@ impl TlsIo {
     }
 
     /// Whether a send of ciphertext is under way (more of `tx` to send).
-    pub fn sending(&self) -> bool {
+    pub(super) fn sending(&self) -> bool {
         self.tx_sent < self.tx.len()
     }
 
-    /// Encrypt `parts` (plaintext, in order) for one send, at most
-    /// [`TX_BATCH`] bytes of them; returns the plaintext bytes taken. What rustls
-    /// has to say on its own (alerts, key updates) goes along.
-    pub fn encrypt<'a>(
+    /// Encrypt the plaintext `gather` hands its callback (in order) for one
+    /// send, at most [`TX_BATCH`] bytes of it; returns the plaintext bytes
+    /// taken. What rustls has to say on its own (alerts, key updates) goes
+    /// along.
+    pub(super) fn encrypt(
         &mut self,
-        parts: impl IntoIterator<Item = &'a [u8]>,
+        gather: impl FnOnce(&mut dyn FnMut(&[u8])),
     ) -> Result<usize, TlsIoError> {
         let mut taken = 0;
-        for p in parts {
-            let p = &p[..p.len().min(TX_BATCH - taken)];
-            self.conn.writer().write_all(p)?;
-            taken += p.len();
-            if taken == TX_BATCH {
-                break;
+        let mut failed = None;
+        let conn = &mut self.conn;
+        gather(&mut |p| {
+            if failed.is_some() || taken == TX_BATCH {
+                return;
             }
+            let p = &p[..p.len().min(TX_BATCH - taken)];
+            match conn.writer().write_all(p) {
+                Ok(()) => taken += p.len(),
+                Err(e) => failed = Some(e),
+            }
+        });
+        if let Some(e) = failed {
+            return Err(e.into());
         }
         self.tx.clear();
         self.tx_sent = 0;
@@ -190,7 +202,7 @@ impl TlsIo {
     }
 
     /// The ciphertext still to send: pointer and length.
-    pub fn tx_pending(&self) -> (*const u8, usize) {
+    pub(super) fn tx_pending(&self) -> (*const u8, usize) {
         (
             self.tx[self.tx_sent..].as_ptr(),
             self.tx.len() - self.tx_sent,
@@ -199,7 +211,7 @@ impl TlsIo {
 
     /// `n` bytes of ciphertext were sent: `Some(plaintext bytes)` once all of
     /// the batch has gone, `None` while some is left.
-    pub fn sent(&mut self, n: usize) -> Option<usize> {
+    pub(super) fn sent(&mut self, n: usize) -> Option<usize> {
         self.tx_sent = (self.tx_sent + n).min(self.tx.len());
         if self.sending() {
             return None;
@@ -210,7 +222,10 @@ impl TlsIo {
     }
 
     /// Whether rustls has something of its own to send (an alert, say).
-    pub fn wants_write(&self) -> bool {
+    pub(super) fn wants_write(&self) -> bool {
         self.conn.wants_write()
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -14,6 +14,7 @@ impl Gated {
 
 impl Exports for Gated {
     type Client = ();
+    type Export = Arc<Device>;
     fn find(&self, name: &str, ids: &[String]) -> Option<Arc<Device>> {
         Gated::allowed(name, ids)
             .then(|| self.0.find(name, ids))
@@ -53,7 +54,7 @@ fn drive<E: Exports>(
     h: &mut Handshake,
     ex: &E,
     input: &[u8],
-) -> Result<Step<E::Client>, HandshakeError> {
+) -> Result<Step<E::Client, E::Export>, HandshakeError> {
     let mut at = 0;
     while at < input.len() {
         let n = h.want().min(input.len() - at);
@@ -91,7 +92,7 @@ fn kinds(h: &mut Handshake) -> Vec<(u32, u32)> {
 }
 
 /// GO on `name`; the outcome, with the replies checked to end in an ACK.
-fn go<E: Exports>(h: &mut Handshake, ex: &E, name: &str) -> Negotiated<E::Client> {
+fn go<E: Exports>(h: &mut Handshake, ex: &E, name: &str) -> Negotiated<E::Client, E::Export> {
     let step = drive(h, ex, &opt(OPT_GO, &info_request(name, &[])));
     let Ok(Step::Done(Some(n))) = step else {
         panic!("GO did not enter transmission: {:?}", kinds(h));

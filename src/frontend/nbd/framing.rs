@@ -1,0 +1,356 @@
+//! The request framing of one NBD connection (pure: no I/O): bytes in,
+//! requests out.
+//!
+//! What the client sends is a stream of requests, each a header
+//! ([`wire::request_len`] bytes) and, for a write, its payload. Headers are
+//! received into the connection's buffer, several at a time when the client
+//! pipelines them; a write's payload goes into its task's buffer — what of it
+//! was received with the headers is copied there, the rest is received there
+//! directly — and the payload of a rejected write is received and thrown
+//! away. The framing never hands out bytes past the request it is at: a
+//! payload takes only its own bytes out of the buffer, a discard only the
+//! rejected payload's, and what follows stays buffered for the next request.
+//!
+//! The driver asks [`Framing::step`] what comes next: a whole header is
+//! buffered (parse it, take it with [`Framing::consume_header`]), or receive
+//! into [`Framing::recv_space`], or a payload is arriving into a slot. It
+//! reports receives with [`Framing::received`].
+//!
+//! Contract: owned by its connection. The receive buffer is allocated once
+//! and never moves, so a receive posted into [`Framing::recv_space`] stays
+//! valid while the framing lives.
+
+use crate::engine::buffer::AlignedBuf;
+use crate::frontend::nbd::wire::{self, WireError};
+
+/// Size of the header receive buffer.
+pub const RBUF: usize = 64 << 10;
+
+/// What the next received bytes are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RecvState {
+    /// Request headers, into the buffer.
+    Header,
+    /// The payload of the write in `slot`; `got` bytes so far.
+    Payload { slot: u16, got: usize },
+    /// The payload of a rejected write, to be thrown away.
+    Discard { remaining: u64 },
+}
+
+/// What the framing needs next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// A whole request header is buffered ([`Framing::header`]).
+    Header,
+    /// Receive into [`Framing::recv_space`] (header bytes, or bytes of a
+    /// rejected payload).
+    Receive,
+    /// A write's payload arrives into its slot's buffer.
+    Payload,
+    /// A rejected payload is all thrown away: ask again.
+    Again,
+}
+
+/// What a receive of `n` bytes completed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Got {
+    /// Bytes into the buffer (headers, or a rejected payload).
+    Buffered,
+    /// `got` bytes of the payload of the write in `slot` have arrived.
+    Payload { slot: u16, got: usize },
+}
+
+pub(crate) struct Framing {
+    buf: AlignedBuf,
+    /// Unparsed bytes: `buf[start..end]`.
+    start: usize,
+    end: usize,
+    state: RecvState,
+    extended: bool,
+}
+
+impl Framing {
+    /// `extended`: extended headers were negotiated (32-byte headers).
+    pub(crate) fn new(extended: bool) -> Framing {
+        Framing {
+            // Outside the budget: bounded by --max-connections, not by what
+            // clients send, and counting it would let idle connections eat
+            // the reserve other devices' requests need.
+            buf: AlignedBuf::unbudgeted(RBUF),
+            start: 0,
+            end: 0,
+            state: RecvState::Header,
+            extended,
+        }
+    }
+
+    pub(crate) fn state(&self) -> RecvState {
+        self.state
+    }
+
+    /// Bytes buffered but not yet taken.
+    pub(crate) fn avail(&self) -> usize {
+        self.end - self.start
+    }
+
+    fn header_len(&self) -> usize {
+        wire::request_len(self.extended)
+    }
+
+    /// Move unparsed bytes to the front of the buffer.
+    fn compact(&mut self) {
+        if self.start > 0 {
+            let (s, e) = (self.start, self.end);
+            self.buf.as_mut_slice().copy_within(s..e, 0);
+            self.end = e - s;
+            self.start = 0;
+        }
+    }
+
+    /// What comes next. Throws away what is buffered of a rejected payload.
+    pub(crate) fn step(&mut self) -> Step {
+        match self.state {
+            RecvState::Discard { remaining } => {
+                let avail = self.avail();
+                let take = usize::try_from(remaining).map_or(avail, |r| r.min(avail));
+                self.start += take;
+                let left = remaining - take as u64;
+                if left == 0 {
+                    self.state = RecvState::Header;
+                    return Step::Again;
+                }
+                // Nothing else is buffered: the rest of the payload is received
+                // at the front of the buffer and thrown away.
+                self.state = RecvState::Discard { remaining: left };
+                self.start = 0;
+                self.end = 0;
+                Step::Receive
+            }
+            RecvState::Payload { .. } => Step::Payload,
+            RecvState::Header if self.avail() >= self.header_len() => Step::Header,
+            RecvState::Header => {
+                self.compact();
+                Step::Receive
+            }
+        }
+    }
+
+    /// Where the receive [`Step::Receive`] asked for goes: the free tail of
+    /// the buffer, or, for a rejected payload, as much of the buffer as the
+    /// payload has left.
+    pub(crate) fn recv_space(&mut self) -> &mut [u8] {
+        let at = self.end;
+        let n = match self.state {
+            RecvState::Discard { remaining } => {
+                usize::try_from(remaining).unwrap_or(RBUF).min(RBUF)
+            }
+            _ => RBUF - at,
+        };
+        &mut self.buf.as_mut_slice()[at..at + n]
+    }
+
+    /// The buffered request header ([`Step::Header`]).
+    pub(crate) fn header(&self) -> &[u8] {
+        let n = self.header_len().min(self.avail());
+        &self.buf.as_slice()[self.start..self.start + n]
+    }
+
+    /// Parse the buffered request header.
+    pub(crate) fn parse(&self) -> Result<wire::Request, WireError> {
+        wire::parse_header(self.header(), self.extended)
+    }
+
+    /// The buffered header is taken.
+    pub(crate) fn consume_header(&mut self) {
+        self.start += self.header_len().min(self.avail());
+    }
+
+    /// Copy what is buffered of a write's payload into `dst` (its task's
+    /// buffer), no more than `dst` holds: the bytes copied.
+    pub(crate) fn take_payload(&mut self, dst: &mut [u8]) -> usize {
+        let have = self.avail().min(dst.len());
+        let (s, e) = (self.start, self.start + have);
+        dst[..have].copy_from_slice(&self.buf.as_slice()[s..e]);
+        self.start = e;
+        have
+    }
+
+    /// The rest of the payload of the write in `slot` (of which `got` bytes
+    /// are in already) is received into its buffer.
+    pub(crate) fn expect_payload(&mut self, slot: u16, got: usize) {
+        self.state = RecvState::Payload { slot, got };
+    }
+
+    /// The `payload` bytes after the header just taken belong to a rejected
+    /// request: thrown away.
+    pub(crate) fn discard(&mut self, payload: u64) {
+        if payload > 0 {
+            self.state = RecvState::Discard { remaining: payload };
+        }
+    }
+
+    /// Back to headers (a payload done, or given up): the slot whose payload
+    /// was arriving, if one was.
+    pub(crate) fn end_payload(&mut self) -> Option<u16> {
+        match std::mem::replace(&mut self.state, RecvState::Header) {
+            RecvState::Payload { slot, .. } => Some(slot),
+            s => {
+                self.state = s;
+                None
+            }
+        }
+    }
+
+    /// A receive of `n` bytes completed.
+    pub(crate) fn received(&mut self, n: usize) -> Got {
+        match self.state {
+            RecvState::Header | RecvState::Discard { .. } => {
+                self.end = (self.end + n).min(RBUF);
+                Got::Buffered
+            }
+            RecvState::Payload { slot, got } => {
+                let got = got + n;
+                self.state = RecvState::Payload { slot, got };
+                Got::Payload { slot, got }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frontend::nbd::proto::{CMD_READ, CMD_WRITE, REQUEST_LEN};
+
+    fn header(kind: u16, cookie: u64, len: u32) -> [u8; REQUEST_LEN] {
+        wire::encode_request(&wire::Request {
+            flags: 0,
+            kind,
+            cookie,
+            offset: 0,
+            len: u64::from(len),
+        })
+    }
+
+    /// Deliver `bytes` the way the kernel would: into the receive space, at
+    /// most as much as it holds. The bytes delivered.
+    fn deliver(f: &mut Framing, bytes: &[u8]) -> usize {
+        let space = f.recv_space();
+        let n = bytes.len().min(space.len());
+        space[..n].copy_from_slice(&bytes[..n]);
+        assert_eq!(f.received(n), Got::Buffered);
+        n
+    }
+
+    #[test]
+    fn pipelined_headers_are_taken_one_at_a_time() {
+        let mut f = Framing::new(false);
+        assert_eq!(f.step(), Step::Receive);
+        let stream = [header(CMD_READ, 1, 512), header(CMD_READ, 2, 512)].concat();
+        deliver(&mut f, &stream);
+        for cookie in [1, 2] {
+            assert_eq!(f.step(), Step::Header);
+            assert_eq!(f.parse().expect("header").cookie, cookie);
+            f.consume_header();
+        }
+        assert_eq!(f.step(), Step::Receive);
+        assert_eq!(f.recv_space().len(), RBUF, "the buffer is empty again");
+    }
+
+    #[test]
+    fn a_header_cut_across_receives_is_put_together() {
+        let mut f = Framing::new(false);
+        let h = header(CMD_READ, 9, 4096);
+        let stream = [header(CMD_READ, 8, 4096).as_slice(), &h[..10]].concat();
+        f.step();
+        deliver(&mut f, &stream);
+        assert_eq!(f.step(), Step::Header);
+        f.consume_header();
+        assert_eq!(f.step(), Step::Receive, "only part of the next header");
+        assert_eq!(f.recv_space().len(), RBUF - 10, "moved to the front");
+        deliver(&mut f, &h[10..]);
+        assert_eq!(f.step(), Step::Header);
+        assert_eq!(f.parse().expect("header").cookie, 9);
+    }
+
+    #[test]
+    fn a_payload_takes_only_its_own_bytes() {
+        let mut f = Framing::new(false);
+        let payload = vec![0xab; 100];
+        let next = header(CMD_READ, 2, 512);
+        let stream = [header(CMD_WRITE, 1, 100).as_slice(), &payload[..60]].concat();
+        f.step();
+        deliver(&mut f, &stream);
+        assert_eq!(f.step(), Step::Header);
+        f.consume_header();
+        let mut dst = vec![0u8; 100];
+        assert_eq!(f.take_payload(&mut dst), 60);
+        f.expect_payload(5, 60);
+        assert_eq!(f.step(), Step::Payload);
+        // The rest arrives into the slot's buffer, not the framing's.
+        dst[60..].copy_from_slice(&payload[60..]);
+        assert_eq!(f.received(40), Got::Payload { slot: 5, got: 100 });
+        assert_eq!(dst, payload);
+        assert_eq!(f.end_payload(), Some(5));
+        // A payload wholly buffered with the next header leaves that header.
+        let stream = [header(CMD_WRITE, 3, 8).as_slice(), &[1; 8], &next].concat();
+        f.step();
+        deliver(&mut f, &stream);
+        assert_eq!(f.step(), Step::Header);
+        f.consume_header();
+        let mut dst = [0u8; 8];
+        assert_eq!(f.take_payload(&mut dst), 8);
+        assert_eq!(dst, [1; 8]);
+        assert_eq!(f.step(), Step::Header);
+        assert_eq!(f.parse().expect("header").cookie, 2);
+    }
+
+    #[test]
+    fn a_rejected_payload_is_thrown_away_up_to_the_next_header() {
+        let mut f = Framing::new(false);
+        let next = header(CMD_READ, 7, 512);
+        // 70,000 payload bytes: more than the buffer, so some are received
+        // and thrown away after the first batch.
+        let total = 70_000usize;
+        let mut stream = header(CMD_WRITE, 6, 70_000).to_vec();
+        stream.extend(std::iter::repeat_n(0x55, total));
+        stream.extend_from_slice(&next);
+        f.step();
+        let mut at = deliver(&mut f, &stream);
+        assert_eq!(f.step(), Step::Header);
+        f.consume_header();
+        f.discard(total as u64);
+        let mut rounds = 0;
+        loop {
+            match f.step() {
+                Step::Again => continue,
+                Step::Header => break,
+                Step::Receive => {
+                    let left = match f.state() {
+                        RecvState::Discard { remaining } => {
+                            usize::try_from(remaining).expect("small")
+                        }
+                        _ => RBUF,
+                    };
+                    assert!(
+                        f.recv_space().len() <= left.max(1),
+                        "never past the payload"
+                    );
+                    at += deliver(&mut f, &stream[at..]);
+                }
+                Step::Payload => panic!("no payload is expected"),
+            }
+            rounds += 1;
+            assert!(rounds < 10);
+        }
+        assert_eq!(f.parse().expect("header").cookie, 7);
+    }
+
+    #[test]
+    fn extended_headers_are_longer() {
+        let mut f = Framing::new(true);
+        f.step();
+        deliver(&mut f, &header(CMD_READ, 1, 512));
+        assert_eq!(f.step(), Step::Receive, "28 bytes are not a 32-byte header");
+    }
+}
