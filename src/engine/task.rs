@@ -368,11 +368,18 @@ impl Task {
         }
     }
 
-    /// The reply data of a finished read.
+    /// The reply data of a finished read: the request's bytes in its buffer
+    /// (empty for any other operation, whose buffer, if any, holds no reply
+    /// data: a write's payload, a zero fill's zeros). Never past the buffer.
     pub fn read_data(&self) -> &[u8] {
         match self.buf.as_ref() {
-            Some(b) => &b.as_slice()[self.data_at..self.data_at + self.len as usize],
-            None => &[],
+            Some(b) if self.op == Op::Read => {
+                let all = b.as_slice();
+                let at = self.data_at.min(all.len());
+                let end = at.saturating_add(self.len as usize).min(all.len());
+                &all[at..end]
+            }
+            _ => &[],
         }
     }
 
@@ -761,3 +768,6 @@ fn to_len(x: u64) -> usize {
 fn clamp_u32(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(0xffff_f000)
 }
+
+#[cfg(test)]
+mod tests;
