@@ -100,18 +100,6 @@ const EXCEPTIONS: &[Exception] = &[
         file: "src/device/status.rs",
         other: &["src/device/mod.rs"],
     },
-    // frontend/nbd/ is issue 23's conn part: removed when it lands with these
-    // test files split (into tests/ children, as wire/tests/ext.rs already is).
-    Exception {
-        rule: Rule::Size,
-        file: "src/frontend/nbd/wire/tests.rs",
-        other: &[],
-    },
-    Exception {
-        rule: Rule::Size,
-        file: "src/frontend/nbd/handshake/tests.rs",
-        other: &[],
-    },
 ];
 
 fn tree() -> Tree {

@@ -1,6 +1,7 @@
 //! Extended headers: the 32-byte request header, validation with 64-bit
 //! lengths and `NBD_CMD_FLAG_PAYLOAD_LEN`, and the 32-byte reply headers.
 
+use super::replies::ALL_ERRNOS;
 use super::*;
 
 fn arb_ext_request() -> impl Strategy<Value = Request> {
