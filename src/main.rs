@@ -88,7 +88,8 @@ impl ControlArg {
 
 #[derive(clap::Args)]
 struct AttachArgs {
-    /// The image file (or block device).
+    /// The image file (or block device), or an RBD image
+    /// `rbd:POOL[/NAMESPACE]/IMAGE[@SNAP]` (see --ceph-conf, --ceph-id).
     image: PathBuf,
     #[command(flatten)]
     dev: DeviceArgs,
