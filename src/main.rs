@@ -242,7 +242,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Attach(a) => {
             let mut spec = a.dev.spec(a.image);
             spec.autoclear = a.autoclear;
-            let v = call(&a.ctl, &Request::Attach(spec))?;
+            let v = call(&a.ctl, &Request::Attach(Box::new(spec)))?;
             cli::print_device(&v, a.json)
         }
         Cmd::Detach(a) => {

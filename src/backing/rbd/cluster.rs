@@ -133,9 +133,9 @@ impl Cluster {
             ("rados_mon_op_timeout", secs.as_str()),
             ("client_mount_timeout", secs.as_str()),
             // A discard zeroes what it cannot deallocate (the engine's
-            // write-zeroes may be a punch; see the `image` module).
+            // write-zeroes may be a punch; see the `image` module); librbd
+            // then ignores its discard granularity.
             ("rbd_skip_partial_discard", "false"),
-            ("rbd_discard_granularity_bytes", "0"),
         ];
         match opts.cache {
             RbdCache::Default => {}
