@@ -194,7 +194,7 @@ fn main() {
     for i in 0..rounds {
         let name = format!("d{i}");
         let t = Instant::now();
-        ctl.call(&Request::Attach(spec(&image, &name)));
+        ctl.call(&Request::Attach(Box::new(spec(&image, &name))));
         reply.push(us(t.elapsed()));
         nbd_go(&d.join("nbd.sock"), &name);
         open.push(us(t.elapsed()));

@@ -88,7 +88,8 @@ impl ControlArg {
 
 #[derive(clap::Args)]
 struct AttachArgs {
-    /// The image file (or block device).
+    /// The image file (or block device), or an RBD image
+    /// `rbd:POOL[/NAMESPACE]/IMAGE[@SNAP]` (see --ceph-conf, --ceph-id).
     image: PathBuf,
     #[command(flatten)]
     dev: DeviceArgs,
@@ -241,7 +242,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Attach(a) => {
             let mut spec = a.dev.spec(a.image);
             spec.autoclear = a.autoclear;
-            let v = call(&a.ctl, &Request::Attach(spec))?;
+            let v = call(&a.ctl, &Request::Attach(Box::new(spec)))?;
             cli::print_device(&v, a.json)
         }
         Cmd::Detach(a) => {

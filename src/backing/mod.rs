@@ -18,6 +18,9 @@
 //! - `Backend::Mem` ([`mem`], cargo feature `test-backend` only): bytes in
 //!   memory, served by a thread of its own; it proves the second kind of
 //!   backend, the one a library with its own threads (librbd) needs.
+//! - [`Backend::Rbd`] ([`rbd`]): an image on a Ceph cluster (`rbd:POOL/IMAGE`),
+//!   through librbd (loaded at run time); its operations complete on
+//!   librbd's threads into the reactor's [`Completions`].
 //!
 //! Contract:
 //! - The engine plans a request into [`IoOp`]s (read, write, flush, allocate
@@ -63,6 +66,7 @@ pub mod identity;
 pub mod lock;
 #[cfg(feature = "test-backend")]
 pub mod mem;
+pub mod rbd;
 
 pub mod storage;
 
@@ -88,6 +92,7 @@ pub enum Backend {
     File(file::FileBackend),
     #[cfg(feature = "test-backend")]
     Mem(mem::MemBackend),
+    Rbd(Arc<rbd::RbdImage>),
 }
 
 /// `f` applied to whichever backend `b` holds: the one `match` every method
@@ -99,6 +104,7 @@ macro_rules! each {
             Backend::File($x) => $f,
             #[cfg(feature = "test-backend")]
             Backend::Mem($x) => $f,
+            Backend::Rbd($x) => $f,
         }
     };
 }
@@ -175,6 +181,16 @@ impl Backend {
     /// See [`Storage::sync_data`].
     pub fn sync_data(&self) -> std::io::Result<()> {
         each!(self, b => b.sync_data())
+    }
+
+    /// The RBD image, for what only RBD images have (its spec, its
+    /// handle kept across a reconfiguration); `None` for any other backend.
+    pub fn as_rbd(&self) -> Option<&Arc<rbd::RbdImage>> {
+        match self {
+            Backend::Rbd(r) => Some(r),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
     }
 
     /// The local file, for what only files have (image identity and locks,

@@ -109,6 +109,18 @@ pub struct DeviceArgs {
     /// `uri:spiffe://...`). Needs the server's --tls and --tls-verify-peer.
     #[arg(long, value_name = "IDENTITY")]
     pub tls_allow: Vec<String>,
+    /// An rbd: image: the Ceph configuration file (monitors, keyring)
+    /// [default: /etc/ceph/ceph.conf].
+    #[arg(long, value_name = "FILE")]
+    pub ceph_conf: Option<PathBuf>,
+    /// An rbd: image: the Ceph client id, without `client.` [default: admin].
+    #[arg(long, value_name = "USER")]
+    pub ceph_id: Option<String>,
+    /// An rbd: image: RADOS operation timeout in seconds; a stalled cluster
+    /// fails requests with an error after it [default: 8, below the NBD reply
+    /// timeout].
+    #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub ceph_timeout: Option<u64>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -144,10 +156,17 @@ impl From<Format> for ImageFormat {
 
 impl DeviceArgs {
     /// The device spec for `image`, made absolute against this process's working
-    /// directory (the daemon may run elsewhere).
+    /// directory (the daemon may run elsewhere); an `rbd:` image is no path.
     pub fn spec(&self, image: PathBuf) -> DeviceSpec {
+        let rbd = image
+            .to_str()
+            .is_some_and(loopd::backing::rbd::spec::is_rbd);
+        let abs = |p: PathBuf| std::path::absolute(&p).unwrap_or(p);
         DeviceSpec {
-            image: std::path::absolute(&image).unwrap_or(image),
+            image: if rbd { image } else { abs(image) },
+            ceph_conf: self.ceph_conf.clone().map(abs),
+            ceph_id: self.ceph_id.clone(),
+            ceph_timeout: self.ceph_timeout,
             name: self.name.clone(),
             offset: self.offset,
             size_limit: self.size_limit,

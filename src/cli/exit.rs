@@ -44,10 +44,13 @@ pub const STATUSES: &[(u8, &str)] = &[
         NOT_RUNNING,
         "the daemon is not running or is shutting down (not_running, shutting_down)",
     ),
-    (NOT_FOUND, "no such device (not_found)"),
+    (
+        NOT_FOUND,
+        "no such device, or no such RBD pool, image or snapshot (not_found)",
+    ),
     (
         BUSY,
-        "clients are connected; the change needs --force (busy)",
+        "clients are connected; the change needs --force; or the image is in use (busy)",
     ),
     (NAME_TAKEN, "a device with that name exists (name_taken)"),
     (
@@ -56,7 +59,8 @@ pub const STATUSES: &[(u8, &str)] = &[
     ),
     (
         UNAVAILABLE,
-        "the kernel lacks what is needed: a module, a permission, a limit (unavailable)",
+        "the kernel lacks what is needed: a module, a permission, a limit; or the Ceph \
+         library or cluster cannot be reached or refuses the client (unavailable)",
     ),
 ];
 
@@ -119,7 +123,9 @@ pub fn classify(e: &anyhow::Error) -> &'static str {
         }
         if let Some(k) = cause.downcast_ref::<KernelLoopError>() {
             return match k {
-                KernelLoopError::BadBlockSize(_) | KernelLoopError::NotLoop(_) => "invalid",
+                KernelLoopError::BadBlockSize(_)
+                | KernelLoopError::NotLoop(_)
+                | KernelLoopError::NotAFileRbd(_) => "invalid",
                 KernelLoopError::Control(_) => "unavailable",
                 KernelLoopError::DirectRefused { .. } => "direct_refused",
                 // As the daemon's attach classes them.

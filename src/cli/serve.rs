@@ -21,8 +21,9 @@ use std::sync::Arc;
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
-    /// The image file (or block device) to serve; optional: without it the server
-    /// starts with the devices of --config and the state file only.
+    /// The image file (or block device, or RBD image `rbd:POOL[/NAMESPACE]/IMAGE[@SNAP]`)
+    /// to serve; optional: without it the server starts with the devices of
+    /// --config and the state file only.
     image: Option<PathBuf>,
     #[command(flatten)]
     dev: DeviceArgs,
@@ -287,8 +288,16 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
 /// With --fork the daemon runs in `/`: every path it is given becomes
 /// absolute (the log file's too, which SIGHUP opens again).
 fn absolute_paths(a: &mut ServeArgs) -> Result<()> {
+    let rbd = a
+        .image
+        .as_deref()
+        .and_then(|p| p.to_str())
+        .is_some_and(loopd::backing::rbd::spec::is_rbd);
+    // An rbd: image is no path.
+    let mut none = None;
     for p in [
-        &mut a.image,
+        if rbd { &mut none } else { &mut a.image },
+        &mut a.dev.ceph_conf,
         &mut a.socket,
         &mut a.tls_certs,
         &mut a.config,

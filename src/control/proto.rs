@@ -52,7 +52,8 @@ where
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Request {
-    Attach(DeviceSpec),
+    /// Boxed: a device spec is far larger than every other request.
+    Attach(Box<DeviceSpec>),
     Detach {
         name: String,
         #[serde(default)]

@@ -84,7 +84,7 @@ impl Daemon {
         let _creating = spec
             .create
             .map(|_| self.create_lock.lock().unwrap_or_else(|p| p.into_inner()));
-        if spec.image.is_relative() {
+        if spec.image.is_relative() && !spec.is_rbd() {
             return Err(CtlError::Invalid(format!(
                 "image path {} is relative; the daemon needs an absolute path",
                 quoted_path(&spec.image)

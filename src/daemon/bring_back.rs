@@ -71,6 +71,9 @@ pub fn merge(recorded: &DeviceSpec, asked: &DeviceSpec) -> Result<DeviceSpec, Ve
         ublk_id: _,
         tls_allow,
         file: _,
+        ceph_conf,
+        ceph_id,
+        ceph_timeout,
     } = asked;
     let r = recorded;
     let mut d = Vec::new();
@@ -94,6 +97,9 @@ pub fn merge(recorded: &DeviceSpec, asked: &DeviceSpec) -> Result<DeviceSpec, Ve
     check("connections", connections, &r.connections, &mut d);
     check("partscan", partscan, &r.partscan, &mut d);
     check("tls_allow", tls_allow, &r.tls_allow, &mut d);
+    check("ceph_conf", ceph_conf, &r.ceph_conf, &mut d);
+    check("ceph_id", ceph_id, &r.ceph_id, &mut d);
+    check("ceph_timeout", ceph_timeout, &r.ceph_timeout, &mut d);
     if !d.is_empty() {
         return Err(d);
     }

@@ -46,8 +46,11 @@ pub fn read(path: &Path) -> Result<Vec<DeviceSpec>, ConfigError> {
     Ok(c.device
         .into_iter()
         .map(|mut d| {
-            if d.image.is_relative() {
+            if d.image.is_relative() && !d.is_rbd() {
                 d.image = base.join(&d.image);
+            }
+            if let Some(c) = d.ceph_conf.as_mut().filter(|c| c.is_relative()) {
+                *c = base.join(&*c);
             }
             d
         })
@@ -125,7 +128,7 @@ pub fn plan_change(old: &[DeviceSpec], new: &[DeviceSpec]) -> Vec<Change> {
             (Some(_), None) => reattach.push("block_size"),
             (None, None) => {}
         }
-        let others: [(&'static str, bool); 13] = [
+        let others: [(&'static str, bool); 16] = [
             ("image", o.image != n.image),
             (
                 "strict_block_size",
@@ -141,6 +144,9 @@ pub fn plan_change(old: &[DeviceSpec], new: &[DeviceSpec]) -> Vec<Change> {
             ("partscan", o.partscan != n.partscan),
             ("ublk_id", o.ublk_id != n.ublk_id),
             ("tls_allow", o.tls_allow != n.tls_allow),
+            ("ceph_conf", o.ceph_conf != n.ceph_conf),
+            ("ceph_id", o.ceph_id != n.ceph_id),
+            ("ceph_timeout", o.ceph_timeout != n.ceph_timeout),
             // Only matters when the image is missing, which it is not.
             ("create", false),
         ];

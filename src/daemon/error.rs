@@ -10,6 +10,7 @@ use super::state;
 use crate::backing::format::RawError;
 use crate::backing::identity::IdentityError;
 use crate::backing::lock::LockError;
+use crate::backing::rbd::ErrorClass;
 use crate::control::proto::{ErrorBody, ErrorCode};
 use crate::device::DeviceError;
 use crate::frontend::ublk::ctrl::CtrlError;
@@ -133,6 +134,14 @@ impl CtlError {
                 DeviceError::Create { .. }
                 | DeviceError::Open { .. }
                 | DeviceError::Stat { .. } => ErrorCode::Io,
+                DeviceError::NotForRbd { .. } => ErrorCode::Invalid,
+                DeviceError::Rbd(r) => match r.class() {
+                    ErrorClass::Invalid => ErrorCode::Invalid,
+                    ErrorClass::NotFound => ErrorCode::NotFound,
+                    ErrorClass::Busy => ErrorCode::Busy,
+                    ErrorClass::Unavailable => ErrorCode::Unavailable,
+                    ErrorClass::Io => ErrorCode::Io,
+                },
                 DeviceError::Identity(i) => match i {
                     IdentityError::NotAFile { .. } => ErrorCode::Invalid,
                     IdentityError::Open { .. }

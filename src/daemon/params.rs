@@ -43,14 +43,25 @@ pub(super) fn params_with(spec: &DeviceSpec, name: &str, tuning: Tuning) -> Devi
         no_splice: tuning.no_splice,
         shared: spec.shared,
         format: spec.format,
+        ceph_conf: spec.ceph_conf.clone(),
+        ceph_id: spec.ceph_id.clone(),
+        ceph_timeout: spec.ceph_timeout,
     }
 }
 
-/// The export name a spec asks for (default: the image's file stem).
+/// The export name a spec asks for (default: the image's file stem; for an
+/// RBD image, its name, `IMAGE@SNAP` for a snapshot).
 pub fn name_of(spec: &DeviceSpec) -> String {
-    match &spec.name {
-        Some(n) => n.clone(),
-        None => spec
+    let rbd = spec
+        .image
+        .to_str()
+        .and_then(|s| crate::backing::rbd::RbdSpec::parse(s).ok());
+    match (&spec.name, rbd) {
+        (Some(n), _) => n.clone(),
+        (None, Some(r)) => r.export_name(),
+        // A malformed rbd: spec gets a name anyway, so its open says what is
+        // wrong with it.
+        (None, None) => spec
             .image
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
@@ -101,6 +112,26 @@ mod tests {
         assert_eq!(name_of(&s), "other");
         assert_eq!(name_of(&spec("/")), "");
         assert_eq!(name_of(&spec("/images/no-ext")), "no-ext");
+    }
+
+    #[test]
+    fn an_rbd_image_is_named_after_the_image_and_its_snapshot() {
+        assert_eq!(name_of(&spec("rbd:rbd/vm1")), "vm1");
+        assert_eq!(name_of(&spec("rbd:rbd/ns/vm1.img@s1")), "vm1.img@s1");
+        // Malformed: a name anyway, so the open says what is wrong.
+        assert_eq!(name_of(&spec("rbd:vm1")), "rbd:vm1");
+        let p = params_of(
+            &DeviceSpec {
+                ceph_id: Some("loopd".into()),
+                ceph_timeout: Some(3),
+                ..spec("rbd:rbd/vm1")
+            },
+            "vm1",
+        );
+        assert_eq!(
+            (p.ceph_id.as_deref(), p.ceph_timeout),
+            (Some("loopd"), Some(3))
+        );
     }
 
     #[test]

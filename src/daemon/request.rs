@@ -9,7 +9,7 @@ impl Daemon {
     /// Run one control request and encode its reply line.
     pub fn handle(&self, req: Request) -> String {
         let r = match req {
-            Request::Attach(spec) => self.attach(spec, true).map(|i| ok_reply(&i)),
+            Request::Attach(spec) => self.attach(*spec, true).map(|i| ok_reply(&i)),
             Request::Detach { name, force } => self
                 .detach(&name, force)
                 .map(|()| ok_reply(&serde_json::json!({ "name": name }))),

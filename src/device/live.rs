@@ -212,8 +212,12 @@ impl Device {
                 return Err(DeviceError::BadBlockSize(bs));
             }
         }
-        // The backend selection: the local file, unless a test build asks
+        // The backend selection: an RBD image (`rbd:` or a live RBD
+        // device's handle), else the local file, unless a test build asks
         // for memory (see `crate::backing::mem`).
+        if let Some(r) = super::rbd::wanted(p) {
+            return Self::open_rbd(p, stats, r);
+        }
         #[cfg(feature = "test-backend")]
         if let Some(mem) = Self::memory_of(p) {
             return Self::open_memory(p, stats, mem);
@@ -246,6 +250,15 @@ impl Device {
             Opening::Recorded(Some(id)) => Arc::new(Pinned::again(&p.path, id)?),
             Opening::Recorded(None) => Arc::new(Pinned::unrecorded(&p.path)?),
             Opening::Same(x) => Arc::clone(x),
+            Opening::Rbd(_) => {
+                return Err(DeviceError::Open {
+                    path: p.path.clone(),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        "an RBD device's reconfiguration names no file",
+                    ),
+                });
+            }
             #[cfg(feature = "test-backend")]
             Opening::Memory(_) => {
                 return Err(DeviceError::Open {
@@ -401,6 +414,35 @@ impl Device {
         }
     }
 
+    /// A device on an RBD image (see the `rbd` module of the device).
+    fn open_rbd(
+        p: &DeviceParams,
+        stats: Arc<Stats>,
+        w: super::rbd::Wanted,
+    ) -> Result<Device, DeviceError> {
+        let o = super::rbd::open(p, w)?;
+        let block_size = p.block_size.unwrap_or(512);
+        let size = window(p, o.image_size, block_size)?;
+        let bs = u64::from(block_size);
+        if p.offset.saturating_add(size) > o.image_size.div_ceil(bs) * bs {
+            return Err(DeviceError::NotForRbd {
+                spec: o.img.spec().to_string(),
+                what: "the window reaches past the end of the image, which does not grow \
+                       (`rbd resize` it first)",
+            });
+        }
+        let shape = Shape {
+            size,
+            block_size,
+            read_only: o.read_only,
+            write_protected: o.write_protected,
+            file_size: o.image_size,
+            cache_note: o.cache_note,
+            local_fs: false,
+        };
+        Ok(Device::assemble(p, stats, shape, Backend::Rbd(o.img)))
+    }
+
     /// The memory a device of `p` is served from, if a test build asks for
     /// it (a reconfiguration keeps the memory it has).
     #[cfg(feature = "test-backend")]
@@ -443,6 +485,7 @@ impl Device {
             Backend::File(f) => Opening::Same(Arc::clone(f.pinned())),
             #[cfg(feature = "test-backend")]
             Backend::Mem(m) => Opening::Memory(m.clone()),
+            Backend::Rbd(r) => Opening::Rbd(Arc::clone(r)),
         }
     }
 

@@ -21,11 +21,17 @@
 //! if the path still names the recorded file ([`Opening::Recorded`]); a
 //! reconfiguration reuses the device's own ([`Opening::Same`]) and never looks
 //! at the path.
+//!
+//! An image named `rbd:POOL[/NAMESPACE]/IMAGE[@SNAP]` is on a Ceph cluster
+//! instead ([`rbd`], [`crate::backing::rbd`]): no file, no identity, no
+//! image lock or format probe; librbd's exclusive lock keeps other writers
+//! out.
 
 pub mod export;
 pub mod live;
 pub mod params;
 pub mod range_lock;
+pub mod rbd;
 pub mod spec;
 pub mod stats;
 pub mod status;

@@ -38,6 +38,9 @@ pub enum Opening {
     /// The memory a live memory device already has (a reconfiguration).
     #[cfg(feature = "test-backend")]
     Memory(crate::backing::mem::MemBackend),
+    /// The RBD image a live RBD device already has open (a reconfiguration:
+    /// the same handle, its exclusive lock kept).
+    Rbd(Arc<crate::backing::rbd::RbdImage>),
 }
 
 /// Everything needed to open a device.
@@ -69,6 +72,13 @@ pub struct DeviceParams {
     pub shared: bool,
     /// The format the user declared; `None`: probe, and refuse a non-raw image.
     pub format: Option<ImageFormat>,
+    /// An `rbd:` image: the Ceph configuration file (default
+    /// `/etc/ceph/ceph.conf`).
+    pub ceph_conf: Option<PathBuf>,
+    /// An `rbd:` image: the Ceph client id, without `client.` (default `admin`).
+    pub ceph_id: Option<String>,
+    /// An `rbd:` image: the RADOS operation timeout in seconds (default 8).
+    pub ceph_timeout: Option<u64>,
 }
 
 #[derive(Debug, Error)]
@@ -127,4 +137,8 @@ pub enum DeviceError {
     Raw(#[from] RawError),
     #[error(transparent)]
     Identity(#[from] IdentityError),
+    #[error(transparent)]
+    Rbd(#[from] crate::backing::rbd::RbdError),
+    #[error("{spec}: {what}")]
+    NotForRbd { spec: String, what: &'static str },
 }

@@ -86,6 +86,25 @@ pub struct DeviceSpec {
     /// config file: an attach records what it opens.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub file: Option<FileIdentity>,
+    /// An `rbd:` image: the Ceph configuration file (default
+    /// `/etc/ceph/ceph.conf`). Keys stay in the keyring it names, never here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ceph_conf: Option<PathBuf>,
+    /// An `rbd:` image: the Ceph client id, without `client.` (default `admin`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ceph_id: Option<String>,
+    /// An `rbd:` image: the RADOS operation timeout, seconds (default 8).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ceph_timeout: Option<u64>,
+}
+
+impl DeviceSpec {
+    /// Whether the image is an RBD image (`rbd:...`), not a file.
+    pub fn is_rbd(&self) -> bool {
+        self.image
+            .to_str()
+            .is_some_and(crate::backing::rbd::spec::is_rbd)
+    }
 }
 
 /// Which kernel block device driver a device is handed to.

@@ -158,6 +158,11 @@ pub struct KernelParams {
 pub enum KernelLoopError {
     #[error("block size {0} is not a power of two between 512 and 4096")]
     BadBlockSize(u32),
+    #[error(
+        "{0}: a kernel loop device needs a file; serve an RBD image with `loopd attach IMAGE \
+         --blockdev ublk` (or `--blockdev nbd`) instead"
+    )]
+    NotAFileRbd(String),
     #[error("cannot open {0}")]
     Open(PathBuf, #[source] std::io::Error),
     #[error(transparent)]
@@ -239,6 +244,15 @@ pub fn attach(p: &KernelParams) -> Result<Attached, KernelLoopError> {
         if !bs.is_power_of_two() || !(512..=4096).contains(&bs) {
             return Err(KernelLoopError::BadBlockSize(bs));
         }
+    }
+    if let Some(s) = p
+        .image
+        .to_str()
+        .filter(|s| crate::backing::rbd::spec::is_rbd(s))
+    {
+        return Err(KernelLoopError::NotAFileRbd(
+            crate::text::sanitize_line(s).into_owned(),
+        ));
     }
     let pinned = Pinned::first(&p.image)?;
     let open = |direct: bool, read_only: bool| pinned.open(read_only, direct);

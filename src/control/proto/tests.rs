@@ -3,7 +3,7 @@ use proptest::prelude::*;
 
 #[test]
 fn attach_round_trips() {
-    let r = Request::Attach(DeviceSpec {
+    let r = Request::Attach(Box::new(DeviceSpec {
         image: "/tmp/a.img".into(),
         name: Some("a".into()),
         offset: 4096,
@@ -16,7 +16,7 @@ fn attach_round_trips() {
         shared: true,
         format: Some(crate::backing::format::ImageFormat::Raw),
         ..Default::default()
-    });
+    }));
     assert_eq!(parse_request(encode_request(&r).as_bytes()), Ok(r));
 }
 
@@ -146,7 +146,7 @@ fn set_spec() -> impl Strategy<Value = SetSpec> {
 
 fn request() -> impl Strategy<Value = Request> {
     prop_oneof![
-        device_spec().prop_map(Request::Attach),
+        device_spec().prop_map(|d| Request::Attach(Box::new(d))),
         (name(), any::<bool>()).prop_map(|(name, force)| Request::Detach { name, force }),
         Just(Request::List),
         proptest::option::of(name()).prop_map(|name| Request::Status { name }),
