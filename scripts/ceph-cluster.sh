@@ -172,6 +172,8 @@ osd crush chooseleaf type = 0
 [mon]
 mon data = $DIR/mon
 mon initial members = a
+# The cluster log (channels cluster and audit) goes to /var/log/ceph otherwise.
+mon cluster log to file = false
 log file = $DIR/log/\$name.log
 admin socket = $DIR/run/\$name.asok
 
@@ -196,6 +198,15 @@ bluestore cache size = 67108864
 EOF
 }
 
+# Seconds to give one attempt before the deadline $1 (SECONDS-based):
+# CMD_TIMEOUT, or what is left of the wait, at least 1.
+attempt_secs() {
+    local left=$(($1 - SECONDS))
+    ((left < 1)) && left=1
+    ((left > CMD_TIMEOUT)) && left=$CMD_TIMEOUT
+    echo "$left"
+}
+
 # Runs a ceph/rbd client command, killed after CMD_TIMEOUT seconds.
 client() {
     timeout --kill-after=5 "$CMD_TIMEOUT" "$@" "${C[@]}"
@@ -210,7 +221,8 @@ wait_mon() {
     local until=$((SECONDS + $1))
     while ((SECONDS < until)); do
         is_ours "$(cat "$DIR/mon.pid")" || die "ceph-mon exited; $(log_tails)"
-        timeout 5 ceph "${C[@]}" mon stat >/dev/null 2>&1 && return 0
+        # (The python CLI alone takes seconds under QEMU TCG.)
+        timeout "$(attempt_secs "$until")" ceph "${C[@]}" mon stat >/dev/null 2>&1 && return 0
         sleep 0.2
     done
     die "the monitor did not answer within $1 s; $(log_tails)"
@@ -278,9 +290,9 @@ cmd_start() {
     local ok=
     while ((SECONDS < deadline)); do
         is_ours "$(cat "$DIR/osd.pid")" || die "ceph-osd exited; $(log_tails)"
-        if timeout 5 rbd "${C[@]}" pool init rbd >/dev/null 2>&1 &&
-            { timeout 5 rbd "${C[@]}" create --size 4M rbd/loopd-probe >/dev/null 2>&1 ||
-                timeout 5 rbd "${C[@]}" info rbd/loopd-probe >/dev/null 2>&1; }; then
+        if timeout "$(attempt_secs "$deadline")" rbd "${C[@]}" pool init rbd >/dev/null 2>&1 &&
+            { timeout "$(attempt_secs "$deadline")" rbd "${C[@]}" create --size 4M rbd/loopd-probe >/dev/null 2>&1 ||
+                timeout "$(attempt_secs "$deadline")" rbd "${C[@]}" info rbd/loopd-probe >/dev/null 2>&1; }; then
             ok=1
             break
         fi
@@ -358,7 +370,7 @@ cmd_start_mon() {
     # The port may linger in TIME_WAIT for a moment: ceph-mon sets SO_REUSEADDR,
     # and a bind failure shows up as the daemon's exit in wait_mon.
     start_mon_daemon
-    wait_mon 30
+    wait_mon "$START_TIMEOUT"
 }
 
 [ $# -ge 2 ] || usage
