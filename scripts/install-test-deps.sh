@@ -7,11 +7,20 @@ set -euo pipefail
 
 # man-db and systemd: tests/e2e_install.rs (man -l, systemd-analyze verify) and
 # scripts/vm-systemd-test.sh (the host's systemd runs the units in the VM).
+# ceph-mon, ceph-osd, ceph-common: the throwaway cluster of the RBD tests
+# (scripts/ceph-cluster.sh: ceph-mon, ceph-osd, ceph, rbd, ceph-authtool,
+# monmaptool); librbd1 and librados2: what loopd's rbd: backend loads at run
+# time (and fio's rbd engine links). No -dev package: loopd binds them itself.
 PACKAGES=(qemu-utils fio nbdkit libnbd-bin python3-libnbd nbd-client e2fsprogs util-linux fdisk openssl
-    fuse3 man-db systemd curl)
+    fuse3 man-db systemd curl iproute2 ceph-mon ceph-osd ceph-common librbd1 librados2)
 TOOLS=(qemu-io qemu-img qemu-nbd fio nbdkit nbdinfo nbdcopy nbdsh nbd-client nbdfuse
     mkfs.ext4 e2fsck fstrim sfdisk openssl fusermount3 man systemd-analyze systemctl
-    systemd-socket-activate curl)
+    systemd-socket-activate curl ss ceph-mon ceph-osd ceph rbd ceph-authtool monmaptool)
+# Shared libraries checked by name (ldconfig's cache).
+LIBS=(librbd.so.1 librados.so.2)
+# Wait for another apt or dpkg (unattended-upgrades, a second install) to
+# release its lock instead of failing at once.
+APT=(apt-get -o DPkg::Lock::Timeout=600)
 # fsx (asomers' fsx-rs, crates.io), pinned; installed into /usr/local/bin.
 FSX_VERSION=0.3.2
 
@@ -76,6 +85,12 @@ fi
 if ! fio --enghelp=nbd >/dev/null 2>&1; then
     missing+=("fio nbd engine")
 fi
+if ! fio --enghelp=rbd >/dev/null 2>&1; then
+    missing+=("fio rbd engine")
+fi
+for l in "${LIBS[@]}"; do
+    ldconfig -p | grep -F "$l " >/dev/null || missing+=("$l")
+done
 
 if [ "${#missing[@]}" -eq 0 ]; then
     install_fsx
@@ -92,12 +107,12 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 export DEBIAN_FRONTEND=noninteractive
-apt-get update
+"${APT[@]}" update
 # nbdfuse ships in libnbd-bin up to Debian 12, in a package of its own later.
 if apt-cache show nbdfuse >/dev/null 2>&1; then
     PACKAGES+=(nbdfuse)
 fi
-apt-get install -y --no-install-recommends "${PACKAGES[@]}"
+"${APT[@]}" install -y --no-install-recommends "${PACKAGES[@]}"
 
 # Check again, so a package that did not provide a tool fails here, clearly.
 still=()
@@ -106,6 +121,10 @@ for t in "${TOOLS[@]}"; do
 done
 /usr/bin/python3 -c 'import nbd' >/dev/null 2>&1 || still+=("python3 module nbd")
 fio --enghelp=nbd >/dev/null 2>&1 || still+=("fio nbd engine")
+fio --enghelp=rbd >/dev/null 2>&1 || still+=("fio rbd engine (Debian's fio links librbd)")
+for l in "${LIBS[@]}"; do
+    ldconfig -p | grep -F "$l " >/dev/null || still+=("$l")
+done
 if [ "${#still[@]}" -ne 0 ]; then
     echo "install-test-deps: ERROR: still missing after install: ${still[*]}" >&2
     exit 1

@@ -19,6 +19,23 @@ cargo clippy --all-targets -- -D warnings
 # vm-tests and test-backend (the memory backend) together: one run lints both.
 cargo clippy --all-targets --features vm-tests,test-backend -- -D warnings
 
+echo "== ceph test cluster (scripts/ceph-cluster.sh: ONE for the host tests below; LOOPD_TEST_CEPH_DIR)"
+# The RBD tests (tests/common/ceph.rs) use it instead of starting one per test
+# binary. Stopped by PID on exit (also on failure or Ctrl-C; should this script
+# be killed, the cluster's watcher stops it: --owner), and after the host tests.
+CEPH_DIR=$(mktemp -d "${TMPDIR:-/tmp}/loopd-test-ceph.XXXXXX")
+stop_ceph() {
+    [ -n "${CEPH_DIR:-}" ] || return 0
+    scripts/ceph-cluster.sh stop "$CEPH_DIR" && rm -rf "$CEPH_DIR"
+    CEPH_DIR=
+}
+trap stop_ceph EXIT
+trap 'exit 130' INT TERM
+ceph_t0=$(date +%s%N)
+scripts/ceph-cluster.sh start "$CEPH_DIR" --owner $$
+echo "ceph test cluster: started in $((($(date +%s%N) - ceph_t0) / 1000000)) ms in $CEPH_DIR"
+export LOOPD_TEST_CEPH_DIR=$CEPH_DIR
+
 echo "== cargo test (release)"
 # --no-fail-fast: report failures from every test binary, not just the first.
 cargo test --release --no-fail-fast
@@ -42,6 +59,11 @@ LOOPD_TEST_BACKEND=mem cargo test --release --features test-backend --no-fail-fa
     --skip qemu_img_map_sparse --skip nbdsh_commands_and_flags \
     --skip nbdsh_unaligned_ops_match_a_model --skip fsx_over_nbdfuse_direct \
     --skip cache_mode_open_flags --skip create_sparse_image_option
+
+# The VM's tests cannot reach it (the guest has a loopback of its own), nor
+# does anything after this: stop it.
+stop_ceph
+unset LOOPD_TEST_CEPH_DIR
 
 echo "== kernel-side tests (scripts/vm-test.sh: one VM boot, every tests/kernel_*.rs)"
 scripts/vm-test.sh

@@ -23,10 +23,12 @@
 //! | `kernel_loop` | kernel loop devices from `loopd kernel attach` |
 //! | `flood`, `gpt`, `pki`, `tls` | connection floods, partition tables, certificates, a TLS client |
 //! | `kernel` | ublk, kernel NBD and VM-only helpers (feature `vm-tests`) |
+//! | `ceph` | the throwaway Ceph cluster of the RBD tests ([`ceph()`]): images through the `rbd` CLI, a paused OSD, a stopped monitor |
 
 #![allow(dead_code)]
 
 mod builder;
+mod ceph;
 mod control;
 mod image;
 mod json;
@@ -47,7 +49,7 @@ pub mod tls;
 // Each test binary uses a different part of the helpers.
 #[allow(unused_imports)]
 pub use self::{
-    builder::*, control::*, image::*, json::*, kernel_loop::*, matrix::*, nbd_tools::*,
+    builder::*, ceph::*, control::*, image::*, json::*, kernel_loop::*, matrix::*, nbd_tools::*,
     raw_client::*, server::*, tools::*,
 };
 
