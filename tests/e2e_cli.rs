@@ -162,7 +162,7 @@ fn help_documents_exit_statuses() {
     let out = loopd_run(["--help"]);
     for s in [
         "Exit status:",
-        "4  no such device (not_found)",
+        "4  no such device, or no such RBD pool, image or snapshot (not_found)",
         "3  the daemon is not running",
         "LOOPD_LOG",
     ] {

@@ -526,6 +526,11 @@ pub fn run(
                 );
             }
         }
+        // An RBD image's exclusive lock goes now (the process exits
+        // without closing the image).
+        if let Some(r) = dev.backend().as_rbd() {
+            r.release_lock();
+        }
         tracing::info!("device {:?}: {}", e.name, e.stats.summary());
     }
     drop(files);

@@ -139,7 +139,13 @@ impl Cluster {
         ];
         match opts.cache {
             RbdCache::Default => {}
-            RbdCache::On => set.push(("rbd_cache", "true")),
+            RbdCache::On => {
+                set.push(("rbd_cache", "true"));
+                // Asked for: writes are cached from the first (loopd honours
+                // every flush and FUA), not written through until the
+                // client's first flush.
+                set.push(("rbd_cache_writethrough_until_flush", "false"));
+            }
             RbdCache::Off => set.push(("rbd_cache", "false")),
         }
         for (k, v) in set {

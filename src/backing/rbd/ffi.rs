@@ -111,6 +111,7 @@ lib! {
     rbd: rbd_aio_write_zeroes: fn(rbd_image_t, u64, usize, rbd_completion_t, c_int, c_int) -> c_int;
     rbd: rbd_diff_iterate2: fn(rbd_image_t, *const c_char, u64, u64, u8, u8, diff_cb_t, *mut c_void) -> c_int;
     rbd: rbd_lock_acquire: fn(rbd_image_t, c_int) -> c_int;
+    rbd: rbd_lock_release: fn(rbd_image_t) -> c_int;
     rbd: rbd_lock_get_owners: fn(rbd_image_t, *mut c_int, *mut *mut c_char, *mut usize) -> c_int;
     rbd: rbd_lock_get_owners_cleanup: fn(*mut *mut c_char, usize);
     rbd: rbd_flush: fn(rbd_image_t) -> c_int;

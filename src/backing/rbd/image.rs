@@ -55,6 +55,8 @@ pub struct RbdImage {
     read_only: bool,
     /// A write with `dsync` needs a flush after it (librbd's cache may be on).
     flush_dsync: bool,
+    /// This open took the exclusive lock (and has not let it go).
+    locked: std::sync::atomic::AtomicBool,
     /// Last: dropped after the image and the I/O context.
     cluster: Arc<Cluster>,
 }
@@ -261,10 +263,12 @@ impl RbdImage {
             spec: spec.clone(),
             read_only,
             flush_dsync,
+            locked: std::sync::atomic::AtomicBool::new(false),
             cluster,
         };
         if p.exclusive && !read_only {
             me.lock()?;
+            me.locked.store(true, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(me)
     }
@@ -295,6 +299,27 @@ impl RbdImage {
                 spec: self.spec.to_string(),
                 source: ffi::os_error(rc),
             }),
+        }
+    }
+
+    /// Let the exclusive lock go now (a stopping daemon, whose images are
+    /// never closed: without this the next opener would wait for Ceph's
+    /// watch timeout, ~30 s, to break the lock of a gone client). Call it
+    /// only once no more I/O comes.
+    pub fn release_lock(&self) {
+        if self
+            .locked
+            .swap(false, std::sync::atomic::Ordering::Relaxed)
+        {
+            // SAFETY: an open image.
+            let rc = unsafe { (self.lib.rbd_lock_release)(self.image) };
+            if rc < 0 {
+                tracing::warn!(
+                    "{}: cannot release the exclusive lock: {}",
+                    self.spec,
+                    ffi::os_error(rc)
+                );
+            }
         }
     }
 
