@@ -377,12 +377,41 @@ fn list_and_the_state_record_name_the_image_and_never_a_key() {
 #[test]
 fn a_stalled_osd_fails_requests_after_the_timeout_then_recovers() {
     let img = Image::new("stall", 4 * MIB);
-    let srv = serve(&img, &["--cache", "direct", "--ceph-timeout", "3"]);
-    qemu_io(&srv.uri(), &["write -P 0x61 0 65536"]);
+    // The RBD device and a file device in one daemon: the stalled cluster
+    // is not the file device's trouble.
+    let srv = daemon();
+    let spec = img.spec();
+    let a = attach(
+        &srv,
+        &spec,
+        &["--name", "rbd0", "--cache", "direct", "--ceph-timeout", "3"],
+    );
+    assert!(a.success(), "attach the RBD image:\n{a}");
+    let rbd_uri = srv.uri_for_name("rbd0");
+    let dir = tempdir();
+    let file = dir.path().join("f.img");
+    create_pattern_image(&file, 4 * MIB, 5);
+    srv.ctl_ok(&["attach", path_str(&file), "--name", "f"]);
+    let file_uri = srv.uri_for_name("f");
+    qemu_io(&rbd_uri, &["write -P 0x61 0 65536"]);
     let t = std::time::Instant::now();
-    let out = {
+    let (out, file_took) = {
         let _paused = ceph().pause_osd();
-        qemu_io_status(&srv.uri(), &["write -P 0x62 65536 65536"])
+        let uri = rbd_uri.clone();
+        let stalled =
+            std::thread::spawn(move || qemu_io_status(&uri, &["write -P 0x62 65536 65536"]));
+        // While the RBD write waits on the stopped OSD, the file device serves.
+        std::thread::sleep(Duration::from_millis(500));
+        let f0 = std::time::Instant::now();
+        qemu_io(
+            &file_uri,
+            &["write -P 0x77 0 65536", "read -P 0x77 0 65536"],
+        );
+        let file_took = f0.elapsed();
+        (
+            stalled.join().expect("the stalled client's thread"),
+            file_took,
+        )
     };
     let took = t.elapsed();
     let all = format!("{}{}", out.stdout, out.stderr);
@@ -394,8 +423,12 @@ fn a_stalled_osd_fails_requests_after_the_timeout_then_recovers() {
         took < Duration::from_secs(30),
         "bounded by the timeout: {took:?}"
     );
+    assert!(
+        file_took < Duration::from_secs(2),
+        "the file device answered within 2 s while the cluster stalled (took {file_took:?})"
+    );
     qemu_io(
-        &srv.uri(),
+        &rbd_uri,
         &["write -P 0x63 131072 65536", "read -P 0x61 0 65536"],
     );
 }
