@@ -63,10 +63,10 @@ pub const TAG_POSTED: u64 = 9;
 /// slot, with what result (bytes or `-errno`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Completion {
-    pub tag: u64,
-    pub session: u32,
-    pub slot: u16,
-    pub res: i32,
+    pub(crate) tag: u64,
+    pub(crate) session: u32,
+    pub(crate) slot: u16,
+    pub(crate) res: i32,
 }
 
 const RING_ENTRIES: u32 = 1024;

@@ -82,22 +82,22 @@ pub const BYTES_BUDGET: usize = 128 << 20;
 
 /// A negotiated connection, ready for the transmission phase.
 pub struct NewConn {
-    pub sock: OwnedFd,
+    pub(crate) sock: OwnedFd,
     /// Its registration as a client of the export its handshake selected.
-    pub client: ClientRef,
+    pub(crate) client: ClientRef,
     /// Its place among the server's connections.
-    pub permit: Permit,
-    pub structured: bool,
+    pub(crate) permit: Permit,
+    pub(crate) structured: bool,
     /// Extended headers were negotiated (32-byte headers, 64-bit lengths).
-    pub extended: bool,
-    pub meta_context: bool,
+    pub(crate) extended: bool,
+    pub(crate) meta_context: bool,
     /// How to find where the client runs.
-    pub peer: Peer,
+    pub(crate) peer: Peer,
     /// The userspace TLS record layer of an encrypted session the kernel does
     /// not carry (see [`super::tls`]).
-    pub tls: Option<Box<TlsIo>>,
+    pub(crate) tls: Option<Box<TlsIo>>,
     /// TLS was negotiated (kernel or userspace records).
-    pub encrypted: bool,
+    pub(crate) encrypted: bool,
 }
 
 /// One NBD connection. See the module documentation.
