@@ -30,9 +30,10 @@ pub enum RbdError {
         source: std::io::Error,
     },
     #[error(
-        "the Ceph cluster of {} refused client.{id} (a wrong id, no keyring with its key, or no \
+        "the Ceph cluster of {} refused client.{} (a wrong id, no keyring with its key, or no \
          monitors configured)",
-        quoted_path(.conf)
+        quoted_path(.conf),
+        crate::text::sanitize_line(.id)
     )]
     Auth {
         id: String,
@@ -41,8 +42,9 @@ pub enum RbdError {
         source: std::io::Error,
     },
     #[error(
-        "cannot connect to the Ceph cluster of {} as client.{id} (are its monitors up and reachable?)",
-        quoted_path(.conf)
+        "cannot connect to the Ceph cluster of {} as client.{} (are its monitors up and reachable?)",
+        quoted_path(.conf),
+        crate::text::sanitize_line(.id)
     )]
     Connect {
         conf: PathBuf,
@@ -114,4 +116,27 @@ pub enum ErrorClass {
     Busy,
     Unavailable,
     Io,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_client_id_reaches_the_message_escaped() {
+        let e = RbdError::Auth {
+            id: "x\u{1b}[2Jy\n".into(),
+            conf: PathBuf::from("/etc/ceph/ceph.conf"),
+            source: std::io::Error::from_raw_os_error(libc::EACCES),
+        };
+        let text = e.to_string();
+        assert!(!text.chars().any(char::is_control), "{text:?}");
+        let e = RbdError::Connect {
+            conf: PathBuf::from("/etc/ceph/ceph.conf"),
+            id: "a\u{7}b".into(),
+            source: std::io::Error::from_raw_os_error(libc::ETIMEDOUT),
+        };
+        let text = e.to_string();
+        assert!(!text.chars().any(char::is_control), "{text:?}");
+    }
 }
