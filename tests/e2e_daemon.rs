@@ -1003,6 +1003,9 @@ fn set_reconfigures_live() {
         "byte 0 is now byte 1M of the file",
     );
     drop(c2);
+    // The daemon notices the hang-up on its own time; read-only on below is
+    // refused while a client is still counted.
+    srv.wait_clients("cfg", 0, Duration::from_secs(5));
 
     // Read-only toggling.
     let r = srv.ctl_json(&["set", "cfg", "--read-only", "true"]);
@@ -1012,6 +1015,7 @@ fn set_reconfigures_live() {
     assert_ne!(tflags & NBD_FLAG_READ_ONLY, 0);
     assert_eq!(c3.write(1, 0, &[1u8; 512]), 1, "EPERM while read-only");
     drop(c3);
+    srv.wait_clients("cfg", 0, Duration::from_secs(5));
     let r = srv.ctl_json(&["set", "cfg", "--read-only", "false"]);
     assert!(r.at("changed").bool() && !r.at("read_only").bool(), "{r:?}");
     assert!(!nbd_info(&u).at("is_read_only").bool());
