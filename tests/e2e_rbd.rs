@@ -7,6 +7,7 @@
 
 mod common;
 
+use common::pki::Pki;
 use common::*;
 use std::path::Path;
 use std::time::Duration;
@@ -431,4 +432,123 @@ fn a_stalled_osd_fails_requests_after_the_timeout_then_recovers() {
         &rbd_uri,
         &["write -P 0x63 131072 65536", "read -P 0x61 0 65536"],
     );
+}
+
+/// Several clients at once on one RBD image, with and without TLS (`--tls
+/// on`): the export says it can take several connections (`can_multi_conn`:
+/// they share one open image), fio writes and verifies (crc32c) with four jobs
+/// on four TCP connections over their own ranges (fio's nbd engine cannot be
+/// given a certificate directory), two libnbd handles over TLS see each
+/// other's writes at once and one flush makes both durable, and what loopd
+/// serves (nbdcopy over four TLS connections) is what `rbd export` reads from
+/// the cluster — in both cache modes.
+#[test]
+fn fio_and_tls_clients_share_one_image_over_several_connections() {
+    require_tool("fio");
+    let dir = tempdir();
+    let pki = Pki::new(dir.path().join("pki"));
+    let certs = pki.server_dir("server");
+    let trust = pki.trust_dir("trust");
+    for cache in ["direct", "buffered"] {
+        let img = Image::new("tls", 32 * MIB);
+        let spec = img.spec();
+        let srv = Server::builder(Path::new(&spec))
+            .name("rbd0")
+            .tcp()
+            .with_control()
+            .args(ceph().loopd_args())
+            .args(["--cache", cache, "--tls", "on", "--tls-certs"])
+            .arg(&certs)
+            .start();
+        let uri = format!(
+            "nbds://127.0.0.1:{}/rbd0?tls-certificates={}",
+            srv.port(),
+            trust.display()
+        );
+        let plain = srv.tcp_uri();
+        for u in [&uri, &plain] {
+            let can = run_status_timeout(
+                Duration::from_secs(60),
+                "nbdinfo",
+                ["--can", "multi-conn", u.as_str()],
+            );
+            assert!(can.success(), "[{cache}] no CAN_MULTI_CONN on {u}:\n{can}");
+        }
+
+        let out = run_status_timeout(
+            Duration::from_secs(180),
+            "fio",
+            [
+                "--name=rbd",
+                "--ioengine=nbd",
+                &format!("--uri={plain}"),
+                "--rw=randwrite",
+                "--bsrange=4k-64k",
+                "--blockalign=4k",
+                "--size=4M",
+                "--numjobs=4",
+                "--offset_increment=4M",
+                "--iodepth=8",
+                "--verify=crc32c",
+                "--verify_fatal=1",
+                "--do_verify=1",
+                "--output-format=json",
+            ],
+        );
+        assert!(out.success(), "[{cache}] fio failed:\n{out}");
+        let doc = Json::parse_first_object(&out.stdout);
+        let jobs = doc.at("jobs").arr();
+        assert_eq!(jobs.len(), 4, "[{cache}] four fio jobs:\n{out}");
+        for j in jobs {
+            assert_eq!(j.at("error").i64(), 0, "[{cache}] fio job error:\n{out}");
+            assert_eq!(
+                j.at("write").at("io_bytes").u64(),
+                4 * MIB,
+                "[{cache}] each job writes its 4 MiB:\n{out}"
+            );
+        }
+
+        // Two connections share one image: a write on one is read on the
+        // other at once, and a flush on the second makes it durable.
+        let script = format!(
+            "a = nbd.NBD()\n\
+             a.set_uri_allow_local_file(True)\n\
+             a.connect_uri({u})\n\
+             b = nbd.NBD()\n\
+             b.set_uri_allow_local_file(True)\n\
+             b.connect_uri({u})\n\
+             assert a.get_tls_negotiated() and b.get_tls_negotiated()\n\
+             a.pwrite(b'\\x5a' * 65536, 20 * 1048576)\n\
+             assert b.pread(65536, 20 * 1048576) == b'\\x5a' * 65536, 'not seen on b'\n\
+             b.flush()\n\
+             a.shutdown()\n\
+             b.shutdown()\n",
+            u = py_str(&uri)
+        );
+        nbdsh(&script).assert_success();
+        // Durable on the OSDs while loopd still serves (buffered: only the
+        // flush of the second connection can have put it there).
+        let exported = img.export();
+        assert_bytes_eq(
+            &exported[us(20 * MIB)..us(20 * MIB + 65536)],
+            &[0x5a; 65536],
+            20 * MIB,
+            &format!("[{cache}] written on one connection, flushed on another"),
+        );
+
+        // Everything loopd serves is what the cluster holds.
+        let back = dir.path().join(format!("{cache}.back"));
+        run_status_timeout(
+            Duration::from_secs(120),
+            "nbdcopy",
+            ["-C", "4", uri.as_str(), path_str(&back)],
+        )
+        .assert_success();
+        assert_bytes_eq(
+            &std::fs::read(&back).unwrap(),
+            &exported,
+            0,
+            &format!("[{cache}] nbdcopy over TLS against rbd export"),
+        );
+    }
 }
