@@ -552,3 +552,120 @@ fn fio_and_tls_clients_share_one_image_over_several_connections() {
         );
     }
 }
+
+/// What loopd shows of an RBD device — `list` and `status` (text and JSON),
+/// the Prometheus endpoint, the audit lines on stderr and the state file —
+/// names its pool, namespace, image and snapshot, and never the client's key
+/// (the secret in the cluster's admin keyring).
+#[test]
+fn status_metrics_and_audit_name_pool_namespace_image_snapshot_never_a_key() {
+    let ns = unique_image_name("ns");
+    let name = unique_image_name("shown");
+    let full = format!("{}/{ns}/{name}", ceph().pool);
+    let ok = |out: std::process::Output, what: &str| {
+        assert!(
+            out.status.success(),
+            "{what}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    ok(
+        ceph().rbd(&[
+            "namespace",
+            "create",
+            "--pool",
+            ceph().pool,
+            "--namespace",
+            &ns,
+        ]),
+        "rbd namespace create",
+    );
+    ok(ceph().rbd(&["create", "--size", "4M", &full]), "rbd create");
+    ok(
+        ceph().rbd(&["snap", "create", &format!("{full}@s1")]),
+        "rbd snap create",
+    );
+
+    let addr = format!("127.0.0.1:{}", free_port());
+    let srv = Server::daemon().args(["--metrics", addr.as_str()]).start();
+    let image = format!("rbd:{full}");
+    let snap = format!("rbd:{full}@s1");
+    attach(&srv, &image, &[]).assert_success();
+    attach(&srv, &snap, &[]).assert_success();
+
+    let mut shown = String::new();
+    // list and status, as text and JSON.
+    for args in [
+        vec!["list"],
+        vec!["list", "--json"],
+        vec!["status", name.as_str()],
+        vec!["status", name.as_str(), "--json"],
+    ] {
+        let out = srv.ctl_ok(&args);
+        assert!(
+            out.stdout.contains(&image),
+            "{args:?} names the image:\n{out}"
+        );
+        shown.push_str(&out.stdout);
+    }
+    let snap_name = format!("{name}@s1");
+    let out = srv.ctl_ok(&["status", &snap_name]);
+    assert!(out.stdout.contains(&snap), "status of the snapshot:\n{out}");
+    shown.push_str(&out.stdout);
+
+    // The metrics endpoint: one info sample per RBD device.
+    let scrape = run_status_timeout(
+        Duration::from_secs(30),
+        "curl",
+        ["-sS", "--max-time", "5", &format!("http://{addr}/metrics")],
+    );
+    assert!(scrape.success(), "curl the metrics:\n{scrape}");
+    for (dev, snapshot) in [(name.as_str(), ""), (snap_name.as_str(), "s1")] {
+        let want = format!(
+            "loopd_rbd_image_info{{device=\"{dev}\",pool=\"{}\",namespace=\"{ns}\",image=\"{name}\",snapshot=\"{snapshot}\"}} 1",
+            ceph().pool
+        );
+        assert!(
+            scrape.stdout.contains(&want),
+            "no {want:?} in:\n{}",
+            scrape.stdout
+        );
+    }
+    shown.push_str(&scrape.stdout);
+
+    // The audit lines.
+    srv.ctl_ok(&["detach", &snap_name]);
+    let log = srv.stderr_text();
+    for want in [
+        format!("attach \"{name}\" image=\"{image}\""),
+        format!("attach \"{snap_name}\" image=\"{snap}\""),
+        format!("detach \"{snap_name}\""),
+    ] {
+        assert!(log.contains(&want), "no audit line {want:?} in:\n{log}");
+    }
+    shown.push_str(&log);
+    shown.push_str(&std::fs::read_to_string(srv.socket().with_extension("state")).unwrap());
+
+    // The admin key is nowhere.
+    let keyring = std::fs::read_to_string(ceph().dir.join("keyring")).unwrap();
+    let keys: Vec<&str> = keyring
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("key = "))
+        .collect();
+    assert!(!keys.is_empty(), "no key in the test keyring:\n{keyring}");
+    for k in keys {
+        assert!(!shown.contains(k.trim()), "a key was shown:\n{shown}");
+    }
+
+    srv.ctl_ok(&["detach", &name]);
+    let _ = ceph().rbd(&["snap", "purge", "--no-progress", &full]);
+    let _ = ceph().rbd(&["rm", "--no-progress", &full]);
+    let _ = ceph().rbd(&[
+        "namespace",
+        "remove",
+        "--pool",
+        ceph().pool,
+        "--namespace",
+        &ns,
+    ]);
+}

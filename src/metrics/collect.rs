@@ -5,6 +5,7 @@
 
 use super::expo::{Encoder, Kind};
 use crate::backing::cache;
+use crate::backing::rbd::{RbdSpec, spec as rbd_spec};
 use crate::daemon::Daemon;
 use crate::device::spec::Blockdev;
 use crate::device::stats::{COUNTERS, Group, Snapshot};
@@ -126,6 +127,37 @@ pub fn render(daemon: &Daemon, p: &Process) -> String {
             enc.sample(
                 "loopd_device_frontend",
                 &[("device", &e.name), ("frontend", k)],
+                1.0,
+            );
+        }
+    }
+    // RBD devices: which image of which pool and namespace, and which
+    // snapshot (never a key: the spec has none; the cluster's configuration
+    // file and id are not exposed).
+    let rbd: Vec<(&str, RbdSpec)> = exports
+        .iter()
+        .filter_map(|e| {
+            let image = e.spec().image.clone();
+            let s = image.to_str().filter(|s| rbd_spec::is_rbd(s))?;
+            Some((e.name.as_str(), RbdSpec::parse(s).ok()?))
+        })
+        .collect();
+    if !rbd.is_empty() {
+        enc.family(
+            "loopd_rbd_image_info",
+            Kind::Gauge,
+            "The RBD image a device serves (value 1): pool, namespace (empty: the default), image and snapshot (empty: the image itself).",
+        );
+        for (dev, s) in &rbd {
+            enc.sample(
+                "loopd_rbd_image_info",
+                &[
+                    ("device", dev),
+                    ("pool", &s.pool),
+                    ("namespace", s.namespace.as_deref().unwrap_or("")),
+                    ("image", &s.image),
+                    ("snapshot", s.snap.as_deref().unwrap_or("")),
+                ],
                 1.0,
             );
         }
