@@ -258,8 +258,8 @@ fn stale(rule: Rule, used: &BTreeSet<usize>) {
 /// `daemon/`'s files that extend `Daemon`, in the order of `daemon/mod.rs`'s
 /// documentation: each calls methods of the files before it only.
 const DAEMON_ORDER: &[&str] = &[
-    "registry", "record", "kernel", "detach", "attach", "set", "restore", "janitor", "reload",
-    "request",
+    "registry", "record", "kernel", "detach", "attach", "set", "restore", "follow", "janitor",
+    "reload", "request",
 ];
 
 /// The methods each of `files` defines in its `impl Daemon` blocks, and the

@@ -21,6 +21,7 @@ use super::error::CtlError;
 use super::info::DeviceInfo;
 use super::params::{Tuning, check_create, check_name, name_of, params_with};
 use super::registry::Daemon;
+use crate::backing::Backend;
 use crate::control::proto::DeviceSpec;
 use crate::device::export::Export;
 use crate::device::{Device, DeviceParams, Opening};
@@ -187,7 +188,31 @@ impl Daemon {
             }
         }
         drop(log);
+        self.follow_image_of(&export);
         Ok(self.info(&export))
+    }
+
+    /// A published RBD device hears when its image's header changes: the
+    /// image's listener (on a librbd thread) sends the device's name to the
+    /// thread that follows sizes ([`super::follow`]). That thread is also
+    /// asked once now, for a resize between the open and this listener. A
+    /// reconfiguration keeps the image, and with it the listener.
+    fn follow_image_of(&self, export: &Export) {
+        let (dev, _) = export.current();
+        if let Backend::Rbd(img) = dev.backend()
+            && let Ok(tx) = self.follow_tx.lock()
+        {
+            let (listener, name) = (tx.clone(), export.name.clone());
+            let watched = img.on_update(Some(Box::new(move || {
+                // The follower gone (the daemon stopping): nothing to tell.
+                let _ = listener.send(name.clone());
+            })));
+            // Not watched (a snapshot, or librbd refused: the image said so):
+            // `loopd resize` re-reads the size.
+            if watched {
+                let _ = tx.send(export.name.clone());
+            }
+        }
     }
 
     /// [`Daemon::start_blockdev`] for a new attach: if the block device cannot

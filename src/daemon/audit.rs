@@ -1,7 +1,8 @@
 //! Audit lines: one info line per control request that changes something
 //! (attach, detach, set, resize, reload), naming who asked (the control client's
-//! uid and pid, from `SO_PEERCRED`) and the outcome; and one per SIGHUP reload,
-//! naming the signal's sender ([`reload_line`]). A reload's outcome is its
+//! uid and pid, from `SO_PEERCRED`) and the outcome; one per SIGHUP reload,
+//! naming the signal's sender ([`reload_line`]); and one per size change of an
+//! RBD image that a device followed, or could not ([`image_resize_line`]). A reload's outcome is its
 //! summary (what was attached, changed, not applied, kept, failed; TLS).
 //! Untrusted strings (names, image paths) are quoted with [`crate::text`].
 //! Pure formatting; the control socket and the signal thread log what
@@ -130,6 +131,41 @@ fn reload_outcome(r: &Value) -> String {
     )
 }
 
+/// The audit line of a resize an RBD image's size change brought (see
+/// `super::follow`): device `name` on image `image`, whose size went from
+/// `image.0` to `image.1`; the device was `dev_was` bytes, and `outcome` is
+/// its size now or why it was refused (then it kept `dev_was`).
+pub fn image_resize_line(
+    name: &str,
+    image: &str,
+    sizes: (u64, u64),
+    dev_was: u64,
+    outcome: Result<u64, String>,
+) -> String {
+    let (from, to) = sizes;
+    let how = if to > from { "grew" } else { "shrank" };
+    let (dev_now, outcome) = match outcome {
+        Ok(n) if n == dev_was => (
+            n.to_string(),
+            "ok (the device's window, --offset/--size-limit, is unchanged)".to_owned(),
+        ),
+        Ok(n) => (n.to_string(), "ok".to_owned()),
+        Err(why) => (
+            "?".to_owned(),
+            format!(
+                "refused: {}; the device keeps its size, {dev_was} bytes",
+                crate::text::sanitize_line(&why)
+            ),
+        ),
+    };
+    format!(
+        "audit: resize {} {dev_was} -> {dev_now} bytes by the RBD image {} (it {how} from \
+         {from} to {to} bytes): {outcome}",
+        quoted(name),
+        quoted(image)
+    )
+}
+
 /// The audit line of a reload that did not come over the control socket
 /// (SIGHUP); `by` says who asked (e.g. `signal SIGHUP from pid=1 uid=0`).
 pub fn reload_line(by: &str, report: Result<&ReloadReport, &CtlError>) -> String {
@@ -213,6 +249,34 @@ mod tests {
         assert!(
             reload_line("signal SIGHUP (sender unknown)", Err(&e))
                 .starts_with("audit: reload by signal SIGHUP (sender unknown): failed: ")
+        );
+    }
+
+    #[test]
+    fn an_rbd_image_resize_says_both_sizes_and_the_outcome() {
+        assert_eq!(
+            image_resize_line("a", "rbd/vm1", (4096, 8192), 4096, Ok(8192)),
+            "audit: resize \"a\" 4096 -> 8192 bytes by the RBD image \"rbd/vm1\" (it grew \
+             from 4096 to 8192 bytes): ok"
+        );
+        assert_eq!(
+            image_resize_line("a", "rbd/vm1", (8192, 6144), 1024, Ok(1024)),
+            "audit: resize \"a\" 1024 -> 1024 bytes by the RBD image \"rbd/vm1\" (it shrank \
+             from 8192 to 6144 bytes): ok (the device's window, --offset/--size-limit, is \
+             unchanged)"
+        );
+        let l = image_resize_line(
+            "a",
+            "rbd/vm1",
+            (8192, 2048),
+            4096,
+            Err("cannot resize \"a\": the window reaches past the end\nof the image".into()),
+        );
+        assert_eq!(
+            l,
+            "audit: resize \"a\" 4096 -> ? bytes by the RBD image \"rbd/vm1\" (it shrank \
+             from 8192 to 2048 bytes): refused: cannot resize \"a\": the window reaches past \
+             the end\\nof the image; the device keeps its size, 4096 bytes"
         );
     }
 

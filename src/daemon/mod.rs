@@ -46,10 +46,12 @@
 //! 6. `set.rs`: `set` and `resize`.
 //! 7. `restore.rs`: recorded devices coming back at start and retried while
 //!    missing ([`RETRY_INTERVAL`]).
-//! 8. `janitor.rs`: autoclear.
-//! 9. [`reload`]: SIGHUP and the `reload` request.
-//! 10. `request.rs`: one control request → its action → one reply line.
-//! 11. [`control_socket`]: the control socket's threads.
+//! 8. `follow.rs`: RBD devices following their image's size (an `rbd
+//!    resize` anywhere becomes a `resize`).
+//! 9. `janitor.rs`: autoclear.
+//! 10. [`reload`]: SIGHUP and the `reload` request.
+//! 11. `request.rs`: one control request → its action → one reply line.
+//! 12. [`control_socket`]: the control socket's threads.
 //!
 //! Pure parts, below all of these: `error.rs` ([`CtlError`], its wire code),
 //! `endpoints.rs` ([`Endpoints`]), `params.rs` ([`name_of`], [`Tuning`], the
@@ -66,6 +68,7 @@ pub mod control_socket;
 mod detach;
 mod endpoints;
 mod error;
+mod follow;
 pub mod info;
 mod janitor;
 mod kernel;

@@ -51,6 +51,9 @@ pub struct Daemon {
     pub(super) create_lock: Mutex<()>,
     pub(super) idle_tx: Mutex<Sender<String>>,
     pub(super) idle_rx: Mutex<Option<Receiver<String>>>,
+    /// Names of devices whose RBD image's header changed (see [`super::follow`]).
+    pub(super) follow_tx: Mutex<Sender<String>>,
+    pub(super) follow_rx: Mutex<Option<Receiver<String>>>,
     pub(super) stopping: AtomicBool,
     /// Pokes the handshake loop (see [`Daemon::set_handshake_kick`]).
     pub(super) handshake_kick: Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
@@ -72,6 +75,7 @@ pub(super) struct Missing {
 impl Daemon {
     pub fn new(state: Option<PathBuf>) -> Arc<Daemon> {
         let (tx, rx) = channel();
+        let (follow_tx, follow_rx) = channel();
         Arc::new(Daemon {
             exports: RwLock::default(),
             default_name: RwLock::default(),
@@ -83,6 +87,8 @@ impl Daemon {
             create_lock: Mutex::new(()),
             idle_tx: Mutex::new(tx),
             idle_rx: Mutex::new(Some(rx)),
+            follow_tx: Mutex::new(follow_tx),
+            follow_rx: Mutex::new(Some(follow_rx)),
             stopping: AtomicBool::new(false),
             handshake_kick: Mutex::new(None),
             blockdevs: Mutex::default(),

@@ -1,6 +1,7 @@
 //! Live reconfiguration: `set` (offset, size limit, block size, cache,
 //! read-only) and `resize` (the file's size read again, like
-//! `LOOP_SET_CAPACITY`).
+//! `LOOP_SET_CAPACITY`; an RBD device's image size, which
+//! [`super::follow`] also runs on its own after an `rbd resize`).
 //!
 //! Contract: both run under the export's control lock, re-open the device's own
 //! file (never its path: see [`crate::backing::identity`]), refuse a change
@@ -160,6 +161,11 @@ impl Daemon {
         })?;
         warn_if_renamed(name, &dev);
         if dev.size == cur.size {
+            // The window did not change (a size limit), the data's length
+            // may have: the device reports it (and an RBD device's follower,
+            // `super::follow`, compares with it).
+            cur.file_size
+                .store(dev.file_size(), std::sync::atomic::Ordering::Relaxed);
             drop(dev);
             return Ok(self.set_result(&e, false, 0));
         }

@@ -423,8 +423,7 @@ impl Device {
         let o = super::rbd::open(p, w)?;
         let block_size = p.block_size.unwrap_or(512);
         let size = window(p, o.image_size, block_size)?;
-        let bs = u64::from(block_size);
-        if p.offset.saturating_add(size) > o.image_size.div_ceil(bs) * bs {
+        if !super::rbd::window_fits(p.offset, size, o.image_size, block_size) {
             return Err(DeviceError::NotForRbd {
                 spec: o.img.spec().to_string(),
                 what: "the window reaches past the end of the image, which does not grow \

@@ -76,6 +76,16 @@ fn cache_note(c: RbdCache, timeout: Duration) -> String {
     format!("{what}; RADOS timeout {} s", timeout.as_secs())
 }
 
+/// Whether a window of `size` bytes at `offset` lies inside an image of
+/// `image_size` bytes (its ragged last block counted whole: the window is
+/// whole blocks). Checked at every open — an attach, and a resize after the
+/// image shrank (then the device keeps its size). Pure.
+pub fn window_fits(offset: u64, size: u64, image_size: u64, block_size: u32) -> bool {
+    let bs = u64::from(block_size.max(1));
+    let end = image_size.div_ceil(bs).saturating_mul(bs);
+    offset.checked_add(size).is_some_and(|e| e <= end)
+}
+
 /// What an RBD device's open found (the device module assembles it).
 pub(super) struct Opened {
     pub img: Arc<RbdImage>,
@@ -158,6 +168,25 @@ mod tests {
         assert_eq!(refused("rbd:disk", None), "bad RBD image spec");
         let e = refused("rbd:rbd/disk", Some(1 << 20));
         assert!(e.contains("`rbd create`"), "{e}");
+    }
+
+    #[test]
+    fn a_window_fits_while_the_image_holds_it() {
+        const M: u64 = 1 << 20;
+        // A whole image, grown, and shrunk under a --size-limit window.
+        assert!(window_fits(0, 4 * M, 4 * M, 512));
+        assert!(window_fits(0, 2 * M, 8 * M, 512));
+        assert!(!window_fits(0, 2 * M, M, 512));
+        // With an offset: the window's end counts.
+        assert!(window_fits(M, 2 * M, 3 * M, 4096));
+        assert!(!window_fits(M, 2 * M, 3 * M - 1 - 4096, 4096));
+        // A ragged tail counts as a whole block (it reads as zeros).
+        assert!(window_fits(0, 4096, 1000, 4096));
+        assert!(window_fits(0, 8192, 4097, 4096));
+        assert!(!window_fits(0, 8192, 4096, 4096));
+        // No overflow at the top.
+        assert!(!window_fits(u64::MAX, 4096, u64::MAX, 4096));
+        assert!(!window_fits(4096, u64::MAX, u64::MAX, 512));
     }
 
     #[test]

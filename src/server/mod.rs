@@ -477,6 +477,7 @@ pub fn run(
         return Err(ServerError::Blockdev(msg));
     }
     daemon.run_janitor();
+    daemon.run_follower();
     let max = connection_limit(opts.max_connections, n);
     let admission = match opts.max_connections_per_peer {
         0 => Admission::new(max),

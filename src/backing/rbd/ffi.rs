@@ -31,6 +31,8 @@ pub type rados_ioctx_t = *mut c_void;
 pub type rbd_image_t = *mut c_void;
 pub type rbd_completion_t = *mut c_void;
 pub type rbd_callback_t = unsafe extern "C" fn(cb: rbd_completion_t, arg: *mut c_void);
+/// `rbd_update_callback_t`: an image's header changed (size, snapshots, ...).
+pub type rbd_update_callback_t = unsafe extern "C" fn(arg: *mut c_void);
 pub type diff_cb_t =
     unsafe extern "C" fn(off: u64, len: usize, exists: c_int, arg: *mut c_void) -> c_int;
 
@@ -115,6 +117,8 @@ lib! {
     rbd: rbd_lock_get_owners: fn(rbd_image_t, *mut c_int, *mut *mut c_char, *mut usize) -> c_int;
     rbd: rbd_lock_get_owners_cleanup: fn(*mut *mut c_char, usize);
     rbd: rbd_flush: fn(rbd_image_t) -> c_int;
+    rbd: rbd_update_watch: fn(rbd_image_t, *mut u64, rbd_update_callback_t, *mut c_void) -> c_int;
+    rbd: rbd_update_unwatch: fn(rbd_image_t, u64) -> c_int;
 }
 
 /// A library opened with `dlopen`, never closed (its functions stay callable

@@ -25,6 +25,11 @@
 //! until that delivery. Closing (`rbd_close`, on drop) waits for librbd's
 //! in-flight operations, so no callback runs after the image is gone.
 //!
+//! Size changes: an image (not a snapshot, whose size never changes) keeps
+//! an update watch ([`super::watch`]) from its open until just before
+//! `rbd_close`; a higher layer hears through [`RbdImage::on_update`] that
+//! the header changed and re-reads the size on a thread of its own.
+//!
 //! Locking: with `exclusive`, the open takes the image's exclusive lock
 //! (`rbd_lock_acquire`): librbd then refuses to hand it to another client
 //! until this image closes; a second opener is refused naming the holder.
@@ -33,6 +38,7 @@ use super::cluster::{Cluster, RbdCache};
 use super::error::RbdError;
 use super::ffi::{self, Lib, rados_ioctx_t, rbd_completion_t, rbd_image_t};
 use super::spec::RbdSpec;
+use super::watch::{Notify, UpdateWatch};
 use crate::backing::storage::{Caps, Completions, IoOp, Storage};
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::sync::Arc;
@@ -57,6 +63,8 @@ pub struct RbdImage {
     flush_dsync: bool,
     /// This open took the exclusive lock (and has not let it go).
     locked: std::sync::atomic::AtomicBool,
+    /// The update watch (none on a snapshot, or if librbd refused it).
+    watch: Option<UpdateWatch>,
     /// Last: dropped after the image and the I/O context.
     cluster: Arc<Cluster>,
 }
@@ -264,12 +272,15 @@ impl RbdImage {
             read_only,
             flush_dsync,
             locked: std::sync::atomic::AtomicBool::new(false),
+            watch: None,
             cluster,
         };
         if p.exclusive && !read_only {
             me.lock()?;
             me.locked.store(true, std::sync::atomic::Ordering::Relaxed);
         }
+        let mut me = me;
+        me.watch = me.watch_updates();
         Ok(me)
     }
 
@@ -320,6 +331,42 @@ impl RbdImage {
                     ffi::os_error(rc)
                 );
             }
+        }
+    }
+
+    /// Register the update watch of an image that can change size (not a
+    /// snapshot). Without one the device only learns a new size from `loopd
+    /// resize`: said, not fatal.
+    fn watch_updates(&self) -> Option<UpdateWatch> {
+        if self.spec.snap.is_some() {
+            return None;
+        }
+        // SAFETY: an open image; the watch is unregistered in `drop`, before
+        // `rbd_close`.
+        match unsafe { UpdateWatch::register(self.lib, self.image) } {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::warn!(
+                    "{}: cannot watch the image for size changes ({e}); after an `rbd resize`, \
+                     run `loopd resize` to give the device the new size",
+                    self.spec
+                );
+                None
+            }
+        }
+    }
+
+    /// Have `notify` called (on a librbd thread: it must only signal, never
+    /// block or call librbd) whenever the image's header changes — after a
+    /// resize, among other things. Replaces any listener before; `None`
+    /// removes it. Returns whether the image is watched at all.
+    pub fn on_update(&self, notify: Option<Notify>) -> bool {
+        match &self.watch {
+            Some(w) => {
+                w.set(notify);
+                true
+            }
+            None => false,
         }
     }
 
@@ -565,6 +612,13 @@ impl Storage for RbdImage {
 
 impl Drop for RbdImage {
     fn drop(&mut self) {
+        if let Some(w) = self.watch.take() {
+            // SAFETY: the image this watch was registered on, still open;
+            // not on librbd's callback thread (a drop is the owner's).
+            if let Err(e) = unsafe { w.unregister(self.lib, self.image) } {
+                tracing::debug!("{}: update watch: {e}", self.spec);
+            }
+        }
         // SAFETY: the handles are ours; rbd_close waits for librbd's
         // in-flight operations (and releases the exclusive lock), then the
         // I/O context goes; the cluster (last field) after both.

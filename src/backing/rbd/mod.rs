@@ -10,7 +10,9 @@
 //!   so that nothing waits for ever on a stalled cluster;
 //! - [`image`]: an open image as a [`crate::backing::Storage`] whose
 //!   operations complete on librbd's threads into the reactor's
-//!   `Completions`.
+//!   `Completions`;
+//! - [`watch`]: librbd's update watch, by which an open image hears that its
+//!   header changed (an `rbd resize` anywhere) and tells a listener above.
 //!
 //! Threads: [`open`] blocks (connecting, opening, taking the lock: cluster
 //! round trips bounded by the timeout) and runs on the thread of the
@@ -22,11 +24,13 @@ pub mod error;
 pub mod ffi;
 pub mod image;
 pub mod spec;
+pub mod watch;
 
 pub use cluster::{Cluster, Options, RbdCache};
 pub use error::{ErrorClass, RbdError};
 pub use image::{OpenParams, RbdImage};
 pub use spec::{RbdSpec, SpecError};
+pub use watch::Notify;
 
 use std::sync::Arc;
 
