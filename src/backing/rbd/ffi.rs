@@ -115,6 +115,7 @@ lib! {
     rbd: rbd_lock_get_owners: fn(rbd_image_t, *mut c_int, *mut *mut c_char, *mut usize) -> c_int;
     rbd: rbd_lock_get_owners_cleanup: fn(*mut *mut c_char, usize);
     rbd: rbd_flush: fn(rbd_image_t) -> c_int;
+    rbd: rbd_lock_break: fn(rbd_image_t, c_int, *const c_char) -> c_int;
 }
 
 /// A library opened with `dlopen`, never closed (its functions stay callable
