@@ -538,6 +538,22 @@ fn the_image_removed_under_a_device_after_fencing() {
         "the file device: {:?}",
         f.elapsed()
     );
+    // The fenced connection (still held by the fenced device) is not reused:
+    // another image of the same cluster, same options, attaches and serves in
+    // the same daemon.
+    let next = Image::new("rm-next", 4 * MIB);
+    attach(
+        &srv,
+        &next.spec(),
+        &["--name", "next", "--ceph-timeout", "3"],
+    )
+    .assert_success();
+    qemu_io(
+        &srv.uri_for_name("next"),
+        &["write -P 0x4e 0 4096", "flush"],
+    );
+    srv.ctl_ok(&["detach", "next"]);
+    assert_bytes_eq(&next.export()[..4096], &[0x4e; 4096], 0, "the next image");
     let t = Instant::now();
     srv.ctl_ok(&["detach", "gone"]);
     assert!(
@@ -555,21 +571,6 @@ fn the_image_removed_under_a_device_after_fencing() {
         "the log says what happened:\n{log}"
     );
     assert!(!log.contains("panicked"), "{log}");
-    // The fenced connection is not reused: another image of the same cluster,
-    // same options, attaches and serves in the same daemon.
-    let next = Image::new("rm-next", 4 * MIB);
-    attach(
-        &srv,
-        &next.spec(),
-        &["--name", "next", "--ceph-timeout", "3"],
-    )
-    .assert_success();
-    qemu_io(
-        &srv.uri_for_name("next"),
-        &["write -P 0x4e 0 4096", "flush"],
-    );
-    srv.ctl_ok(&["detach", "next"]);
-    assert_bytes_eq(&next.export()[..4096], &[0x4e; 4096], 0, "the next image");
 }
 
 /// A second throwaway cluster (its own directory, stopped by the guard).
