@@ -203,7 +203,8 @@ unsafe fn submit_flush(img: rbd_image_t, p: Box<Pending>) {
 
 /// The owners of the image's lock, escaped for a message.
 fn lock_owners(lib: &Lib, image: rbd_image_t) -> Option<String> {
-    let names: Vec<String> = super::lock::owners(lib, image)
+    // SAFETY: an open image (every caller has one).
+    let names: Vec<String> = unsafe { super::lock::owners(lib, image) }
         .ok()?
         .iter()
         .map(|s| crate::text::sanitize_line(s).into_owned())
@@ -270,7 +271,8 @@ impl RbdImage {
         if p.exclusive && !read_only {
             me.lock(p.take_back_from.as_deref())?;
             me.locked.store(true, std::sync::atomic::Ordering::Relaxed);
-            me.owner = super::lock::owners(lib, me.image)
+            // SAFETY: the image is open (ours).
+            me.owner = unsafe { super::lock::owners(lib, me.image) }
                 .ok()
                 .and_then(|o| o.into_iter().next());
         }
@@ -289,7 +291,8 @@ impl RbdImage {
             });
         }
         if let Some(dead) = dead {
-            super::lock::log_take_back(&self.spec, dead, self.lib, self.image);
+            // SAFETY: an open image.
+            unsafe { super::lock::log_take_back(&self.spec, dead, self.lib, self.image) };
         }
         // SAFETY: an open image.
         let rc = unsafe { (self.lib.rbd_lock_acquire)(self.image, ffi::RBD_LOCK_MODE_EXCLUSIVE) };

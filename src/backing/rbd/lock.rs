@@ -37,7 +37,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// The owners of the image's lock, as librbd names them (raw: compare them,
 /// escape them before they reach a terminal). `Err(-errno)`: `-ENOENT`
 /// when nobody holds it.
-pub fn owners(lib: &Lib, image: rbd_image_t) -> Result<Vec<String>, c_int> {
+///
+/// # Safety
+/// `image` is an open image of `lib`.
+pub unsafe fn owners(lib: &Lib, image: rbd_image_t) -> Result<Vec<String>, c_int> {
     let mut mode: c_int = 0;
     let mut buf: [*mut c_char; 8] = [std::ptr::null_mut(); 8];
     let mut n: usize = buf.len();
@@ -74,8 +77,12 @@ pub enum TakeBack {
 /// previous run recorded — break it (see the module documentation).
 /// `Err(-errno)`: the owner could not be read or the break failed (the
 /// acquire that follows then refuses, naming the holder).
-pub fn take_back(lib: &Lib, image: rbd_image_t, dead: &str) -> Result<TakeBack, c_int> {
-    let now = match owners(lib, image) {
+///
+/// # Safety
+/// `image` is an open image of `lib`.
+pub unsafe fn take_back(lib: &Lib, image: rbd_image_t, dead: &str) -> Result<TakeBack, c_int> {
+    // SAFETY: the caller's contract.
+    let now = match unsafe { owners(lib, image) } {
         Ok(o) => o,
         Err(rc) if rc == -libc::ENOENT => return Ok(TakeBack::NotOurs),
         Err(rc) => return Err(rc),
@@ -86,7 +93,8 @@ pub fn take_back(lib: &Lib, image: rbd_image_t, dead: &str) -> Result<TakeBack, 
     let Ok(owner) = CString::new(dead) else {
         return Ok(TakeBack::NotOurs);
     };
-    // SAFETY: an open image; a C string that lives for the call. librbd
+    // SAFETY: an open image (the caller's contract); a C string that lives
+    // for the call. librbd
     // compares the owner again and breaks only if it is still `dead`.
     let rc = unsafe { (lib.rbd_lock_break)(image, ffi::RBD_LOCK_MODE_EXCLUSIVE, owner.as_ptr()) };
     match rc {
@@ -99,9 +107,13 @@ pub fn take_back(lib: &Lib, image: rbd_image_t, dead: &str) -> Result<TakeBack, 
 
 /// [`take_back`] from `dead` on the image `spec` names, saying what
 /// happened in the log (escaped: the owner is librbd's text).
-pub fn log_take_back(spec: &RbdSpec, dead: &str, lib: &Lib, image: rbd_image_t) {
+///
+/// # Safety
+/// `image` is an open image of `lib`.
+pub unsafe fn log_take_back(spec: &RbdSpec, dead: &str, lib: &Lib, image: rbd_image_t) {
     let who = sanitize_line(dead);
-    match take_back(lib, image, dead) {
+    // SAFETY: the caller's contract.
+    match unsafe { take_back(lib, image, dead) } {
         Ok(TakeBack::Broken) => tracing::warn!(
             "{spec}: this daemon's previous run ({who}) died holding the exclusive lock: broke it \
              (that client is blocklisted) and took it back"
