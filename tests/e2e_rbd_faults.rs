@@ -207,11 +207,36 @@ fn a_lock_held_by_another_live_daemon_is_not_taken_after_a_restart() {
     let mut ours = daemon_at(&sock);
     attach(&ours, &img.spec(), &["--name", "r"]).assert_success();
     qemu_io(&ours.uri_for_name("r"), &["write -P 0x11 0 4096"]);
+    // Our client's address (its watch outlives the stop until Ceph's timeout).
+    let ours_addr = watchers(&img.name);
+    assert_eq!(ours_addr.len(), 1, "{ours_addr:?}");
     ours.stop_ok();
     let other = Server::daemon().start();
     attach(&other, &img.spec(), &["--name", "theirs"]).assert_success();
     let theirs = other.uri_for_name("theirs");
     qemu_io(&theirs, &["write -P 0x22 4096 4096"]);
+    // A request naming the holder as "our previous owner" is not believed:
+    // only the daemon's own record is (else any client could have a lock
+    // broken).
+    let holder: Vec<String> = watchers(&img.name)
+        .into_iter()
+        .filter(|a| !ours_addr.contains(a))
+        .collect();
+    assert_eq!(holder.len(), 1, "{holder:?}");
+    let third = Server::daemon().start();
+    let req = format!(
+        r#"{{"v":1,"op":"attach","image":"{}","name":"forged","ceph_conf":"{}","ceph_id":"admin","rbd_lock_owner":"{}"}}"#,
+        img.spec(),
+        path_str(&ceph().conf),
+        holder[0]
+    );
+    let msg = ControlConn::connect(third.control()).err(&req, "busy");
+    assert!(
+        msg.contains(&format!("exclusive lock is held by {}", holder[0])),
+        "refused, naming the very owner the request gave: {msg}"
+    );
+    drop(third);
+    qemu_io(&theirs, &["write -P 0x22 4096 4096", "flush"]);
     let ours = daemon_at(&sock);
     let dev = ours.device("r").expect("the recorded device is listed");
     assert_eq!(dev.at("state").str(), "missing", "{dev:?}");
