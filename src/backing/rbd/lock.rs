@@ -16,6 +16,10 @@
 //! nothing it had in flight can land later) and taken at once. A lock held by
 //! anyone else — another loopd, rbd-nbd, krbd, a VM — is never broken: its
 //! address is not the recorded one.
+//! Not covered: a run killed between taking the lock and recording its owner
+//! (the record names the run before, or nobody), and devices that are not in
+//! the state file (`--config`, `serve IMAGE`): their next open waits for
+//! Ceph's watch timeout as any other client would.
 //!
 //! Fenced: a client whose lock was broken (or that an operator blocklisted,
 //! `ceph osd blocklist add`) is refused by the OSDs from then on: its
