@@ -167,6 +167,7 @@ impl DeviceArgs {
             ceph_conf: self.ceph_conf.clone().map(abs),
             ceph_id: self.ceph_id.clone(),
             ceph_timeout: self.ceph_timeout,
+            rbd_lock_owner: None,
             name: self.name.clone(),
             offset: self.offset,
             size_limit: self.size_limit,

@@ -79,6 +79,14 @@ impl Daemon {
             return Err(CtlError::ShuttingDown);
         }
         let name = name_of(&spec);
+        // The RBD lock owner of this daemon's previous run: believed only
+        // from the daemon's own record (a restart, a retry, an attach that
+        // brings a missing device back), never from a request or a config
+        // file (see crate::backing::rbd::lock).
+        let mut dead_owner = spec
+            .rbd_lock_owner
+            .take()
+            .filter(|_| source == Source::Restored);
         if !(is_default && name.is_empty()) {
             check_name(&name).map_err(CtlError::Invalid)?;
         }
@@ -111,6 +119,7 @@ impl Daemon {
                     reason: m.reason.clone(),
                     differs: bring_back::describe(&d),
                 })?;
+                dead_owner = spec.rbd_lock_owner.take();
             }
         }
         check_create(&spec).map_err(CtlError::Invalid)?;
@@ -125,6 +134,7 @@ impl Daemon {
         // or a lost race for the name (below): a failed attach leaves no trace.
         let params = DeviceParams {
             opening,
+            rbd_take_back: dead_owner.clone(),
             ..params_with(&spec, &name, tuning)
         };
         let dev = Device::open(&params).map_err(|source| CtlError::Device {
@@ -132,6 +142,7 @@ impl Daemon {
             source,
         })?;
         spec.file = dev.identity().cloned();
+        spec.rbd_lock_owner = dev.rbd_lock_owner();
         let created = dev.created;
         // Record what was asked; `create` has done its job.
         spec.name = Some(name.clone());
@@ -170,9 +181,12 @@ impl Daemon {
             self.write_record(&mut log, &format!("attach {name:?}"), |l| l.put(&spec))
                 .map_err(undo)?;
         }
-        if source == Source::Restored && recorded != spec.file {
+        if source == Source::Restored
+            && (recorded != spec.file || dead_owner != spec.rbd_lock_owner)
+        {
             // First seen in this boot (or recorded by an older loopd): from now
-            // on the record names the file as found here.
+            // on the record names the file as found here, and the RBD lock's
+            // owner of this run.
             let what = format!("record the file of {name:?}");
             if let Err(e) = self.write_record(&mut log, &what, |l| l.put(&spec)) {
                 tracing::warn!("{}", e.body().message);

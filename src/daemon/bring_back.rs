@@ -74,6 +74,7 @@ pub fn merge(recorded: &DeviceSpec, asked: &DeviceSpec) -> Result<DeviceSpec, Ve
         ceph_conf,
         ceph_id,
         ceph_timeout,
+        rbd_lock_owner: _,
     } = asked;
     let r = recorded;
     let mut d = Vec::new();

@@ -77,7 +77,8 @@ pub struct IdleChange {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
     /// New in the file: attach it.
-    Attach(DeviceSpec),
+    /// (Boxed: a spec is large beside the other variants.)
+    Attach(Box<DeviceSpec>),
     /// The same table as before.
     Unchanged(String),
     /// A changed table: what can be applied now, and the keys that need a
@@ -100,7 +101,7 @@ pub fn plan_change(old: &[DeviceSpec], new: &[DeviceSpec]) -> Vec<Change> {
     for n in new {
         let name = name_of(n);
         let Some(o) = find(&name) else {
-            out.push(Change::Attach(n.clone()));
+            out.push(Change::Attach(Box::new(n.clone())));
             continue;
         };
         if o == n {
@@ -226,7 +227,7 @@ mod tests {
             plan_change(&old, &new),
             vec![
                 Change::Unchanged("a".into()),
-                Change::Attach(dev("c")),
+                Change::Attach(Box::new(dev("c"))),
                 Change::Removed("b".into()),
             ]
         );

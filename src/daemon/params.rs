@@ -46,6 +46,7 @@ pub(super) fn params_with(spec: &DeviceSpec, name: &str, tuning: Tuning) -> Devi
         ceph_conf: spec.ceph_conf.clone(),
         ceph_id: spec.ceph_id.clone(),
         ceph_timeout: spec.ceph_timeout,
+        rbd_take_back: None,
     }
 }
 

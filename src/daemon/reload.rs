@@ -116,7 +116,7 @@ impl Daemon {
         match change {
             Change::Attach(spec) => {
                 let name = name_of(&spec);
-                match self.attach(spec, false) {
+                match self.attach(*spec, false) {
                     Ok(_) => r.attached.push(name),
                     Err(e) => r.failed.push(fail(&name, e)),
                 }

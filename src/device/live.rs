@@ -501,6 +501,12 @@ impl Device {
         self.backend.as_file().map(|f| f.pinned().identity())
     }
 
+    /// The owner an RBD device took its image's exclusive lock as, for the
+    /// state file (see `crate::backing::rbd::lock`).
+    pub fn rbd_lock_owner(&self) -> Option<String> {
+        self.backend.as_rbd()?.lock_owner().map(str::to_owned)
+    }
+
     /// Make every acknowledged write durable (on a control thread).
     pub fn sync_data(&self) -> std::io::Result<()> {
         self.backend.sync_data()

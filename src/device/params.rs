@@ -79,6 +79,10 @@ pub struct DeviceParams {
     pub ceph_id: Option<String>,
     /// An `rbd:` image: the RADOS operation timeout in seconds (default 8).
     pub ceph_timeout: Option<u64>,
+    /// An `rbd:` image: the exclusive-lock owner this daemon's previous run
+    /// recorded, whose lock is taken back if it still holds it (see
+    /// `crate::backing::rbd::lock`). Only from the daemon's own state file.
+    pub rbd_take_back: Option<String>,
 }
 
 #[derive(Debug, Error)]

@@ -111,6 +111,7 @@ pub(super) fn open(p: &DeviceParams, w: Wanted) -> Result<Opened, DeviceError> {
             let op = OpenParams {
                 read_only: p.read_only,
                 exclusive: !p.shared,
+                take_back_from: p.rbd_take_back.clone(),
             };
             rbd::open(&spec, &opts, &op)?
         }

@@ -96,6 +96,13 @@ pub struct DeviceSpec {
     /// An `rbd:` image: the RADOS operation timeout, seconds (default 8).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ceph_timeout: Option<u64>,
+    /// Recorded by the daemon: the owner (RADOS client address) its open
+    /// took the `rbd:` image's exclusive lock as, so that a daemon restarted
+    /// after a crash takes the lock back from its dead self at once (see
+    /// `crate::backing::rbd::lock`). Ignored in an `attach` request and a
+    /// config file: only the daemon's own record is believed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rbd_lock_owner: Option<String>,
 }
 
 impl DeviceSpec {

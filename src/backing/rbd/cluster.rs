@@ -11,15 +11,20 @@
 //! hence part of the key.
 //!
 //! Threads: connecting blocks (a monitor round trip, up to the timeout): it is
-//! done by the device's open, on a control thread, never on a reactor. The
-//! table's lock is held while connecting, so two attaches of the same cluster
-//! make one connection (attaches of other clusters wait that long too).
+//! done by the device's open, on a control thread, never on a reactor. Each
+//! key has a lock of its own, held while connecting: two attaches of the same
+//! cluster make one connection (the second waits for the first), while
+//! attaches of other keys go on in parallel — an unreachable monitor holds up
+//! only the attaches that want it. The table's own lock is held for lookups
+//! only, never across a connect. A connection the cluster has fenced
+//! (blocklisted) is not handed out again: the next open connects anew.
 
 use super::error::RbdError;
 use super::ffi::{self, Lib, rados_ioctx_t, rados_t};
 use std::collections::HashMap;
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -57,6 +62,9 @@ pub struct Cluster {
     lib: &'static Lib,
     handle: rados_t,
     opts: Options,
+    /// The cluster has blocklisted this client (see `super::lock`): no
+    /// new open uses it.
+    fenced: AtomicBool,
 }
 
 // SAFETY: a connected `rados_t` is used by librados from any thread (its API
@@ -71,7 +79,9 @@ impl std::fmt::Debug for Cluster {
     }
 }
 
-type Table = Mutex<HashMap<Options, Weak<Cluster>>>;
+/// One key's connection: its lock is held while connecting.
+type Slot = Arc<Mutex<Weak<Cluster>>>;
+type Table = Mutex<HashMap<Options, Slot>>;
 
 fn table() -> &'static Table {
     static T: std::sync::OnceLock<Table> = std::sync::OnceLock::new();
@@ -93,13 +103,22 @@ impl Cluster {
     /// it connects).
     pub fn get(opts: &Options) -> Result<Arc<Cluster>, RbdError> {
         let lib = ffi::lib()?;
-        let mut t = table().lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = t.get(opts).and_then(Weak::upgrade) {
+        let slot = {
+            let mut t = table().lock().unwrap_or_else(|p| p.into_inner());
+            // Forget the keys nobody uses: no connection, nobody connecting
+            // (a slot being connected is locked, or held by a waiter).
+            t.retain(|_, s| {
+                Arc::strong_count(s) > 1 || s.try_lock().map_or(true, |w| w.strong_count() > 0)
+            });
+            Arc::clone(t.entry(opts.clone()).or_default())
+        };
+        // Only this key's attaches wait here (one connect per key at a time).
+        let mut w = slot.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = w.upgrade().filter(|c| !c.is_fenced()) {
             return Ok(c);
         }
-        t.retain(|_, w| w.strong_count() > 0);
         let c = Arc::new(Cluster::connect(lib, opts)?);
-        t.insert(opts.clone(), Arc::downgrade(&c));
+        *w = Arc::downgrade(&c);
         Ok(c)
     }
 
@@ -117,6 +136,7 @@ impl Cluster {
             lib,
             handle,
             opts: opts.clone(),
+            fenced: AtomicBool::new(false),
         };
         let conf = path_cstr(&opts.conf)?;
         // SAFETY: a created handle, a C string that lives for the call.
@@ -177,6 +197,16 @@ impl Cluster {
             });
         }
         Ok(c)
+    }
+
+    /// The cluster refused this client (`ESHUTDOWN`): the images using it
+    /// keep it until they close; opens connect anew ([`Cluster::get`]).
+    pub fn set_fenced(&self) {
+        self.fenced.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_fenced(&self) -> bool {
+        self.fenced.load(Ordering::Relaxed)
     }
 
     pub fn lib(&self) -> &'static Lib {

@@ -87,6 +87,16 @@ pub enum RbdError {
 }
 
 impl RbdError {
+    /// The cluster refused the client itself (`ESHUTDOWN`: blocklisted).
+    pub fn fenced(&self) -> bool {
+        match self {
+            RbdError::Pool { source, .. }
+            | RbdError::Open { source, .. }
+            | RbdError::Lock { source, .. } => source.raw_os_error() == Some(libc::ESHUTDOWN),
+            _ => false,
+        }
+    }
+
     /// What class of failure this is, for the control protocol's codes.
     pub fn class(&self) -> ErrorClass {
         match self {

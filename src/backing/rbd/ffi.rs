@@ -119,6 +119,7 @@ lib! {
     rbd: rbd_flush: fn(rbd_image_t) -> c_int;
     rbd: rbd_update_watch: fn(rbd_image_t, *mut u64, rbd_update_callback_t, *mut c_void) -> c_int;
     rbd: rbd_update_unwatch: fn(rbd_image_t, u64) -> c_int;
+    rbd: rbd_lock_break: fn(rbd_image_t, c_int, *const c_char) -> c_int;
 }
 
 /// A library opened with `dlopen`, never closed (its functions stay callable

@@ -40,7 +40,7 @@ use super::ffi::{self, Lib, rados_ioctx_t, rbd_completion_t, rbd_image_t};
 use super::spec::RbdSpec;
 use super::watch::{Notify, UpdateWatch};
 use crate::backing::storage::{Caps, Completions, IoOp, Storage};
-use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::ffi::{CString, c_int, c_void};
 use std::sync::Arc;
 
 /// What an RBD image can do: no alignment, no page cache of ours, an
@@ -65,6 +65,10 @@ pub struct RbdImage {
     locked: std::sync::atomic::AtomicBool,
     /// The update watch (none on a snapshot, or if librbd refused it).
     watch: Option<UpdateWatch>,
+    /// The lock's owner as librbd named it once taken (see `super::lock`).
+    owner: Option<String>,
+    /// Whether the cluster has fenced this client (said once).
+    fence: super::lock::Fence,
     /// Last: dropped after the image and the I/O context.
     cluster: Arc<Cluster>,
 }
@@ -91,6 +95,10 @@ pub struct OpenParams {
     pub read_only: bool,
     /// Take the exclusive lock (not with `--shared`, nor read-only).
     pub exclusive: bool,
+    /// The owner this daemon's dead previous run recorded: its lock is
+    /// broken and taken (see `super::lock`). Only ever the daemon's own
+    /// record, never a client's word.
+    pub take_back_from: Option<String>,
 }
 
 /// What an operation's callback needs: where to deliver, and how.
@@ -99,6 +107,8 @@ struct Pending {
     user_data: u64,
     done: Arc<Completions>,
     kind: Kind,
+    /// The image (alive until every callback has run: see `Drop`).
+    img: *const RbdImage,
 }
 
 #[derive(Clone, Copy)]
@@ -140,6 +150,7 @@ unsafe extern "C" fn on_complete(c: rbd_completion_t, arg: *mut c_void) {
                     user_data: p.user_data,
                     done: Arc::clone(&p.done),
                     kind: Kind::Write { len, flush: None },
+                    img: p.img,
                 });
                 // SAFETY: the image is open: closing it waits for this
                 // write's completion, inside which the flush is issued.
@@ -151,6 +162,11 @@ unsafe extern "C" fn on_complete(c: rbd_completion_t, arg: *mut c_void) {
         Kind::Write { .. } => res_of(rv),
         Kind::Other => res_of(rv.min(0)),
     };
+    if res == -libc::ESHUTDOWN {
+        // SAFETY: the image outlives its callbacks (closing waits for them).
+        let img = unsafe { &*p.img };
+        img.fence.note(&img.spec, &img.cluster);
+    }
     p.done.complete(p.user_data, res);
 }
 
@@ -193,30 +209,14 @@ unsafe fn submit_flush(img: rbd_image_t, p: Box<Pending>) {
     unsafe { submit(p, |c| (lib.rbd_aio_flush)(img, c)) }
 }
 
-/// The owners of the image's lock, as librbd names them (`client.N ...`).
+/// The owners of the image's lock, escaped for a message.
 fn lock_owners(lib: &Lib, image: rbd_image_t) -> Option<String> {
-    let mut mode: c_int = 0;
-    let mut owners: [*mut c_char; 8] = [std::ptr::null_mut(); 8];
-    let mut n: usize = owners.len();
-    // SAFETY: an open image; `owners` has room for `n` pointers, which librbd
-    // fills with strings we free with the cleanup call below.
-    let rc = unsafe { (lib.rbd_lock_get_owners)(image, &mut mode, owners.as_mut_ptr(), &mut n) };
-    if rc < 0 {
-        return None;
-    }
-    let n = n.min(owners.len());
-    let names: Vec<String> = owners[..n]
+    // SAFETY: an open image (every caller has one).
+    let names: Vec<String> = unsafe { super::lock::owners(lib, image) }
+        .ok()?
         .iter()
-        .filter(|p| !p.is_null())
-        .map(|p| {
-            // SAFETY: non-null NUL-terminated strings from librbd, valid
-            // until the cleanup call below.
-            let s = unsafe { CStr::from_ptr(*p) }.to_string_lossy();
-            crate::text::sanitize_line(&s).into_owned()
-        })
+        .map(|s| crate::text::sanitize_line(s).into_owned())
         .collect();
-    // SAFETY: the `n` strings librbd allocated above, freed once.
-    unsafe { (lib.rbd_lock_get_owners_cleanup)(owners.as_mut_ptr(), n) };
     (!names.is_empty()).then(|| names.join(", "))
 }
 
@@ -264,7 +264,7 @@ impl RbdImage {
         }
         let flush_dsync = cluster.options().cache != RbdCache::Off;
         // From here `me` owns both handles: an error closes them.
-        let me = RbdImage {
+        let mut me = RbdImage {
             lib,
             image,
             io,
@@ -273,19 +273,25 @@ impl RbdImage {
             flush_dsync,
             locked: std::sync::atomic::AtomicBool::new(false),
             watch: None,
+            owner: None,
+            fence: super::lock::Fence::default(),
             cluster,
         };
         if p.exclusive && !read_only {
-            me.lock()?;
+            me.lock(p.take_back_from.as_deref())?;
             me.locked.store(true, std::sync::atomic::Ordering::Relaxed);
+            // SAFETY: the image is open (ours).
+            me.owner = unsafe { super::lock::owners(lib, me.image) }
+                .ok()
+                .and_then(|o| o.into_iter().next());
         }
-        let mut me = me;
         me.watch = me.watch_updates();
         Ok(me)
     }
 
-    /// Take the exclusive lock, or say who holds it.
-    fn lock(&self) -> Result<(), RbdError> {
+    /// Take the exclusive lock (back from `dead`, our previous run, if it
+    /// still holds it), or say who holds it.
+    fn lock(&self, dead: Option<&str>) -> Result<(), RbdError> {
         let mut features = 0u64;
         // SAFETY: an open image; `features` is written.
         let rc = unsafe { (self.lib.rbd_get_features)(self.image, &mut features) };
@@ -293,6 +299,10 @@ impl RbdImage {
             return Err(RbdError::NoLockFeature {
                 spec: self.spec.to_string(),
             });
+        }
+        if let Some(dead) = dead {
+            // SAFETY: an open image.
+            unsafe { super::lock::log_take_back(&self.spec, dead, self.lib, self.image) };
         }
         // SAFETY: an open image.
         let rc = unsafe { (self.lib.rbd_lock_acquire)(self.image, ffi::RBD_LOCK_MODE_EXCLUSIVE) };
@@ -372,6 +382,11 @@ impl RbdImage {
 
     pub fn spec(&self) -> &RbdSpec {
         &self.spec
+    }
+
+    /// The exclusive lock's owner this open took it as (`None`: not taken).
+    pub fn lock_owner(&self) -> Option<&str> {
+        self.owner.as_deref()
     }
 
     pub fn read_only(&self) -> bool {
@@ -476,6 +491,7 @@ impl Storage for RbdImage {
                 user_data,
                 done: Arc::clone(done),
                 kind,
+                img: self,
             })
         };
         match op {

@@ -8,6 +8,8 @@
 //! - [`cluster`]: one connection per configuration, id, cache mode and
 //!   timeout, shared by the images opened through it, with RADOS timeouts set
 //!   so that nothing waits for ever on a stalled cluster;
+//! - [`lock`]: an image's exclusive lock: its owners, and taking it back
+//!   from this daemon's own dead previous run;
 //! - [`image`]: an open image as a [`crate::backing::Storage`] whose
 //!   operations complete on librbd's threads into the reactor's
 //!   `Completions`;
@@ -23,6 +25,7 @@ pub mod cluster;
 pub mod error;
 pub mod ffi;
 pub mod image;
+pub mod lock;
 pub mod spec;
 pub mod watch;
 
@@ -35,8 +38,17 @@ pub use watch::Notify;
 use std::sync::Arc;
 
 /// Open the image `spec` names through the cluster `opts` describes
-/// (connecting if no other image has). Blocks; never call it on a reactor.
+/// (connecting if no other image has). A shared connection the cluster turns
+/// out to have fenced (blocklisted) is marked so and the open made once more
+/// on a new one. Blocks; never call it on a reactor.
 pub fn open(spec: &RbdSpec, opts: &Options, p: &OpenParams) -> Result<Arc<RbdImage>, RbdError> {
     let cluster = Cluster::get(opts)?;
-    Ok(Arc::new(RbdImage::open(cluster, spec, p)?))
+    match RbdImage::open(Arc::clone(&cluster), spec, p) {
+        Err(e) if e.fenced() => {
+            cluster.set_fenced();
+            drop(cluster);
+            Ok(Arc::new(RbdImage::open(Cluster::get(opts)?, spec, p)?))
+        }
+        r => Ok(Arc::new(r?)),
+    }
 }
