@@ -20,7 +20,7 @@ modprobe ublk_drv && modprobe nbd || { echo "modules missing"; exit 1; }
 S=$OUT/scratch
 mkdir -p "$S" && mount -t tmpfs -o size=1500M,mode=1777 loopd-bench-rbd "$S" || exit 1
 C=$S/ceph
-CEPH_CLUSTER_START_TIMEOUT=300 "$ROOT/scripts/ceph-cluster.sh" start "$C" || { echo "no cluster"; exit 1; }
+CEPH_CLUSTER_START_TIMEOUT=300 CEPH_CLUSTER_CMD_TIMEOUT=90 "$ROOT/scripts/ceph-cluster.sh" start "$C" || { echo "no cluster"; exit 1; }
 CONF=$C/ceph.conf
 # rbd-nbd with librbd's cache off, as loopd's --cache direct.
 NOCACHE=$C/nocache.conf
@@ -56,7 +56,9 @@ for round in $(seq 1 "$ROUNDS"); do
         case $sys in
         loopd-*)
             rm -f "$S"/b.*
-            "$LOOPD" serve rbd:rbd/bench --name bench --blockdev "${sys#loopd-}" --cache direct \
+            kind=ublk
+            [ "$sys" = loopd-knbd ] && kind=nbd
+            "$LOOPD" serve rbd:rbd/bench --name bench --blockdev "$kind" --cache direct \
                 --ceph-conf "$CONF" --ceph-id admin --socket "$S/b.sock" --state "$S/b.state" \
                 >"$S/serve.out" 2>"$S/serve.err" &
             P=$!
