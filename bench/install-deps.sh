@@ -5,16 +5,17 @@
 # and setpriv for bench/tls; for bench/rbd: the Ceph daemons and CLIs of the
 # throwaway cluster (ceph-mon ceph-osd ceph-common), fio's rbd engine, and
 # QEMU's rbd driver (qemu-block-extra of the installed qemu-utils' version:
-# from the suite that version came from, bookworm-backports for QEMU 10.0).
+# from the suite that version came from, bookworm-backports for QEMU 10.0);
+# for bench/vm-rbd: Ceph's rbd-nbd (Debian package rbd-nbd).
 set -euo pipefail
 export PATH="/usr/bin:/usr/sbin:/bin:/sbin:${PATH}"
 
 PACKAGES=(fio nbdkit qemu-utils libnbd-bin python3-libnbd python3-matplotlib util-linux openssl
-    ceph-mon ceph-osd ceph-common)
+    ceph-mon ceph-osd ceph-common rbd-nbd)
 # Wait for another apt or dpkg to release its lock instead of failing at once.
 APT=(apt-get -o DPkg::Lock::Timeout=600)
 missing=()
-for t in fio nbdkit qemu-nbd nbdinfo losetup fincore findmnt setpriv openssl ceph-mon ceph-osd ceph rbd; do
+for t in fio nbdkit qemu-nbd nbdinfo losetup fincore findmnt setpriv openssl ceph-mon ceph-osd ceph rbd rbd-nbd; do
     command -v "$t" >/dev/null 2>&1 || missing+=("$t")
 done
 /usr/bin/python3 -c "import matplotlib" >/dev/null 2>&1 || missing+=("python3-matplotlib")

@@ -60,8 +60,9 @@ LOOPD_TEST_BACKEND=mem cargo test --release --features test-backend --no-fail-fa
     --skip nbdsh_unaligned_ops_match_a_model --skip fsx_over_nbdfuse_direct \
     --skip cache_mode_open_flags --skip create_sparse_image_option
 
-# The VM's tests cannot reach it (the guest has a loopback of its own), nor
-# does anything after this: stop it.
+# The VM's tests cannot reach it (the guest has a loopback of its own;
+# tests/kernel_rbd.rs starts a cluster of its own inside the guest), nor does
+# anything after this: stop it.
 stop_ceph
 unset LOOPD_TEST_CEPH_DIR
 

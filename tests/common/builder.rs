@@ -34,6 +34,8 @@ pub struct ServerBuilder {
     default_state: bool,
     /// Extra environment for the server (e.g. `LOOPD_LOG`).
     envs: Vec<(OsString, OsString)>,
+    /// How long it may take to be ready (default [`READY_TIMEOUT`]).
+    ready_timeout: Duration,
 }
 
 /// What a server process starts with, set between fork and exec.
@@ -139,6 +141,14 @@ impl ServerBuilder {
     /// Also listen on TCP 127.0.0.1 (free port).
     pub fn tcp(mut self) -> Self {
         self.tcp = true;
+        self
+    }
+
+    /// Allow `t` (instead of [`READY_TIMEOUT`]) until the ready lines: a
+    /// daemon that restores devices of a remote backend (RBD under QEMU TCG)
+    /// opens them before it prints its control line.
+    pub fn ready_timeout(mut self, t: Duration) -> Self {
+        self.ready_timeout = t;
         self
     }
 
@@ -290,7 +300,7 @@ impl ServerBuilder {
         };
         let mut seen_unix = want_unix.is_none();
         let mut seen_tcp = want_tcp.is_none();
-        let deadline = Instant::now() + READY_TIMEOUT;
+        let deadline = Instant::now() + self.ready_timeout;
         while !(seen_unix && seen_tcp) {
             if let Some(st) = server.try_wait() {
                 return Err(format!(
@@ -303,7 +313,8 @@ impl ServerBuilder {
             let now = Instant::now();
             if now >= deadline {
                 panic!(
-                    "loopd not ready after {READY_TIMEOUT:?} (expected stdout lines containing {:?} {:?}): {}\n--- stdout ---\n{}\n--- stderr ---\n{}",
+                    "loopd not ready after {:?} (expected stdout lines containing {:?} {:?}): {}\n--- stdout ---\n{}\n--- stderr ---\n{}",
+                    self.ready_timeout,
                     want_unix,
                     want_tcp,
                     server.desc,
@@ -354,6 +365,7 @@ impl Server {
             limits: ChildLimits::default(),
             default_state: false,
             envs: Vec::new(),
+            ready_timeout: READY_TIMEOUT,
         }
     }
 
@@ -372,6 +384,7 @@ impl Server {
             limits: ChildLimits::default(),
             default_state: false,
             envs: Vec::new(),
+            ready_timeout: READY_TIMEOUT,
         }
     }
 

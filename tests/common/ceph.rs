@@ -36,7 +36,9 @@
 //! daemons run from the shared root, the cluster's directory is on the guest's
 //! tmpfs `TMPDIR` (BlueStore opens its block file `O_DIRECT`, which tmpfs takes
 //! since Linux 6.6; the VM runs 6.12). Under QEMU TCG that start takes ~100 s,
-//! so the start limit is 300 s there.
+//! so the start limit is 300 s there, and one client command of the script may
+//! take 90 s (20 s was too little for `ceph osd pool create` on a loaded host).
+//! `tests/kernel_rbd.rs` runs over that cluster.
 
 use std::ffi::OsString;
 use std::fs;
@@ -72,6 +74,30 @@ fn script_start_limit() -> u64 {
         } else {
             60
         })
+}
+
+/// The script's limit for one client command (`$CEPH_CLUSTER_CMD_TIMEOUT`):
+/// as set, else its default (20 s), or 90 s inside the VM, where a `ceph`
+/// command under TCG on a loaded host took longer than 20 s.
+fn script_cmd_limit() -> Option<String> {
+    std::env::var("CEPH_CLUSTER_CMD_TIMEOUT")
+        .ok()
+        .or_else(|| std::env::var_os("LOOPD_VM_9P_DIR").map(|_| "90".to_string()))
+}
+
+/// `scripts/ceph-cluster.sh WHAT DIR` with the time limits of [`script_start_limit`]
+/// and [`script_cmd_limit`].
+fn script_command(what: &str, dir: &Path) -> Command {
+    let mut cmd = Command::new(SCRIPT);
+    cmd.env(
+        "CEPH_CLUSTER_START_TIMEOUT",
+        script_start_limit().to_string(),
+    );
+    if let Some(t) = script_cmd_limit() {
+        cmd.env("CEPH_CLUSTER_CMD_TIMEOUT", t);
+    }
+    cmd.arg(what).arg(dir);
+    cmd
 }
 
 /// The script that starts and stops clusters.
@@ -187,15 +213,8 @@ fn start_own() -> Result<PathBuf, String> {
         return Err("atexit failed: the cluster could not be stopped at exit".into());
     }
     let started = Instant::now();
-    let mut cmd = Command::new(SCRIPT);
-    cmd.env(
-        "CEPH_CLUSTER_START_TIMEOUT",
-        script_start_limit().to_string(),
-    )
-    .arg("start")
-    .arg(&dir)
-    .arg("--owner")
-    .arg(std::process::id().to_string());
+    let mut cmd = script_command("start", &dir);
+    cmd.arg("--owner").arg(std::process::id().to_string());
     let out = run_bytes(cmd, start_timeout()).map_err(|e| e.to_string())?;
     if !out.status.success() {
         return Err(format!(
@@ -537,13 +556,7 @@ impl Ceph {
     }
 
     fn script(&self, what: &str) -> Result<(), String> {
-        let mut cmd = Command::new(SCRIPT);
-        cmd.env(
-            "CEPH_CLUSTER_START_TIMEOUT",
-            script_start_limit().to_string(),
-        )
-        .arg(what)
-        .arg(&self.dir);
+        let cmd = script_command(what, &self.dir);
         let out = run_bytes(cmd, start_timeout()).map_err(|e| e.to_string())?;
         if out.status.success() {
             Ok(())

@@ -1,0 +1,428 @@
+//! `loopd attach rbd:POOL/IMAGE --blockdev ublk|nbd` under a real kernel: an
+//! RBD image of a Ceph cluster as `/dev/ublkbN` and as `/dev/nbdN`. Raw bytes
+//! written with `O_DIRECT` and fsync'ed are in `rbd export` of the image at
+//! the same offsets; ext4 made, filled, checked (`e2fsck -fn`), remounted and
+//! read back through the device; after detach the exported image holds that
+//! filesystem (checked clean and its files read by `debugfs` from the export).
+//! `kill -9` of loopd while a file is being written, then a restart over the
+//! same state file: ublk user recovery (the same `/dev/ublkbN`) and kernel-NBD
+//! reconnect bring the mounted filesystem back; what was fsync'ed before the
+//! kill is in `rbd export` taken while the daemon was dead.
+//!
+//! Runs as root inside the VM of `scripts/vm-test.sh`. The guest has no
+//! network, so the cluster runs inside the guest: [`ceph()`] starts one per
+//! test binary (~100 s under TCG; see tests/common/ceph.rs), on the guest's
+//! tmpfs. Images are small (32 MiB) and the tests few: the whole suite adds a
+//! few minutes to the VM run. Every server, device, mount and image is a guard
+//! released on drop.
+
+#![cfg(feature = "vm-tests")]
+
+mod common;
+
+use common::kernel::*;
+use common::*;
+use std::ffi::OsString;
+use std::fs;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// The size of every image here.
+const SIZE: u64 = 32 * MIB;
+
+/// How long the restarted daemon may take to get a killed daemon's device
+/// back. Today the image's exclusive lock stays with the dead daemon's RADOS
+/// client until Ceph notices it is gone (the watch timeout, ~30 s), and the
+/// restarted daemon's retrier (every 2 s) gets the device back after that.
+const COME_BACK_LIMIT: Duration = Duration::from_secs(90);
+
+/// A daemon restoring RBD devices opens them before it prints its control
+/// line: connecting to the cluster and opening the image are slow under TCG.
+const RESTART_READY: Duration = Duration::from_secs(60);
+
+fn scratch() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("loopd-krbd")
+        .tempdir()
+        .expect("tempdir in TMPDIR")
+}
+
+/// An image of the test cluster, removed when dropped.
+struct Image {
+    name: String,
+}
+
+impl Image {
+    fn new(prefix: &str) -> Image {
+        let name = unique_image_name(prefix);
+        ceph().create_image(&name, SIZE);
+        Image { name }
+    }
+
+    /// `rbd:rbd/NAME`, as loopd is given it.
+    fn spec(&self) -> String {
+        ceph().loopd_image(&self.name)
+    }
+
+    /// `rbd export` of the image into the file `to`.
+    fn export_to(&self, to: &Path) {
+        let bytes = ceph().export_image(&self.name);
+        assert_eq!(bytes.len() as u64, SIZE, "export length");
+        fs::write(to, bytes).unwrap_or_else(|e| panic!("write {}: {e}", to.display()));
+    }
+}
+
+impl Drop for Image {
+    fn drop(&mut self) {
+        let _ = ceph().rbd(&["rm", "--no-progress", &ceph().image_spec(&self.name)]);
+    }
+}
+
+/// A daemon (no default device) whose state file and sockets live in `dir`,
+/// so that a restart finds them again.
+fn daemon(dir: &Path) -> Server {
+    require_root();
+    require_module("ublk_drv");
+    require_module("nbd");
+    Server::daemon()
+        .socket_path(&dir.join("nbd.sock"))
+        .args([OsString::from("--state"), dir.join("loopd.state").into()])
+        .ready_timeout(RESTART_READY)
+        .start()
+}
+
+/// `loopd attach rbd:… --name NAME --blockdev KIND --ceph-conf … --ceph-id …
+/// ARGS`: the block device it printed (it exists and has its size).
+fn attach(srv: &Server, kind: &str, img: &Image, name: &str, args: &[&str]) -> PathBuf {
+    let spec = img.spec();
+    let conf = path_str(&ceph().conf).to_owned();
+    let mut a = vec![
+        "attach",
+        spec.as_str(),
+        "--name",
+        name,
+        "--blockdev",
+        kind,
+        "--ceph-conf",
+        conf.as_str(),
+        "--ceph-id",
+        ceph().id,
+    ];
+    a.extend_from_slice(args);
+    let out = srv.ctl_ok(&a);
+    let prefix = if kind == "ublk" {
+        "/dev/ublkb"
+    } else {
+        "/dev/nbd"
+    };
+    let dev = PathBuf::from(
+        out.stdout
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("attach printed no {prefix}N:\n{out}")),
+    );
+    assert_eq!(
+        dev_size(&dev),
+        SIZE,
+        "{} has the image's size",
+        dev.display()
+    );
+    dev
+}
+
+/// Whether `dev` is gone (ublk: no node; nbd: the node stays, disconnected).
+fn gone(dev: &Path) -> bool {
+    !dev.exists() || sysblock(dev, "size") == "0"
+}
+
+fn sysblock(dev: &Path, attr: &str) -> String {
+    let name = dev.file_name().expect("device name").to_string_lossy();
+    sysfs(format!("/sys/block/{name}/{attr}"))
+        .unwrap_or_else(|| panic!("/sys/block/{name}/{attr} missing"))
+}
+
+fn dev_size(dev: &Path) -> u64 {
+    sysblock(dev, "size").parse::<u64>().expect("size") * 512
+}
+
+fn md5(path: &Path) -> String {
+    let out = sh(KCMD_TIMEOUT, "md5sum", [path]);
+    out.stdout
+        .split_whitespace()
+        .next()
+        .expect("md5")
+        .to_string()
+}
+
+/// `dd` of `mib` MiB of random bytes into `path`, fsync'ed.
+fn write_random(path: &Path, mib: u32) {
+    sh(
+        KCMD_TIMEOUT,
+        "dd",
+        [
+            "if=/dev/urandom".to_string(),
+            format!("of={}", path.display()),
+            "bs=1M".into(),
+            format!("count={mib}"),
+            "conv=fsync".into(),
+            "status=none".into(),
+        ],
+    );
+}
+
+fn drop_caches() {
+    fs::write("/proc/sys/vm/drop_caches", "3").expect("drop caches");
+}
+
+fn e2fsck_clean(target: &Path) {
+    sh(
+        KCMD_TIMEOUT,
+        "e2fsck",
+        [OsString::from("-fn"), target.into()],
+    );
+}
+
+/// The md5 of file `/NAME` of the ext4 filesystem in the image file `img`
+/// (read by `debugfs`, not through any kernel mount).
+fn md5_in_image(img: &Path, name: &str, scratch: &Path) -> String {
+    let out = scratch.join(format!("{name}.dumped"));
+    sh(
+        KCMD_TIMEOUT,
+        "debugfs",
+        [
+            OsString::from("-R"),
+            format!("dump /{name} {}", out.display()).into(),
+            img.into(),
+        ],
+    );
+    assert!(out.exists(), "debugfs found /{name} in {}", img.display());
+    let sum = md5(&out);
+    fs::remove_file(&out).expect("rm the dumped file");
+    sum
+}
+
+/// `len` zeroed bytes at a 4 KiB-aligned address (for `O_DIRECT`): a slice
+/// of `store`, which is replaced.
+fn aligned(store: &mut Vec<u8>, len: usize) -> &mut [u8] {
+    *store = vec![0u8; len + 4096];
+    let at = store.as_ptr().align_offset(4096);
+    &mut store[at..at + len]
+}
+
+/// Raw bytes with `O_DIRECT` + fsync, checked in `rbd export` (and read back
+/// through the device); then ext4 made, filled, checked, remounted and read;
+/// detach; the export after detach holds the filesystem and its files.
+fn filesystem_over_rbd(kind: &str, cache: &str) {
+    let t = scratch();
+    let img = Image::new(&format!("kfs-{kind}"));
+    let srv = daemon(t.path());
+    let started = Instant::now();
+    let dev = attach(&srv, kind, &img, "rfs", &["--cache", cache]);
+
+    // At 0, across the 4 MiB object boundary, and the last block.
+    let writes: [(u64, usize, u8); 3] = [
+        (0, 64 * 1024, 1),
+        (4 * MIB - 8192, 16 * 1024, 2),
+        (SIZE - 4096, 4096, 3),
+    ];
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&dev)
+        .unwrap_or_else(|e| panic!("open {} O_DIRECT: {e}", dev.display()));
+    let mut store = Vec::new();
+    let mut model = vec![0u8; usize::try_from(SIZE).expect("size")];
+    for (off, len, seed) in writes {
+        let buf = aligned(&mut store, len);
+        buf.copy_from_slice(&pattern_bytes(seed, off, len));
+        f.write_all_at(buf, off)
+            .unwrap_or_else(|e| panic!("O_DIRECT write at {off}: {e}"));
+        let at = usize::try_from(off).expect("offset");
+        model[at..at + len].copy_from_slice(buf);
+    }
+    f.sync_all().expect("fsync the device");
+    assert_bytes_eq(
+        &ceph().export_image(&img.name),
+        &model,
+        0,
+        &format!("rbd export after O_DIRECT writes and fsync on {kind} ({cache})"),
+    );
+    for (off, len, seed) in writes {
+        let rbuf = aligned(&mut store, len);
+        f.read_exact_at(rbuf, off)
+            .unwrap_or_else(|e| panic!("O_DIRECT read at {off}: {e}"));
+        assert_bytes_eq(rbuf, &pattern_bytes(seed, off, len), off, "read back");
+    }
+    drop(f);
+
+    mkfs_ext4(&dev);
+    let mnt = t.path().join("mnt");
+    let m = Mount::new(&dev, &mnt, None);
+    write_random(&mnt.join("a"), 4);
+    write_random(&mnt.join("b"), 2);
+    let (a, b) = (md5(&mnt.join("a")), md5(&mnt.join("b")));
+    sh(KCMD_TIMEOUT, "sync", [""; 0]);
+    m.unmount();
+    e2fsck_clean(&dev);
+    drop_caches();
+    let m = Mount::new(&dev, &mnt, None);
+    assert_eq!(
+        md5(&mnt.join("a")),
+        a,
+        "file a after remount ({kind}, {cache})"
+    );
+    assert_eq!(
+        md5(&mnt.join("b")),
+        b,
+        "file b after remount ({kind}, {cache})"
+    );
+    m.unmount();
+    srv.ctl_ok(&["detach", "rfs"]);
+    assert!(gone(&dev), "{} removed by detach", dev.display());
+
+    // The image itself (not loopd, not the kernel's cache) holds the filesystem.
+    let copy = t.path().join("exported.img");
+    img.export_to(&copy);
+    e2fsck_clean(&copy);
+    assert_eq!(md5_in_image(&copy, "a", t.path()), a, "a in the export");
+    assert_eq!(md5_in_image(&copy, "b", t.path()), b, "b in the export");
+    eprintln!(
+        "{kind} over rbd ({cache}): bytes, ext4, fsck and export checked in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn ublk_over_rbd_bytes_and_ext4_match_rbd_export() {
+    filesystem_over_rbd("ublk", "direct");
+}
+
+#[test]
+fn nbd_over_rbd_bytes_and_ext4_match_rbd_export() {
+    filesystem_over_rbd("nbd", "buffered");
+}
+
+/// `kill -9` while a file is written on the mounted filesystem; the export
+/// taken while no daemon runs holds what was fsync'ed before; a restart over
+/// the same state file takes the kernel device back (`says` + the device), the
+/// interrupted write completes, and the filesystem is intact and clean.
+///
+/// `--cache direct`: librbd's cache off, so nothing the kernel was told is
+/// written lives only in the dead daemon's memory (with librbd's cache on, a
+/// write acknowledged before the kill and not yet flushed is lost with it).
+fn kill_9_and_restart_over_rbd(kind: &str, says: &str) {
+    let t = scratch();
+    let img = Image::new(&format!("kkill-{kind}"));
+    let mut srv = daemon(t.path());
+    let dev = attach(&srv, kind, &img, "rrec", &["--cache", "direct"]);
+    mkfs_ext4(&dev);
+    let mnt = t.path().join("mnt");
+    let m = Mount::new(&dev, &mnt, None);
+    write_random(&mnt.join("before"), 4);
+    let before = md5(&mnt.join("before"));
+
+    // A write in flight when the daemon dies: it waits for the new daemon.
+    // The kill comes once the file has grown (its data is on the way down).
+    let bg_path = mnt.join("during");
+    let bg = {
+        let p = bg_path.clone();
+        std::thread::spawn(move || {
+            write_random(&p, 8);
+            md5(&p)
+        })
+    };
+    let t0 = Instant::now();
+    while fs::metadata(&bg_path).map_or(0, |m| m.len()) < MIB
+        && !bg.is_finished()
+        && t0.elapsed() < Duration::from_secs(30)
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    srv.kill9();
+    let killed_at = Instant::now();
+    eprintln!(
+        "{kind} over rbd: killed loopd with {} bytes of the 8 MiB file written, the writer {}",
+        fs::metadata(&bg_path).map_or(0, |m| m.len()),
+        if bg.is_finished() {
+            "done"
+        } else {
+            "still writing"
+        }
+    );
+    assert!(dev.exists(), "the disk stays when the daemon dies");
+
+    // Nothing fsync'ed is lost: the image, read by `rbd export` while no
+    // daemon serves it (e2fsck replays the journal on this copy).
+    let killed = t.path().join("killed.img");
+    img.export_to(&killed);
+    let fsck = sh_status(
+        KCMD_TIMEOUT,
+        "e2fsck",
+        [OsString::from("-fy"), killed.clone().into()],
+    );
+    assert!(
+        matches!(fsck.status.code(), Some(0 | 1)),
+        "e2fsck -fy of the export taken after the kill: at most a replayed journal: {fsck}"
+    );
+    assert_eq!(
+        md5_in_image(&killed, "before", t.path()),
+        before,
+        "the file fsync'ed before the kill is in rbd export"
+    );
+    fs::remove_file(&killed).expect("rm the copy");
+
+    let restarted = Instant::now();
+    let srv = daemon(t.path());
+    // "recovered /dev/ublkbN from …", "reconnected /dev/nbdN left by …".
+    let want = format!("{says}{} ", dev.display());
+    loop {
+        if srv.stderr_text().contains(&want) {
+            break;
+        }
+        if restarted.elapsed() > COME_BACK_LIMIT {
+            let list = srv.ctl(&["list"]);
+            panic!(
+                "the restarted daemon did not take {} back within {COME_BACK_LIMIT:?} \
+                 (wanted {want:?} in its log)\n{list}\n--- stderr ---\n{}",
+                dev.display(),
+                srv.stderr_text()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let back = restarted.elapsed();
+    eprintln!(
+        "{kind} over rbd: the restarted daemon took {} back {:.1} s after it started \
+         ({:.1} s after the kill)",
+        dev.display(),
+        back.as_secs_f64(),
+        killed_at.elapsed().as_secs_f64()
+    );
+    let during = bg.join().expect("the write during the outage completed");
+    assert_eq!(md5(&mnt.join("before")), before, "fsync'd data intact");
+    m.unmount();
+    drop_caches();
+    let m = Mount::new(&dev, &mnt, None);
+    assert_eq!(md5(&mnt.join("before")), before, "before, after remount");
+    assert_eq!(md5(&mnt.join("during")), during, "during, after remount");
+    m.unmount();
+    e2fsck_clean(&dev);
+    srv.ctl_ok(&["detach", "rrec"]);
+    assert!(gone(&dev), "{} removed by detach", dev.display());
+    let copy = t.path().join("exported.img");
+    img.export_to(&copy);
+    e2fsck_clean(&copy);
+    assert_eq!(md5_in_image(&copy, "during", t.path()), during, "in export");
+}
+
+#[test]
+fn ublk_over_rbd_kill_9_and_restart_recovers_the_device() {
+    kill_9_and_restart_over_rbd("ublk", "recovered ");
+}
+
+#[test]
+fn nbd_over_rbd_kill_9_and_restart_reconnects_the_device() {
+    kill_9_and_restart_over_rbd("nbd", "reconnected ");
+}
