@@ -117,7 +117,8 @@ pub struct ServeArgs {
     /// Mode of the metrics Unix socket, in octal.
     #[arg(long, value_name = "MODE", default_value = "600", value_parser = parse_mode)]
     metrics_mode: u32,
-    /// State file: devices attached over the control socket, restored at start;
+    /// State file: devices attached over the control socket, restored at start
+    /// (beside it, STATE.rbd-owners: the RBD lock owners of the other devices);
     /// one daemon per state file [default: /var/lib/loopd/STEM.state for root,
     /// else $XDG_STATE_HOME/loopd/STEM.state (~/.local/state/loopd/), STEM being
     /// the control socket's file stem].

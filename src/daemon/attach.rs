@@ -34,7 +34,8 @@ use std::sync::atomic::Ordering;
 pub(super) enum Source {
     /// The control socket: recorded in the state file; may take a missing name.
     Control,
-    /// `serve IMAGE` or `--config`: not recorded (they come back from there).
+    /// `serve IMAGE` or `--config`: not recorded (they come back from
+    /// there); an RBD image's lock owner is, in the state file's sidecar.
     Static,
     /// A state-file device coming back: already recorded; only while missing.
     Restored,
@@ -80,13 +81,17 @@ impl Daemon {
         }
         let name = name_of(&spec);
         // The RBD lock owner of this daemon's previous run: believed only
-        // from the daemon's own record (a restart, a retry, an attach that
-        // brings a missing device back), never from a request or a config
-        // file (see crate::backing::rbd::lock).
-        let mut dead_owner = spec
-            .rbd_lock_owner
-            .take()
-            .filter(|_| source == Source::Restored);
+        // from the daemon's own records — the device's state record (a
+        // restart, a retry, an attach that brings a missing device back), or
+        // for a device of `--config` or `serve rbd:…` the state file's
+        // sidecar, for the same name and image — never from a request or a
+        // config file (see crate::backing::rbd::lock).
+        let recorded_owner = spec.rbd_lock_owner.take();
+        let mut dead_owner = match source {
+            Source::Restored => recorded_owner,
+            Source::Static => self.previous_rbd_owner(&name, &spec),
+            Source::Control => None,
+        };
         if !(is_default && name.is_empty()) {
             check_name(&name).map_err(CtlError::Invalid)?;
         }
@@ -202,6 +207,11 @@ impl Daemon {
             }
         }
         drop(log);
+        if source == Source::Static && spec.is_rbd() {
+            // Published: from now on a `kill -9` is taken back at the next
+            // start.
+            self.record_rbd_owner(&name, &spec, spec.rbd_lock_owner.clone());
+        }
         self.follow_image_of(&export);
         Ok(self.info(&export))
     }

@@ -73,6 +73,10 @@ impl Daemon {
             return Err(err);
         }
         self.unpublish(e);
+        if !e.persistent {
+            // A device of `--config` or `serve rbd:…`: its lock goes with it.
+            self.forget_rbd_owner(name);
+        }
         if n > 0 {
             self.kick_reactors();
             self.kick_handshakes();

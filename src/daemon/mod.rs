@@ -57,7 +57,8 @@
 //! `endpoints.rs` ([`Endpoints`]), `params.rs` ([`name_of`], [`Tuning`], the
 //! checks of a spec), [`set_rules`], [`bring_back`], [`config`], [`audit`],
 //! [`reload_report`], [`uri`], [`info`]; and [`state`] (the state file's
-//! format and log), [`blockdev`] (making and removing a kernel block device).
+//! format and log), [`rbd_owners`] (its sidecar: the RBD lock owners of the
+//! devices it does not hold), [`blockdev`] (making and removing a kernel block device).
 
 mod attach;
 pub mod audit;
@@ -73,6 +74,7 @@ pub mod info;
 mod janitor;
 mod kernel;
 mod params;
+pub mod rbd_owners;
 mod record;
 mod registry;
 pub mod reload;

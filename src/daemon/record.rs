@@ -14,8 +14,13 @@
 //!
 //! Devices from the command line and `--config` are not recorded (they come
 //! back from there); see [`super::restore`] for what comes back at start.
+//! Only their RBD lock owners are kept, in the state file's sidecar
+//! ([`super::rbd_owners`]): read with the state file, written as a lock is
+//! taken or a device detached, emptied at stop before the state file's lock
+//! goes.
 
 use super::error::CtlError;
+use super::rbd_owners::{self, RbdOwners};
 use super::registry::Daemon;
 use super::state;
 use crate::control::proto::DeviceSpec;
@@ -74,16 +79,74 @@ impl Daemon {
             return Ok(());
         };
         let log = state::StateLog::open(path)?;
+        // Read under the state file's lock: its owners are of a dead run.
+        let owners = RbdOwners::load(path);
         if let Ok(mut g) = self.log.lock() {
             *g = Some(log);
         }
+        if let Ok(mut g) = self.rbd_owners.lock() {
+            *g = Some(owners);
+        }
         Ok(())
+    }
+
+    /// The RBD lock owner this daemon's previous run recorded for the
+    /// device `name` of `--config` or `serve rbd:…`, if it was the same
+    /// image, configuration and id (see [`super::rbd_owners`]).
+    pub(super) fn previous_rbd_owner(&self, name: &str, spec: &DeviceSpec) -> Option<String> {
+        let want = rbd_owners::owner_of(name, spec, String::new())?;
+        let g = self.rbd_owners.lock().ok()?;
+        g.as_ref()?.previous(&want)
+    }
+
+    /// Record (durably) the lock owner the device `name` of `--config` or
+    /// `serve rbd:…` took its image's lock as; `None` (no lock taken):
+    /// forget the name's owner. A failure is logged: the device serves, and
+    /// a `kill -9` then costs Ceph's watch timeout at the next start.
+    pub(super) fn record_rbd_owner(&self, name: &str, spec: &DeviceSpec, owner: Option<String>) {
+        let Ok(mut g) = self.rbd_owners.lock() else {
+            return;
+        };
+        let Some(owners) = g.as_mut() else { return };
+        let r = match owner.and_then(|o| rbd_owners::owner_of(name, spec, o)) {
+            Some(o) => owners.set(o),
+            None => owners.remove(name),
+        };
+        if let Err(e) = r {
+            tracing::warn!(
+                "device {name:?}: {e}; after a kill -9 the next start waits for Ceph's watch \
+                 timeout (~30 s) for its lock"
+            );
+        }
+    }
+
+    /// Forget the lock owner of the device `name` of `--config` or `serve
+    /// rbd:…` (detached: its lock goes with it).
+    pub(super) fn forget_rbd_owner(&self, name: &str) {
+        let Ok(mut g) = self.rbd_owners.lock() else {
+            return;
+        };
+        if let Some(owners) = g.as_mut()
+            && let Err(e) = owners.remove(name)
+        {
+            tracing::warn!("device {name:?} detached: {e}");
+        }
     }
 
     /// At stop: compact the state file and release it (and its lock): nothing is
     /// recorded after this.
     pub fn close_state(&self) {
         self.write_state();
+        // The locks go at stop: no owner is left to take back, and none is
+        // left to a daemon that starts before this one has let them go.
+        if let Ok(mut g) = self.rbd_owners.lock() {
+            if let Some(owners) = g.as_mut()
+                && let Err(e) = owners.clear()
+            {
+                tracing::warn!("{e}");
+            }
+            *g = None;
+        }
         if let Ok(mut g) = self.log.lock() {
             *g = None;
         }

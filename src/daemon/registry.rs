@@ -6,9 +6,9 @@
 //! ([`Export::control`]), so actions on different devices never wait for each
 //! other, and reactors take none of these locks. The state log's mutex
 //! (`log`) orders records and publication: lock order is `log`, then
-//! `exports`, then `missing`; `blockdevs`, `create_lock` and the rest are
-//! taken alone. A poisoned lock is taken over (its data stays consistent:
-//! every critical section here is one insertion or removal).
+//! `exports`, then `missing`; `blockdevs`, `create_lock`, `rbd_owners` and
+//! the rest are taken alone. A poisoned lock is taken over (its data stays
+//! consistent: every critical section here is one insertion or removal).
 //!
 //! The fields are `pub(super)`: the daemon's other files are `impl Daemon`
 //! blocks, one per kind of work (see [`super`]), that share them. This file
@@ -18,6 +18,7 @@ use super::blockdev::KernelDev;
 use super::endpoints::Endpoints;
 use super::error::CtlError;
 use super::info::{DeviceInfo, DeviceStatus};
+use super::rbd_owners::RbdOwners;
 use super::state;
 use crate::control::proto::DeviceSpec;
 use crate::device::Device;
@@ -43,6 +44,10 @@ pub struct Daemon {
     /// The open state log (after [`Daemon::open_state`]); its mutex orders
     /// records and publication (see [`super::record`]).
     pub(super) log: Mutex<Option<state::StateLog>>,
+    /// The RBD lock owners of the devices the state file does not hold
+    /// (`serve rbd:…`, `--config`), while the state file is open (see
+    /// [`super::rbd_owners`]). Taken alone.
+    pub(super) rbd_owners: Mutex<Option<RbdOwners>>,
     /// Recorded devices that could not be attached (yet), by name.
     pub(super) missing: Mutex<BTreeMap<String, Missing>>,
     /// Serialises attaches that may create their image, from the name check to
@@ -83,6 +88,7 @@ impl Daemon {
             endpoints: RwLock::default(),
             state,
             log: Mutex::new(None),
+            rbd_owners: Mutex::new(None),
             missing: Mutex::default(),
             create_lock: Mutex::new(()),
             idle_tx: Mutex::new(tx),

@@ -35,7 +35,7 @@ use std::path::{Path, PathBuf};
 use thiserror::Error;
 
 /// Mode of the state file and its lock file (whatever the umask).
-const MODE: u32 = 0o600;
+pub(super) const MODE: u32 = 0o600;
 
 #[derive(Debug, Error)]
 pub enum StateError {
@@ -150,7 +150,7 @@ fn encode(r: &Record) -> Vec<u8> {
 }
 
 /// `path` + `suffix` (`nbd.state` → `nbd.state.lock`).
-fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
+pub(super) fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
     let mut s = path.as_os_str().to_owned();
     s.push(suffix);
     PathBuf::from(s)
@@ -178,7 +178,8 @@ pub fn utc_stamp(secs: u64) -> String {
     )
 }
 
-fn sync_dir(path: &Path) -> std::io::Result<()> {
+/// `fsync` the directory `path` is in (a rename or a new file in it durable).
+pub(super) fn sync_dir(path: &Path) -> std::io::Result<()> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),

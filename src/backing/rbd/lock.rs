@@ -9,17 +9,19 @@
 //!
 //! Take back: the daemon records, per RBD device, the owner its open got
 //! ([`owners`] right after taking the lock) in the device's state-file
-//! record. A restarted daemon holds that state file (its lock: the run that
-//! wrote it is dead), so when the image's owner is still *exactly* the
-//! recorded one, that owner is our dead self: its lock is broken
+//! record (devices of `--config` and `serve rbd:…`, which the state file
+//! does not hold: in its sidecar, `crate::daemon::rbd_owners`). A restarted
+//! daemon holds that state file (its lock: the run that wrote it is dead),
+//! so when the image's owner is still *exactly* the recorded one, that owner
+//! is our dead self: its lock is broken
 //! (`rbd_lock_break`, which also blocklists the dead client's address, so
 //! nothing it had in flight can land later) and taken at once. A lock held by
 //! anyone else — another loopd, rbd-nbd, krbd, a VM — is never broken: its
 //! address is not the recorded one.
 //! Not covered: a run killed between taking the lock and recording its owner
-//! (the record names the run before, or nobody), and devices that are not in
-//! the state file (`--config`, `serve IMAGE`): their next open waits for
-//! Ceph's watch timeout as any other client would.
+//! (the record names the run before, or nobody), and a daemon without a state
+//! file: their next open waits for Ceph's watch timeout as any other client
+//! would.
 //!
 //! Fenced: a client whose lock was broken (or that an operator blocklisted,
 //! `ceph osd blocklist add`) is refused by the OSDs from then on: its
