@@ -39,13 +39,13 @@
 //! sidecar, then the directory synced. They block (`fdatasync`): control
 //! threads only, never a reactor.
 
-use super::state::{MODE, sync_dir, with_suffix};
+use super::state::{replace_file, with_suffix};
 use crate::control::proto::DeviceSpec;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fs::OpenOptions;
-use std::io::{Read, Write};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::io::Read;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 
@@ -265,31 +265,8 @@ impl RbdOwners {
     /// sync.
     fn write(&self) -> Result<(), OwnersError> {
         let body = encode(self.owners.values().map(|(o, _)| o));
-        let name = self
-            .path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let tmp = self
-            .path
-            .with_file_name(format!(".{name}.tmp.{}", std::process::id()));
-        let _ = std::fs::remove_file(&tmp);
-        let written = (|| {
-            let mut f = OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(MODE)
-                .open(&tmp)?;
-            f.set_permissions(std::fs::Permissions::from_mode(MODE))?;
-            f.write_all(&body)?;
-            f.sync_data()?;
-            std::fs::rename(&tmp, &self.path)?;
-            sync_dir(&self.path)
-        })();
-        written.map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            OwnersError::Write(self.path.display().to_string(), e)
-        })
+        replace_file(&self.path, &body)
+            .map_err(|e| OwnersError::Write(self.path.display().to_string(), e))
     }
 }
 

@@ -187,6 +187,35 @@ pub(super) fn sync_dir(path: &Path) -> std::io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
+/// Replace the file at `path` with `body`, durably and all at once: a
+/// temporary file beside it (mode [`MODE`], data synced), renamed over it,
+/// then the directory synced. On error the temporary file is removed and
+/// `path` is as it was.
+pub(super) fn replace_file(path: &Path, body: &[u8]) -> std::io::Result<()> {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    let written = (|| {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(MODE)
+            .open(&tmp)?;
+        f.set_permissions(std::fs::Permissions::from_mode(MODE))?;
+        f.write_all(body)?;
+        f.sync_data()?;
+        std::fs::rename(&tmp, path)?;
+        sync_dir(path)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
 /// An open, locked state log. See the module documentation.
 pub struct StateLog {
     path: PathBuf,
@@ -370,31 +399,7 @@ impl StateLog {
         for spec in table {
             body.extend(encode(&Record::Put(Box::new(spec.clone()))));
         }
-        let name = self
-            .path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let tmp = self
-            .path
-            .with_file_name(format!(".{name}.tmp.{}", std::process::id()));
-        let _ = std::fs::remove_file(&tmp);
-        let written = (|| {
-            let mut f = OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(MODE)
-                .open(&tmp)?;
-            f.set_permissions(std::fs::Permissions::from_mode(MODE))?;
-            f.write_all(&body)?;
-            f.sync_data()?;
-            std::fs::rename(&tmp, &self.path)?;
-            sync_dir(&self.path)
-        })();
-        if let Err(e) = written {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(StateError::Write(shown(), e));
-        }
+        replace_file(&self.path, &body).map_err(|e| StateError::Write(shown(), e))?;
         self.exists = true;
         let file = OpenOptions::new()
             .append(true)

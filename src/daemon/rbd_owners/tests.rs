@@ -1,5 +1,6 @@
 use super::*;
 use proptest::prelude::*;
+use std::os::unix::fs::PermissionsExt;
 
 fn owner(name: &str, image: &str, who: &str) -> Owner {
     Owner {
