@@ -7,46 +7,13 @@
 
 mod common;
 
+use common::CephImage as Image;
 use common::pki::Pki;
 use common::*;
 use std::path::Path;
 use std::time::Duration;
 
 const SIZE: u64 = 16 * MIB;
-
-/// An image of the test cluster, removed when dropped.
-struct Image {
-    name: String,
-}
-
-impl Image {
-    fn new(prefix: &str, size: u64) -> Image {
-        let name = unique_image_name(prefix);
-        ceph().create_image(&name, size);
-        Image { name }
-    }
-
-    /// `rbd:rbd/NAME`, as loopd is given it.
-    fn spec(&self) -> String {
-        ceph().loopd_image(&self.name)
-    }
-
-    fn export(&self) -> Vec<u8> {
-        ceph().export_image(&self.name)
-    }
-}
-
-impl Drop for Image {
-    fn drop(&mut self) {
-        let _ = ceph().rbd(&[
-            "snap",
-            "purge",
-            "--no-progress",
-            &ceph().image_spec(&self.name),
-        ]);
-        let _ = ceph().rbd(&["rm", "--no-progress", &ceph().image_spec(&self.name)]);
-    }
-}
 
 /// `loopd serve rbd:…` with the test cluster's configuration and `extra`.
 fn serve(img: &Image, extra: &[&str]) -> Server {

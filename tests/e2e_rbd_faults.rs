@@ -11,6 +11,7 @@
 
 mod common;
 
+use common::CephImage as Image;
 use common::*;
 use std::path::{Path, PathBuf};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -26,34 +27,6 @@ fn cluster_ok() -> RwLockReadGuard<'static, ()> {
 
 fn outage() -> RwLockWriteGuard<'static, ()> {
     CLUSTER.write().unwrap_or_else(|e| e.into_inner())
-}
-
-/// An image of the test cluster, removed when dropped.
-struct Image {
-    name: String,
-}
-
-impl Image {
-    fn new(prefix: &str, size: u64) -> Image {
-        let name = unique_image_name(prefix);
-        ceph().create_image(&name, size);
-        Image { name }
-    }
-
-    /// `rbd:rbd/NAME`, as loopd is given it.
-    fn spec(&self) -> String {
-        ceph().loopd_image(&self.name)
-    }
-
-    fn export(&self) -> Vec<u8> {
-        ceph().export_image(&self.name)
-    }
-}
-
-impl Drop for Image {
-    fn drop(&mut self) {
-        let _ = ceph().rbd(&["rm", "--no-progress", &ceph().image_spec(&self.name)]);
-    }
 }
 
 /// `loopd attach SPEC --ceph-conf CONF --ceph-id admin EXTRA…`.

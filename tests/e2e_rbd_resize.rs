@@ -11,51 +11,13 @@
 
 mod common;
 
+use common::CephImage as Image;
 use common::*;
 use std::time::{Duration, Instant};
 
 /// How long the device may take to follow an `rbd resize` (the daemon
 /// coalesces notifications for up to a second).
 const FOLLOW: Duration = Duration::from_secs(5);
-
-/// An image of the test cluster, removed when dropped.
-struct Image {
-    name: String,
-}
-
-impl Image {
-    fn new(prefix: &str, size: u64) -> Image {
-        let name = unique_image_name(prefix);
-        ceph().create_image(&name, size);
-        Image { name }
-    }
-
-    /// `rbd resize` by the `rbd` CLI (a client of its own); `shrink` adds
-    /// `--allow-shrink`.
-    fn resize(&self, size: u64, shrink: bool) {
-        let size = format!("{size}B");
-        let spec = ceph().image_spec(&self.name);
-        let mut args = vec!["resize", "--no-progress", "--size", &size];
-        if shrink {
-            args.push("--allow-shrink");
-        }
-        args.push(&spec);
-        let out = ceph().rbd(&args);
-        assert!(
-            out.status.success(),
-            "rbd {}: {}\n{}",
-            args.join(" "),
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-}
-
-impl Drop for Image {
-    fn drop(&mut self) {
-        let _ = ceph().rbd(&["rm", "--no-progress", &ceph().image_spec(&self.name)]);
-    }
-}
 
 /// A daemon with `img` attached as `name`, with `extra` attach options.
 fn daemon_with(img: &Image, name: &str, extra: &[&str]) -> Server {

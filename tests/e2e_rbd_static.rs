@@ -10,36 +10,13 @@
 
 mod common;
 
+use common::CephImage as Image;
 use common::*;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// How soon after the kill the restarted daemon serves again.
 const BACK_WITHIN: Duration = Duration::from_secs(15);
-
-/// An image of the test cluster, removed when dropped.
-struct Image {
-    name: String,
-}
-
-impl Image {
-    fn new(prefix: &str, size: u64) -> Image {
-        let name = unique_image_name(prefix);
-        ceph().create_image(&name, size);
-        Image { name }
-    }
-
-    /// `rbd:rbd/NAME`, as loopd is given it.
-    fn spec(&self) -> String {
-        ceph().loopd_image(&self.name)
-    }
-}
-
-impl Drop for Image {
-    fn drop(&mut self) {
-        let _ = ceph().rbd(&["rm", "--no-progress", &ceph().image_spec(&self.name)]);
-    }
-}
 
 fn us(n: u64) -> usize {
     usize::try_from(n).expect("fits in memory")

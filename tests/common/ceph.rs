@@ -614,3 +614,55 @@ impl Drop for MonStopped<'_> {
         }
     }
 }
+
+/// An image of the test cluster for one test: made with a unique name,
+/// removed (with its snapshots) when dropped.
+pub struct CephImage {
+    pub name: String,
+}
+
+impl CephImage {
+    pub fn new(prefix: &str, size: u64) -> CephImage {
+        let name = unique_image_name(prefix);
+        ceph().create_image(&name, size);
+        CephImage { name }
+    }
+
+    /// `rbd:rbd/NAME`, as loopd is given it.
+    pub fn spec(&self) -> String {
+        ceph().loopd_image(&self.name)
+    }
+
+    /// Every byte of the image, as `rbd export` reads it.
+    pub fn export(&self) -> Vec<u8> {
+        ceph().export_image(&self.name)
+    }
+
+    /// `rbd resize` by the `rbd` CLI (a client of its own); `shrink` adds
+    /// `--allow-shrink`.
+    pub fn resize(&self, size: u64, shrink: bool) {
+        let size = format!("{size}B");
+        let spec = ceph().image_spec(&self.name);
+        let mut args = vec!["resize", "--no-progress", "--size", &size];
+        if shrink {
+            args.push("--allow-shrink");
+        }
+        args.push(&spec);
+        let out = ceph().rbd(&args);
+        assert!(
+            out.status.success(),
+            "rbd {}: {}\n{}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+impl Drop for CephImage {
+    fn drop(&mut self) {
+        let spec = ceph().image_spec(&self.name);
+        let _ = ceph().rbd(&["snap", "purge", "--no-progress", &spec]);
+        let _ = ceph().rbd(&["rm", "--no-progress", &spec]);
+    }
+}
