@@ -118,6 +118,10 @@ pub unsafe fn take_back(lib: &Lib, image: rbd_image_t, dead: &str) -> Result<Tak
 /// `image` is an open image of `lib`.
 pub unsafe fn log_take_back(spec: &RbdSpec, dead: &str, lib: &Lib, image: rbd_image_t) {
     let who = sanitize_line(dead);
+    // The spec is a client's text too (no control character, but bidi and
+    // invisible ones pass the parser): escaped as the fence line does.
+    let spec = spec.to_string();
+    let spec = sanitize_line(&spec);
     // SAFETY: the caller's contract.
     match unsafe { take_back(lib, image, dead) } {
         Ok(TakeBack::Broken) => tracing::warn!(
