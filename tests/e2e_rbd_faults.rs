@@ -2,7 +2,8 @@
 //! (`common::ceph`): `kill -9` under writes and the restart that takes the
 //! exclusive lock back from its dead self, the monitor down at attach and at
 //! restart, an unreachable cluster beside a reachable one, the image removed
-//! (fenced) under a device. Every byte check is against `rbd export`.
+//! (fenced) under a device, a second daemon on the state file of one that is
+//! still stopping. Every byte check is against `rbd export`.
 //!
 //! The cluster is shared by the tests of this binary: the tests that stop
 //! the monitor (or the OSD) take [`outage`], the others [`cluster_ok`], so no
@@ -671,4 +672,79 @@ fn an_image_on_a_second_cluster_serves_while_the_first_is_stalled() {
     qemu_io(&one, &["read 0 65536"]);
     srv.ctl_ok(&["detach", "two"]);
     srv.ctl_ok(&["detach", "one"]);
+}
+
+/// A stopping daemon keeps its state file locked until it has let its
+/// images go: while it waits for a write stuck on a stopped OSD, a second
+/// daemon on the same state file is refused (`in use`, naming the pid) —
+/// it must not find the state file free while the first still holds the
+/// image's lock, which it would break as its dead self's. Once the first is
+/// gone, the second starts, opens the image without any take-back (the lock
+/// was released, not abandoned) and serves it.
+#[test]
+fn a_daemon_on_the_same_state_file_waits_until_a_stopping_one_let_its_images_go() {
+    let img = Image::new("stopping", 4 * MIB);
+    let dir = tempdir();
+    let sock = dir.path().join("ctl.sock");
+    let _o = outage();
+    let mut first = daemon_at(&sock);
+    attach(
+        &first,
+        &img.spec(),
+        &["--name", "r", "--cache", "direct", "--ceph-timeout", "6"],
+    )
+    .assert_success();
+    let uri = first.uri_for_name("r");
+    qemu_io(&uri, &["write -P 0x5 0 131072", "flush"]);
+    let second = {
+        let _paused = ceph().pause_osd();
+        let stuck = {
+            let uri = uri.clone();
+            std::thread::spawn(move || qemu_io_status(&uri, &["write -P 0x6 0 65536"]))
+        };
+        std::thread::sleep(Duration::from_millis(500));
+        first.signal(libc::SIGTERM);
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            first.try_wait().is_none(),
+            "the first daemon still drains its stuck write"
+        );
+        let second = Server::daemon()
+            .arg("--state")
+            .arg(sock.with_extension("state"))
+            .try_start();
+        match second {
+            Ok(s) => panic!(
+                "a second daemon started on the state file of a daemon that still holds the image's lock\n{}",
+                s.stderr_text()
+            ),
+            Err(e) => assert!(
+                e.contains("in use by another loopd") && e.contains(&first.pid().to_string()),
+                "refused, naming the first daemon: {e}"
+            ),
+        }
+        stuck
+    };
+    // The OSD continues: the stuck write ends (either way: it was never
+    // acknowledged), the first daemon exits.
+    let _ = second.join().expect("the stuck client");
+    let st = first
+        .wait_timeout(Duration::from_secs(30))
+        .expect("the first daemon exits once its write has ended");
+    assert!(st.success(), "{st}\n{}", first.stderr_text());
+    let srv = daemon_at(&sock);
+    wait_serving(&uri, Duration::from_secs(15));
+    let log = srv.stderr_text();
+    assert!(
+        !log.contains("took it back"),
+        "a lock released at stop is not taken back:\n{log}"
+    );
+    // (The stuck write covered the first 64 KiB; what follows is the
+    // acknowledged one's.)
+    qemu_io(
+        &uri,
+        &["read -P 0x5 65536 65536", "write -P 0x7 0 512", "flush"],
+    );
+    srv.ctl_ok(&["detach", "r"]);
+    assert_eq!(&img.export()[..512], &[0x7; 512][..]);
 }

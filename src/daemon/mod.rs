@@ -90,6 +90,6 @@ pub use detach::FORCE_TIMEOUT;
 pub use endpoints::Endpoints;
 pub use error::CtlError;
 pub use params::{Tuning, name_of};
-pub use record::default_state_path;
+pub use record::{ClosedState, default_state_path};
 pub use registry::Daemon;
 pub use restore::RETRY_INTERVAL;

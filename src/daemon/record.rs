@@ -8,16 +8,18 @@
 //! mutex is the first lock of the daemon's lock order (see
 //! [`super::registry`]); an attach holds it from its name check to its
 //! insertion, so no client sees a device the state file lacks. At stop the
-//! file is compacted and released ([`Daemon::close_state`]); nothing is
-//! recorded after that, and a change asked for then fails. Writing blocks
+//! file is compacted and closed ([`Daemon::close_state`]); nothing is
+//! recorded after that, and a change asked for then fails. Its lock is let
+//! go only after the devices are (the [`ClosedState`] dropped last), so no
+//! daemon can start on it while this one still holds an image's lock. Writing blocks
 //! (`fdatasync`): these run on control threads, never on a reactor.
 //!
 //! Devices from the command line and `--config` are not recorded (they come
 //! back from there); see [`super::restore`] for what comes back at start.
 //! Only their RBD lock owners are kept, in the state file's sidecar
 //! ([`super::rbd_owners`]): read with the state file, written as a lock is
-//! taken or a device detached, emptied at stop before the state file's lock
-//! goes.
+//! taken or a device detached, emptied at stop after the devices' locks and
+//! before the state file's lock go.
 
 use super::error::CtlError;
 use super::rbd_owners::{self, RbdOwners};
@@ -27,6 +29,32 @@ use crate::control::proto::DeviceSpec;
 use crate::device::export::Export;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
+
+/// The state file after [`Daemon::close_state`]: closed to changes, still
+/// locked. Dropped once the daemon has let its devices go (flushed, RBD
+/// locks released): then the sidecar is emptied and the state file's lock
+/// goes, so a daemon started meanwhile is refused (`in use`) instead of
+/// finding the state file free while this one still holds an image's lock —
+/// which it would take for its dead self's and break.
+#[must_use = "dropping it releases the state file's lock: keep it until the devices are let go"]
+pub struct ClosedState {
+    log: Option<state::StateLog>,
+    owners: Option<RbdOwners>,
+}
+
+impl Drop for ClosedState {
+    fn drop(&mut self) {
+        // The locks went at stop: no owner is left to take back.
+        if let Some(owners) = self.owners.as_mut()
+            && let Err(e) = owners.clear()
+        {
+            tracing::warn!("{e}");
+        }
+        self.owners = None;
+        // Now the lock of the state file goes.
+        self.log = None;
+    }
+}
 
 impl Daemon {
     /// Write one record to the state log (the caller holds its lock), durably,
@@ -133,23 +161,14 @@ impl Daemon {
         }
     }
 
-    /// At stop: compact the state file and release it (and its lock): nothing is
-    /// recorded after this.
-    pub fn close_state(&self) {
+    /// At stop: compact the state file and close it to changes: nothing is
+    /// recorded after this. Its lock (and the sidecar) stay with the returned
+    /// [`ClosedState`] until the caller drops it.
+    pub fn close_state(&self) -> ClosedState {
         self.write_state();
-        // The locks go at stop: no owner is left to take back, and none is
-        // left to a daemon that starts before this one has let them go.
-        if let Ok(mut g) = self.rbd_owners.lock() {
-            if let Some(owners) = g.as_mut()
-                && let Err(e) = owners.clear()
-            {
-                tracing::warn!("{e}");
-            }
-            *g = None;
-        }
-        if let Ok(mut g) = self.log.lock() {
-            *g = None;
-        }
+        let owners = self.rbd_owners.lock().ok().and_then(|mut g| g.take());
+        let log = self.log.lock().ok().and_then(|mut g| g.take());
+        ClosedState { log, owners }
     }
 
     /// Compact the state file (rewrite it from its table).

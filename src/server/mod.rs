@@ -25,7 +25,7 @@ pub mod pidfile;
 mod quiet;
 
 use crate::daemon::control_socket::{self as control, ControlError};
-use crate::daemon::{Daemon, Endpoints};
+use crate::daemon::{ClosedState, Daemon, Endpoints};
 use crate::engine::admit::Admission;
 use crate::frontend::nbd::handshake::{Policy, TlsMode};
 use crate::metrics::{self, MetricsError};
@@ -472,7 +472,8 @@ pub fn run(
         }
     }
     if let Some(msg) = failed {
-        stop(&daemon, &reactors);
+        let closed = stop(&daemon, &reactors);
+        let_go(&daemon, closed);
         drop(files);
         return Err(ServerError::Blockdev(msg));
     }
@@ -516,24 +517,8 @@ pub fn run(
         f();
     }
     tracing::info!("stopping: finishing in-flight requests");
-    stop(&daemon, &reactors);
-    for e in daemon.all() {
-        let (dev, _) = e.current();
-        if !dev.read_only {
-            if let Err(err) = dev.sync_data() {
-                tracing::error!(
-                    "flushing {} failed: {err}",
-                    crate::text::quoted_path(&dev.path)
-                );
-            }
-        }
-        // An RBD image's exclusive lock goes now (the process exits
-        // without closing the image).
-        if let Some(r) = dev.backend().as_rbd() {
-            r.release_lock();
-        }
-        tracing::info!("device {:?}: {}", e.name, e.stats.summary());
-    }
+    let closed = stop(&daemon, &reactors);
+    let_go(&daemon, closed);
     drop(files);
     result
 }
@@ -586,14 +571,41 @@ fn tls_context(opts: &ServeOptions) -> Result<Option<Arc<TlsContext>>, ServerErr
 
 /// Stop serving: no new requests, block devices removed (their queues keep
 /// commands in the reactors' rings until the kernel is told to stop them), the
-/// state file closed, then every reactor drained and stopped.
-fn stop(daemon: &Daemon, reactors: &[Arc<ReactorHandle>]) {
+/// state file closed to changes (still locked: see [`let_go`]), then every
+/// reactor drained and stopped.
+fn stop(daemon: &Daemon, reactors: &[Arc<ReactorHandle>]) -> ClosedState {
     daemon.set_stopping();
     daemon.remove_blockdevs();
-    daemon.close_state();
+    let closed = daemon.close_state();
     for r in reactors {
         r.shutdown();
     }
+    closed
+}
+
+/// After [`stop`]: every device flushed and its RBD lock released, and only
+/// then the state file's lock (dropping `closed`) — a daemon started on the
+/// same state file meanwhile is refused, never handed a record whose RBD lock
+/// owner is still alive here (it would break that lock as its dead self's).
+fn let_go(daemon: &Daemon, closed: ClosedState) {
+    for e in daemon.all() {
+        let (dev, _) = e.current();
+        if !dev.read_only {
+            if let Err(err) = dev.sync_data() {
+                tracing::error!(
+                    "flushing {} failed: {err}",
+                    crate::text::quoted_path(&dev.path)
+                );
+            }
+        }
+        // An RBD image's exclusive lock goes now (the process exits
+        // without closing the image).
+        if let Some(r) = dev.backend().as_rbd() {
+            r.release_lock();
+        }
+        tracing::info!("device {:?}: {}", e.name, e.stats.summary());
+    }
+    drop(closed);
 }
 
 /// Every connection, backing file and spliced read holds descriptors; the common

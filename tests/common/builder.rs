@@ -183,6 +183,12 @@ impl ServerBuilder {
         unreachable!("the loop returns or panics")
     }
 
+    /// Spawns the server once: the server once ready, or why it exited
+    /// before it was ready (its stderr) — for tests that expect a refusal.
+    pub fn try_start(self) -> Result<Server, String> {
+        self.start_once()
+    }
+
     /// One try of [`ServerBuilder::start`]: the server, or why it exited before
     /// it was ready.
     fn start_once(&self) -> Result<Server, String> {
