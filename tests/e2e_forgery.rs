@@ -3,7 +3,8 @@
 //! with a newline and a complete fake audit line stays one escaped line in
 //! the daemon's log; device names with a newline, ESC, CR and a bidi override
 //! give one row each in `loopd list` and `loopd status`, with no control or
-//! bidi character in the output, while `--json` still gives the exact names.
+//! bidi character in the output, while `--json` still gives the exact names;
+//! and the same for `rbd:` specs (refusals, listings, the lock take-back line).
 
 mod common;
 
@@ -149,5 +150,75 @@ fn hostile_device_names_give_one_clean_row_each() {
     assert_eq!(Json::parse(&st.stdout).at("name").str(), names[3]);
     // And the daemon's own log of these attaches is clean.
     wait_for(|| d.stderr_text().matches("audit: attach").count() == names.len());
+    assert!(raw_controls(&d.stderr_text()).is_empty());
+}
+
+/// `rbd:` specs are the client's text too: the parser refuses control
+/// characters (the refusal quotes them escaped), and names of pools, images
+/// and snapshots with bidi overrides or invisible characters reach no
+/// terminal and no log line raw — in refusals (missing pool, image,
+/// snapshot), `list`, `status`, the audit lines, and the line of a restart
+/// that takes the image's lock back from its dead self — while `--json`
+/// still gives the exact spec.
+#[test]
+fn rbd_specs_cannot_forge_a_line() {
+    let img = CephImage::new("ev\u{202e}lif\u{200b}", 4 * MIB);
+    let dir = tempdir();
+    let sock = dir.path().join("ctl.sock");
+    let conf = path_str(&ceph().conf).to_owned();
+    let with_ceph = |spec: &str, more: &[&str]| {
+        let mut a = vec!["attach", spec, "--ceph-conf", &conf, "--ceph-id", ceph().id];
+        a.extend_from_slice(more);
+        a.into_iter().map(str::to_owned).collect::<Vec<_>>()
+    };
+    let mut d = Server::daemon().socket_path(&sock).start();
+    for bad in [
+        "rbd:rbd/no\u{202e}such\u{2066}".to_string(),
+        "rbd:po\u{2067}ol/x".to_string(),
+        format!("{}@sn\u{202e}ap", img.spec()),
+        "rbd:rbd/esc\u{1b}[2J\u{1b}[31mred".to_string(),
+        format!("rbd:rbd/nl\n{FAKE}"),
+    ] {
+        let a = with_ceph(&bad, &[]);
+        let out = d.ctl(&a.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(!out.success(), "{out}");
+        let report: Vec<&str> = out.stderr.lines().filter(|l| !l.is_empty()).collect();
+        assert_eq!(report.len(), 1, "one line: {out}");
+        assert!(raw_controls(&out.stderr).is_empty(), "{out}");
+        eprintln!("refused: {}", out.stderr.trim_end());
+    }
+    let a = with_ceph(&img.spec(), &["--name", "r", "--cache", "direct"]);
+    d.ctl_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    for args in [&["list"][..], &["status"], &["status", "r"]] {
+        let out = d.ctl_ok(args);
+        assert!(raw_controls(&out.stdout).is_empty(), "{:?}", out.stdout);
+        assert!(
+            out.stdout.contains(r"ev\u{202e}lif\u{200b}"),
+            "{}",
+            out.stdout
+        );
+    }
+    let json = d.ctl_ok(&["list", "--json"]);
+    let rows = Json::parse(&json.stdout);
+    assert_eq!(rows.arr()[0].at("image").str(), img.spec());
+    wait_for(|| d.stderr_text().matches("audit: attach").count() == 6);
+    assert!(
+        raw_controls(&d.stderr_text()).is_empty(),
+        "{:?}",
+        d.stderr_text()
+    );
+    // A restart after kill -9 takes the lock back, and says so on one clean
+    // line naming the image.
+    d.kill9();
+    let d = Server::daemon().socket_path(&sock).start();
+    wait_for(|| d.stderr_text().contains("took it back"));
+    let log = d.stderr_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("took it back"))
+        .unwrap_or_default();
+    assert!(line.contains(r"ev\u{202e}lif\u{200b}"), "{line}");
+    assert!(raw_controls(&log).is_empty(), "{log:?}");
+    d.ctl_ok(&["detach", "r"]);
     assert!(raw_controls(&d.stderr_text()).is_empty());
 }
