@@ -25,6 +25,17 @@
 //! until that delivery. Closing (`rbd_close`, on drop) waits for librbd's
 //! in-flight operations, so no callback runs after the image is gone.
 //!
+//! Why a callback and not `rbd_set_image_notification` + `rbd_poll_io_events`:
+//! an image's notification eventfd is the image's, one for all its
+//! completions, while a completion belongs to the reactor whose request
+//! posted it — and one image serves connections on several reactors at once
+//! (NBD multi-conn, a ublk device's queues). With the image's eventfd, one
+//! reactor would poll every completion and forward others' to them. The
+//! callback (librbd calls it with no lock of ours held) pushes the result to
+//! the posting reactor's own [`Completions`], whose eventfd read is kept
+//! armed on that reactor's io_uring: the same one read per burst, straight
+//! to the right ring.
+//!
 //! Size changes: an image (not a snapshot, whose size never changes) keeps
 //! an update watch ([`super::watch`]) from its open until just before
 //! `rbd_close`; a higher layer hears through [`RbdImage::on_update`] that
