@@ -134,50 +134,6 @@ fn attach(srv: &Server, kind: &str, img: &Image, name: &str, args: &[&str]) -> P
     dev
 }
 
-/// Whether `dev` is gone (ublk: no node; nbd: the node stays, disconnected).
-fn gone(dev: &Path) -> bool {
-    !dev.exists() || sysblock(dev, "size") == "0"
-}
-
-fn sysblock(dev: &Path, attr: &str) -> String {
-    let name = dev.file_name().expect("device name").to_string_lossy();
-    sysfs(format!("/sys/block/{name}/{attr}"))
-        .unwrap_or_else(|| panic!("/sys/block/{name}/{attr} missing"))
-}
-
-fn dev_size(dev: &Path) -> u64 {
-    sysblock(dev, "size").parse::<u64>().expect("size") * 512
-}
-
-fn md5(path: &Path) -> String {
-    let out = sh(KCMD_TIMEOUT, "md5sum", [path]);
-    out.stdout
-        .split_whitespace()
-        .next()
-        .expect("md5")
-        .to_string()
-}
-
-/// `dd` of `mib` MiB of random bytes into `path`, fsync'ed.
-fn write_random(path: &Path, mib: u32) {
-    sh(
-        KCMD_TIMEOUT,
-        "dd",
-        [
-            "if=/dev/urandom".to_string(),
-            format!("of={}", path.display()),
-            "bs=1M".into(),
-            format!("count={mib}"),
-            "conv=fsync".into(),
-            "status=none".into(),
-        ],
-    );
-}
-
-fn drop_caches() {
-    fs::write("/proc/sys/vm/drop_caches", "3").expect("drop caches");
-}
-
 fn e2fsck_clean(target: &Path) {
     sh(
         KCMD_TIMEOUT,

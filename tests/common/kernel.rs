@@ -56,6 +56,55 @@ pub fn sysfs(path: impl AsRef<Path>) -> Option<String> {
     fs::read_to_string(path).ok().map(|s| s.trim().to_string())
 }
 
+/// Whether the block device `dev` is gone (ublk: no node; nbd: the node
+/// stays, disconnected: size 0).
+pub fn gone(dev: &Path) -> bool {
+    !dev.exists() || sysblock(dev, "size") == "0"
+}
+
+/// `/sys/block/NAME/ATTR` of the block device `dev` (panics when missing).
+pub fn sysblock(dev: &Path, attr: &str) -> String {
+    let name = dev.file_name().expect("device name").to_string_lossy();
+    sysfs(format!("/sys/block/{name}/{attr}"))
+        .unwrap_or_else(|| panic!("/sys/block/{name}/{attr} missing"))
+}
+
+/// The size of the block device `dev` in bytes, as the kernel sees it.
+pub fn dev_size(dev: &Path) -> u64 {
+    sysblock(dev, "size").parse::<u64>().expect("size") * 512
+}
+
+/// `md5sum` of `path` (a file or a block device).
+pub fn md5(path: &Path) -> String {
+    let out = sh(KCMD_TIMEOUT, "md5sum", [path]);
+    out.stdout
+        .split_whitespace()
+        .next()
+        .expect("md5")
+        .to_string()
+}
+
+/// `dd` of `mib` MiB of random bytes into `path`, fsync'ed.
+pub fn write_random(path: &Path, mib: u32) {
+    sh(
+        KCMD_TIMEOUT,
+        "dd",
+        [
+            "if=/dev/urandom".to_string(),
+            format!("of={}", path.display()),
+            "bs=1M".into(),
+            format!("count={mib}"),
+            "conv=fsync".into(),
+            "status=none".into(),
+        ],
+    );
+}
+
+/// Drop the page cache (and dentries, inodes), so reads reach the device.
+pub fn drop_caches() {
+    fs::write("/proc/sys/vm/drop_caches", "3").expect("drop caches");
+}
+
 /// Serialises picking and connecting an NBD device between test threads.
 static NBD_PICK: Mutex<()> = Mutex::new(());
 
