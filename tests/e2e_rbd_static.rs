@@ -18,10 +18,6 @@ use std::time::{Duration, Instant};
 /// How soon after the kill the restarted daemon serves again.
 const BACK_WITHIN: Duration = Duration::from_secs(15);
 
-fn us(n: u64) -> usize {
-    usize::try_from(n).expect("fits in memory")
-}
-
 /// The state file's sidecar of RBD lock owners.
 fn sidecar(state: &Path) -> PathBuf {
     let mut s = state.as_os_str().to_owned();
@@ -41,39 +37,6 @@ fn recorded(state: &Path) -> Vec<(String, String, String)> {
             (s("name"), s("image"), s("owner"))
         })
         .collect()
-}
-
-/// The RADOS client addresses watching image `name` (a lock's owner is
-/// named the same way).
-fn watchers(name: &str) -> Vec<String> {
-    let out = ceph().rbd(&["status", "--format", "json", &ceph().image_spec(name)]);
-    assert!(
-        out.status.success(),
-        "rbd status: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("rbd status JSON");
-    v["watchers"]
-        .as_array()
-        .map(|w| {
-            w.iter()
-                .filter_map(|x| x["address"].as_str().map(str::to_owned))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-/// Polls until `uri` answers a read of its first 4 KiB (panics after
-/// `limit`); returns how long it took.
-fn wait_serving(uri: &str, limit: Duration) -> Duration {
-    let t = Instant::now();
-    loop {
-        if qemu_io_status(uri, &["read 0 4096"]).success() {
-            return t.elapsed();
-        }
-        assert!(t.elapsed() < limit, "{uri} did not serve within {limit:?}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 /// `loopd serve rbd:… --name r --cache direct --state STATE` on `sock`: the
@@ -123,30 +86,7 @@ fn serve_rbd_killed_then_the_same_command_takes_the_lock_back_at_once() {
         std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777,
         0o600
     );
-    let writer = {
-        let uri = uri.clone();
-        std::thread::spawn(move || {
-            let mut acked = Vec::new();
-            for i in 0..ROUNDS {
-                let byte = 1 + (i % 250) as u8;
-                let w = format!("write -P {byte} {} {REGION}", i * REGION);
-                if !qemu_io_status(&uri, &[w.as_str(), "flush"]).success() {
-                    break;
-                }
-                acked.push(i);
-            }
-            acked
-        })
-    };
-    std::thread::sleep(Duration::from_millis(1500));
-    srv.kill9();
-    let killed = Instant::now();
-    let acked = writer.join().expect("the writer thread");
-    assert!(
-        acked.len() >= 3 && acked.len() < us(ROUNDS),
-        "the kill landed while writes went on ({} rounds acknowledged)",
-        acked.len()
-    );
+    let Killed { acked, at: killed } = kill9_under_writes(&mut srv, &uri, ROUNDS, REGION);
     let srv = serve(&img, &sock, &state);
     let took = killed.elapsed() + wait_serving(&uri, BACK_WITHIN);
     eprintln!(
@@ -178,20 +118,7 @@ fn serve_rbd_killed_then_the_same_command_takes_the_lock_back_at_once() {
         &[0xee; 512][..],
         "the restarted daemon's write"
     );
-    for &i in &acked {
-        let byte = 1 + (i % 250) as u8;
-        let (a, b) = (us(i * REGION), us((i + 1) * REGION));
-        let mut have = got[a..b].to_vec();
-        if i == 0 {
-            have[..512].fill(byte);
-        }
-        assert_bytes_eq(
-            &have,
-            &vec![byte; b - a],
-            i * REGION,
-            "an acknowledged write",
-        );
-    }
+    assert_acked_rounds(&got, &acked, REGION, 512);
 }
 
 /// A `[[device]]` of `--config` for `img`, named `name`, plus `extra` lines.

@@ -23,6 +23,7 @@
 //! | `kernel_loop` | kernel loop devices from `loopd kernel attach` |
 //! | `flood`, `gpt`, `pki`, `tls` | connection floods, partition tables, certificates, a TLS client |
 //! | `kernel` | ublk, kernel NBD and VM-only helpers (feature `vm-tests`) |
+//! | `rbd_writes` | RBD fault tests: a writer killed mid-way and its acknowledged rounds checked, waiting to serve, an image's watchers |
 //! | `ceph` | the throwaway Ceph cluster of the RBD tests ([`ceph()`]): images through the `rbd` CLI, a paused OSD, a stopped monitor |
 
 #![allow(dead_code)]
@@ -36,6 +37,7 @@ mod kernel_loop;
 mod matrix;
 mod nbd_tools;
 mod raw_client;
+mod rbd_writes;
 mod server;
 mod tools;
 
@@ -50,7 +52,7 @@ pub mod tls;
 #[allow(unused_imports)]
 pub use self::{
     builder::*, ceph::*, control::*, image::*, json::*, kernel_loop::*, matrix::*, nbd_tools::*,
-    raw_client::*, server::*, tools::*,
+    raw_client::*, rbd_writes::*, server::*, tools::*,
 };
 
 pub const KIB: u64 = 1024;
