@@ -7,7 +7,11 @@
 //! `kill -9` of loopd while a file is being written, then a restart over the
 //! same state file: ublk user recovery (the same `/dev/ublkbN`) and kernel-NBD
 //! reconnect bring the mounted filesystem back; what was fsync'ed before the
-//! kill is in `rbd export` taken while the daemon was dead.
+//! kill is in `rbd export` taken while the daemon was dead. An `rbd resize`
+//! by another client reaches `/dev/ublkbN` where the kernel has UPDATE_SIZE
+//! (6.14+: the new size, and a write past the old end lands in the image;
+//! checked by hand under Debian's 7.3.4 — `LOOPD_VM_KERNEL=…/vmlinuz
+//! scripts/vm-test.sh kernel_rbd`), else the audit line says why not.
 //!
 //! Runs as root inside the VM of `scripts/vm-test.sh`. The guest has no
 //! network, so the cluster runs inside the guest: [`ceph()`] starts one per
@@ -384,4 +388,88 @@ fn ublk_over_rbd_kill_9_and_restart_recovers_the_device() {
 #[test]
 fn nbd_over_rbd_kill_9_and_restart_reconnects_the_device() {
     kill_9_and_restart_over_rbd("nbd", "reconnected ");
+}
+
+/// Whether the running kernel's release is at least `major.minor`.
+fn kernel_at_least(major: u32, minor: u32) -> bool {
+    let rel = fs::read_to_string("/proc/sys/kernel/osrelease").expect("osrelease");
+    let mut parts = rel
+        .trim()
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|p| p.parse::<u32>().unwrap_or(0));
+    let have = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    have >= (major, minor)
+}
+
+/// An `rbd resize` by another client (a grow) reaches the ublk device over
+/// the image through the daemon's update watch: on a kernel with ublk's
+/// `UPDATE_SIZE` (6.14 and later) `/dev/ublkbN` takes the new size and a
+/// write past the old end lands in the image; on older kernels (6.12) the
+/// device keeps its size and the daemon's audit line says why and what to
+/// do — detach and attach — as `loopd resize` does.
+#[test]
+fn ublk_over_rbd_follows_an_rbd_resize_as_far_as_the_kernel_can() {
+    let t = scratch();
+    let img = Image::new("kgrow");
+    let srv = daemon(t.path());
+    let dev = attach(&srv, "ublk", &img, "grow", &["--cache", "direct"]);
+    assert_eq!(dev_size(&dev), SIZE);
+    let out = ceph().rbd(&[
+        "resize",
+        "--no-progress",
+        "--size",
+        &format!("{}B", 2 * SIZE),
+        &ceph().image_spec(&img.name),
+    ]);
+    assert!(
+        out.status.success(),
+        "rbd resize: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let t0 = Instant::now();
+    let limit = Duration::from_secs(60);
+    let line = loop {
+        let log = srv.stderr_text();
+        if let Some(l) = log
+            .lines()
+            .find(|l| l.contains("audit: resize") && l.contains("by the RBD image"))
+        {
+            break l.to_owned();
+        }
+        assert!(
+            t0.elapsed() < limit,
+            "no resize line within {limit:?}:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    eprintln!("{line}");
+    if kernel_at_least(6, 14) {
+        assert!(line.ends_with(": ok"), "{line}");
+        assert_eq!(dev_size(&dev), 2 * SIZE, "the kernel's size follows");
+        // A write past the old end lands in the image.
+        let pattern = vec![0x6bu8; 64 * 1024];
+        let f = fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&dev)
+            .expect("open the device");
+        let mut store = Vec::new();
+        let buf = aligned(&mut store, pattern.len());
+        buf.copy_from_slice(&pattern);
+        f.write_all_at(buf, SIZE + MIB)
+            .expect("write past the old end");
+        f.sync_all().expect("fsync");
+        drop(f);
+        srv.ctl_ok(&["detach", "grow"]);
+        let bytes = ceph().export_image(&img.name);
+        let at = usize::try_from(SIZE + MIB).expect("fits");
+        assert_eq!(&bytes[at..at + pattern.len()], &pattern[..]);
+    } else {
+        assert!(
+            line.contains("refused") && line.contains("6.14") && line.contains("detach and attach"),
+            "{line}"
+        );
+        assert_eq!(dev_size(&dev), SIZE, "the kernel's size is unchanged");
+        srv.ctl_ok(&["detach", "grow"]);
+    }
 }

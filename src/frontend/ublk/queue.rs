@@ -120,6 +120,16 @@ impl Queue {
         }
     }
 
+    /// Take the export's current configuration if it changed (a `set`, a
+    /// resize) since this queue last looked.
+    fn follow_config(&mut self) {
+        if self.export.epoch() != self.epoch {
+            let (dev, epoch) = self.export.current();
+            self.dev = dev;
+            self.epoch = epoch;
+        }
+    }
+
     /// Fetch every tag (the device can start once the kernel has them all).
     pub fn start(&mut self, io: &mut Io, si: u32) {
         for tag in 0..self.tags.depth() {
@@ -164,6 +174,10 @@ impl Queue {
         let Some(desc) = self.descs.get(tag) else {
             return;
         };
+        // Decode against the device as it is now: after a resize the kernel
+        // sends requests past the old end as soon as it is told the new size
+        // (UPDATE_SIZE), which is after the new configuration is published.
+        self.follow_config();
         let op = match iod::decode(&desc, self.geometry()) {
             Ok(op) => op,
             Err(e) => {
@@ -183,11 +197,7 @@ impl Queue {
             io.parked.push(si);
             return;
         }
-        if self.export.epoch() != self.epoch {
-            let (dev, epoch) = self.export.current();
-            self.dev = dev;
-            self.epoch = epoch;
-        }
+        self.follow_config();
         let Some(op) = self.slots[usize::from(tag)].op else {
             self.export.leave();
             return;
