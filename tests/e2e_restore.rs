@@ -34,6 +34,11 @@ fn records(state: &Path) -> std::collections::BTreeMap<String, Json> {
     out
 }
 
+/// Device `i`'s pattern (DEVICES < 256: each its own).
+fn seed(i: usize) -> u8 {
+    u8::try_from(i).unwrap()
+}
+
 fn gone(i: usize) -> bool {
     i % 20 == 7
 }
@@ -60,7 +65,7 @@ fn check_devices(srv: &Server, ctx: &str) {
         let (mut c, size, _) = RawClient::handshake(srv.socket(), &name);
         assert_eq!(size, SIZE, "{ctx}: {name} size");
         let got = c.read(1, 0, 4096);
-        let want = pattern_bytes(i as u8, 0, 4096);
+        let want = pattern_bytes(seed(i), 0, 4096);
         assert_bytes_eq(&got, &want, 0, &format!("{ctx}: {name}"));
     }
 }
@@ -75,7 +80,7 @@ fn two_hundred_recorded_devices_come_back_with_their_bytes() {
     for i in 0..DEVICES {
         let img = imgs.join(format!("d{i}.img"));
         if !gone(i) {
-            create_pattern_image(&img, SIZE, i as u8);
+            create_pattern_image(&img, SIZE, seed(i));
         }
         text.push_str(&put_line(&format!("d{i}"), &img));
     }

@@ -48,7 +48,7 @@
 //! a moment after `detach` has answered.
 
 use crate::text::quoted_path;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, btree_map};
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
@@ -348,7 +348,7 @@ impl ImageLock {
         let meta = file.metadata().map_err(|e| (open_err(e), false))?;
         let key = (meta.dev(), meta.ino());
         let mut reg = registry();
-        if !reg.contains_key(&key) {
+        if let btree_map::Entry::Vacant(slot) = reg.entry(key) {
             // A description of its own (closing it releases the bytes),
             // opened through the device's descriptor: no path lookup.
             let fd =
@@ -362,15 +362,12 @@ impl ImageLock {
                     false,
                 ));
             }
-            reg.insert(
-                key,
-                Entry {
-                    path: path.to_path_buf(),
-                    fd,
-                    holders: Vec::new(),
-                    applied: (0, 0),
-                },
-            );
+            slot.insert(Entry {
+                path: path.to_path_buf(),
+                fd,
+                holders: Vec::new(),
+                applied: (0, 0),
+            });
         }
         let Some(entry) = reg.get_mut(&key) else {
             return Err((

@@ -68,11 +68,11 @@ mod tests {
 
     #[test]
     fn every_item_once_in_order_on_several_threads() {
-        let items: Vec<u32> = (0..500).collect();
+        let items: Vec<usize> = (0..500).collect();
         let seen = Mutex::new(HashSet::new());
         let out = each(&items, 4, "test-pool", |i, x| {
             seen.lock().unwrap().insert(std::thread::current().id());
-            assert_eq!(i as u32, *x);
+            assert_eq!(i, *x);
             x * 2
         });
         assert_eq!(out, items.iter().map(|x| x * 2).collect::<Vec<_>>());
