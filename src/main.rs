@@ -233,7 +233,12 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run(cli: Cli) -> Result<()> {
-    cli::log::init();
+    // Only the server and `kernel` log; the client commands print their
+    // result or error and nothing else, so they skip setting up the log
+    // (one process start, like losetup, and no more).
+    if matches!(cli.cmd, Cmd::Serve(_) | Cmd::Kernel(_)) {
+        cli::log::init();
+    }
     match cli.cmd {
         Cmd::Serve(a) => {
             cli::exit::ignore_sigpipe();

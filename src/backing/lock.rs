@@ -48,6 +48,7 @@
 //! a moment after `detach` has answered.
 
 use crate::text::quoted_path;
+use std::collections::{BTreeMap, btree_map};
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
@@ -179,7 +180,6 @@ struct Holder {
 }
 
 struct Entry {
-    key: Key,
     path: PathBuf,
     /// The one lock fd of this image in this process.
     fd: File,
@@ -290,10 +290,12 @@ fn ofd(fd: &File, cmd: libc::c_int, ty: libc::c_int, byte: i64) -> io::Result<li
 /// How long a conflict with another device of this process may take to clear.
 pub const LOCAL_GRACE: std::time::Duration = std::time::Duration::from_millis(100);
 
-static REGISTRY: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
+/// The lock fds of this process, by image (a map: an attach among 50,000
+/// devices finds its image's entry in O(log n), not by a scan).
+static REGISTRY: Mutex<BTreeMap<Key, Entry>> = Mutex::new(BTreeMap::new());
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
-fn registry() -> std::sync::MutexGuard<'static, Vec<Entry>> {
+fn registry() -> std::sync::MutexGuard<'static, BTreeMap<Key, Entry>> {
     REGISTRY.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -346,35 +348,38 @@ impl ImageLock {
         let meta = file.metadata().map_err(|e| (open_err(e), false))?;
         let key = (meta.dev(), meta.ino());
         let mut reg = registry();
-        let idx = match reg.iter().position(|e| e.key == key) {
-            Some(i) => i,
-            None => {
-                // A description of its own (closing it releases the bytes),
-                // opened through the device's descriptor: no path lookup.
-                let fd =
-                    super::identity::reopen(file, true, false).map_err(|e| (open_err(e), false))?;
-                let m = fd.metadata().map_err(|e| (open_err(e), false))?;
-                if (m.dev(), m.ino()) != key {
-                    return Err((
-                        LockError::Replaced {
-                            path: path.to_path_buf(),
-                        },
-                        false,
-                    ));
-                }
-                reg.push(Entry {
-                    key,
-                    path: path.to_path_buf(),
-                    fd,
-                    holders: Vec::new(),
-                    applied: (0, 0),
-                });
-                reg.len() - 1
+        if let btree_map::Entry::Vacant(slot) = reg.entry(key) {
+            // A description of its own (closing it releases the bytes),
+            // opened through the device's descriptor: no path lookup.
+            let fd =
+                super::identity::reopen(file, true, false).map_err(|e| (open_err(e), false))?;
+            let m = fd.metadata().map_err(|e| (open_err(e), false))?;
+            if (m.dev(), m.ino()) != key {
+                return Err((
+                    LockError::Replaced {
+                        path: path.to_path_buf(),
+                    },
+                    false,
+                ));
             }
+            slot.insert(Entry {
+                path: path.to_path_buf(),
+                fd,
+                holders: Vec::new(),
+                applied: (0, 0),
+            });
+        }
+        let Some(entry) = reg.get_mut(&key) else {
+            return Err((
+                LockError::Replaced {
+                    path: path.to_path_buf(),
+                },
+                false,
+            ));
         };
-        let result = Self::join(&mut reg[idx], path, owner, mode);
-        if reg[idx].holders.is_empty() {
-            reg.swap_remove(idx);
+        let result = Self::join(entry, path, owner, mode);
+        if entry.holders.is_empty() {
+            reg.remove(&key);
         }
         result.map(|(id, reconfiguration)| ImageLock {
             key,
@@ -565,14 +570,13 @@ pub fn kernel_reader_conflict(used: u8, unshared: u8) -> Option<Conflict> {
 impl Drop for ImageLock {
     fn drop(&mut self) {
         let mut reg = registry();
-        let Some(idx) = reg.iter().position(|e| e.key == self.key) else {
+        let Some(e) = reg.get_mut(&self.key) else {
             return;
         };
-        let e = &mut reg[idx];
         e.holders.retain(|h| h.id != self.id);
         if e.holders.is_empty() {
             // Closing the fd releases every byte.
-            reg.swap_remove(idx);
+            reg.remove(&self.key);
         } else {
             let want = e.union();
             let _ = e.apply(want);

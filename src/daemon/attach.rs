@@ -39,6 +39,17 @@ pub(super) enum Source {
     Static,
     /// A state-file device coming back: already recorded; only while missing.
     Restored,
+    /// As `Restored`, at start ([`Daemon::restore`]): its file as found in
+    /// this boot is recorded by the compaction that ends the restore, not by
+    /// a write of its own.
+    Restoring,
+}
+
+impl Source {
+    /// A device of the state file coming back.
+    fn restored(self) -> bool {
+        matches!(self, Source::Restored | Source::Restoring)
+    }
 }
 
 impl Daemon {
@@ -88,7 +99,7 @@ impl Daemon {
         // config file (see crate::backing::rbd::lock).
         let recorded_owner = spec.rbd_lock_owner.take();
         let mut dead_owner = match source {
-            Source::Restored => recorded_owner,
+            Source::Restored | Source::Restoring => recorded_owner,
             Source::Static => self.previous_rbd_owner(&name, &spec),
             Source::Control => None,
         };
@@ -132,7 +143,7 @@ impl Daemon {
         // opens the path as given and records what it finds.
         let recorded = spec.file.take();
         let opening = match source {
-            Source::Restored => Opening::Recorded(recorded.clone()),
+            Source::Restored | Source::Restoring => Opening::Recorded(recorded.clone()),
             Source::Control | Source::Static => Opening::First,
         };
         // An image created here is removed again by a failed open (Device::open)
@@ -178,7 +189,7 @@ impl Daemon {
             return Err(undo(CtlError::NameTaken(name)));
         }
         let was_missing = self.missing_spec(&name).is_some();
-        if source == Source::Restored && !was_missing {
+        if source.restored() && !was_missing {
             // Detached, or attached by a client, while this retry opened the image.
             return Err(CtlError::NameTaken(name));
         }
@@ -186,8 +197,14 @@ impl Daemon {
             self.write_record(&mut log, &format!("attach {name:?}"), |l| l.put(&spec))
                 .map_err(undo)?;
         }
-        if source == Source::Restored
-            && (recorded != spec.file || dead_owner != spec.rbd_lock_owner)
+        if source == Source::Restoring && recorded != spec.file && dead_owner == spec.rbd_lock_owner
+        {
+            // Written with the others by the compaction that ends the restore
+            // (a crash before it: the old record, checked as after a reboot).
+            if let Some(l) = log.as_mut() {
+                l.amend(&spec);
+            }
+        } else if source.restored() && (recorded != spec.file || dead_owner != spec.rbd_lock_owner)
         {
             // First seen in this boot (or recorded by an older loopd): from now
             // on the record names the file as found here, and the RBD lock's

@@ -9,15 +9,21 @@
 //! [`super::blockdev`]'s; this file keeps the table (`Daemon::blockdevs`, a
 //! mutex held only to look up, insert or remove) and records a new ublk
 //! device's id, so that a daemon restarted after a crash takes the same
-//! device back. Calls [`super::registry`] and [`super::record`] only.
+//! device back. Calls [`super::registry`] and [`super::record`] only (and
+//! the pure [`super::pool`]: at start, several block devices are made at
+//! once, each on a thread of a small pool, none holding a table lock).
 
 use super::blockdev::{self, BlockdevError, KernelDev};
 use super::error::CtlError;
+use super::pool;
 use super::registry::Daemon;
 use crate::device::Device;
 use crate::device::export::Export;
 use std::path::PathBuf;
 use std::sync::Arc;
+
+/// Block devices made at once at start.
+pub const BLOCKDEV_THREADS: usize = 16;
 
 impl Daemon {
     /// Give device `name` to the kernel as the block device its spec asks
@@ -80,22 +86,25 @@ impl Daemon {
     }
 
     /// Make the block devices of devices attached before the reactors ran
-    /// (`serve IMAGE --blockdev`, `--config`, the state file). A device whose
-    /// block device cannot be made is detached.
+    /// (`serve IMAGE --blockdev`, `--config`, the state file), several at
+    /// once ([`BLOCKDEV_THREADS`]: making one mostly waits for the kernel).
+    /// A device whose block device cannot be made stays, served over NBD
+    /// (see [`Daemon::start_blockdev`]). The results in the devices' order.
     pub fn start_pending_blockdevs(&self) -> Vec<(String, Result<PathBuf, CtlError>)> {
-        let mut out = Vec::new();
-        for e in self.all() {
-            if e.spec().blockdev.is_none() || self.blockdev(&e.name).is_some() {
-                continue;
-            }
-            let r = self.start_blockdev(&e.name).and_then(|()| {
+        let todo: Vec<Arc<Export>> = self
+            .all()
+            .into_iter()
+            .filter(|e| e.spec().blockdev.is_some() && self.blockdev(&e.name).is_none())
+            .collect();
+        let threads = pool::threads_for(todo.len(), 1, BLOCKDEV_THREADS);
+        pool::each(&todo, threads, "loopd-blockdev", |_, e| {
+            let r = self.start_blockdev_of(e).and_then(|()| {
                 self.blockdev(&e.name)
                     .map(|b| b.path())
                     .ok_or(CtlError::NotFound(e.name.clone()))
             });
-            out.push((e.name.clone(), r));
-        }
-        out
+            (e.name.clone(), r)
+        })
     }
 
     /// Whether the kernel block device of `e` (if any) can follow the change

@@ -56,7 +56,8 @@
 //! Pure parts, below all of these: `error.rs` ([`CtlError`], its wire code),
 //! `endpoints.rs` ([`Endpoints`]), `params.rs` ([`name_of`], [`Tuning`], the
 //! checks of a spec), [`set_rules`], [`bring_back`], [`config`], [`audit`],
-//! [`reload_report`], [`uri`], [`info`]; and [`state`] (the state file's
+//! [`reload_report`], [`uri`], [`info`], `pool.rs` (work on a few threads at
+//! start); and [`state`] (the state file's
 //! format and log), [`rbd_owners`] (its sidecar: the RBD lock owners of the
 //! devices it does not hold), [`blockdev`] (making and removing a kernel block device).
 
@@ -74,6 +75,7 @@ pub mod info;
 mod janitor;
 mod kernel;
 mod params;
+mod pool;
 pub mod rbd_owners;
 mod record;
 mod registry;

@@ -7,11 +7,17 @@
 //! attach of the same name ([`super::attach`]). A device both in the state
 //! file and in `--config` (or the `serve IMAGE` argument) is the latter's; its
 //! record is dropped.
+//!
+//! Threads: at start the images are opened on a small pool ([`super::pool`],
+//! [`RESTORE_THREADS`]) that [`Daemon::restore`] waits for; each device is
+//! published on its own, under the usual locks (see [`super::registry`]).
 
 use super::attach::Source;
 use super::error::CtlError;
 use super::params::{Tuning, name_of};
+use super::pool;
 use super::registry::{Daemon, Missing};
+use crate::control::proto::DeviceSpec;
 use crate::text::quoted_path;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -20,10 +26,21 @@ use std::time::Duration;
 /// How often a missing device's image is looked for again.
 pub const RETRY_INTERVAL: Duration = Duration::from_secs(2);
 
+/// Threads that open the state file's images at start (one per 16 devices,
+/// up to this many): opening mostly waits for the filesystem.
+pub const RESTORE_THREADS: usize = 8;
+
 impl Daemon {
     /// Bring back the devices of the state file (after those of the command line
     /// and `--config`, which win a name clash). A device that cannot be attached
     /// stays recorded and is kept as missing; then the file is compacted.
+    ///
+    /// Every recorded name is taken (listed as missing, "not attached yet")
+    /// before any device comes back; then the images are opened on a small
+    /// pool of threads ([`RESTORE_THREADS`]), each device published as soon as
+    /// it is open. A device's file as found in this boot is recorded by the
+    /// compaction that ends the restore (one write for all of them, not one
+    /// `fdatasync` each).
     pub fn restore(&self) {
         let (specs, path) = match self.log.lock() {
             Ok(g) => match g.as_ref() {
@@ -32,6 +49,8 @@ impl Daemon {
             },
             Err(_) => return,
         };
+        let mut todo = Vec::with_capacity(specs.len());
+        let mut dropped = Vec::new();
         for spec in specs {
             let name = name_of(&spec);
             if self.export(&name).is_some() {
@@ -39,14 +58,22 @@ impl Daemon {
                     "device {name:?} is both in --config (or the serve IMAGE argument) and in the \
                      state file {path}: --config wins; its state record is dropped"
                 );
-                if let Ok(mut g) = self.log.lock() {
-                    if let Some(l) = g.as_mut() {
-                        l.forget(&name);
-                    }
-                }
+                dropped.push(name);
                 continue;
             }
-            if let Ok(mut m) = self.missing.lock() {
+            todo.push((name, spec));
+        }
+        if !dropped.is_empty() {
+            if let Ok(mut g) = self.log.lock() {
+                if let Some(l) = g.as_mut() {
+                    for name in &dropped {
+                        l.forget(name);
+                    }
+                }
+            }
+        }
+        if let Ok(mut m) = self.missing.lock() {
+            for (name, spec) in &todo {
                 m.insert(
                     name.clone(),
                     Missing {
@@ -55,20 +82,39 @@ impl Daemon {
                     },
                 );
             }
-            match self.attach_inner(spec, Source::Restored, Tuning::default(), false) {
-                Ok(_) => tracing::info!("restored device {name:?}"),
-                Err(e) => {
-                    let reason = e.body().message;
-                    tracing::warn!(
-                        "device {name:?} is missing: {reason}; it stays in the state file and is \
-                         retried every {}s and on `loopd attach` of that name",
-                        RETRY_INTERVAL.as_secs()
-                    );
-                    self.set_missing_reason(&name, reason);
-                }
-            }
+        }
+        let threads = pool::threads_for(todo.len(), 16, RESTORE_THREADS);
+        let back = pool::each(&todo, threads, "loopd-restore", |_, (name, spec)| {
+            self.restore_one(name, spec.clone())
+        });
+        let restored = back.iter().filter(|b| **b).count();
+        if !todo.is_empty() {
+            tracing::info!(
+                "state file {path}: {restored} device(s) restored, {} missing",
+                todo.len() - restored
+            );
         }
         self.write_state();
+    }
+
+    /// Attach one recorded device at start; `false`: it is missing (logged).
+    fn restore_one(&self, name: &str, spec: DeviceSpec) -> bool {
+        match self.attach_inner(spec, Source::Restoring, Tuning::default(), false) {
+            Ok(_) => {
+                tracing::debug!("restored device {name:?}");
+                true
+            }
+            Err(e) => {
+                let reason = e.body().message;
+                tracing::warn!(
+                    "device {name:?} is missing: {reason}; it stays in the state file and is \
+                     retried every {}s and on `loopd attach` of that name",
+                    RETRY_INTERVAL.as_secs()
+                );
+                self.set_missing_reason(name, reason);
+                false
+            }
+        }
     }
 
     /// Retry missing devices every [`RETRY_INTERVAL`] on a thread of their own,

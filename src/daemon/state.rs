@@ -32,6 +32,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use table::Table;
 use thiserror::Error;
 
 /// Mode of the state file and its lock file (whatever the umask).
@@ -70,6 +71,7 @@ enum Record {
     Del(String),
 }
 
+#[cfg(test)]
 fn name_of(spec: &DeviceSpec) -> String {
     super::params::name_of(spec)
 }
@@ -114,12 +116,15 @@ pub fn parse(text: &[u8]) -> Parsed {
     let mut lines: Vec<&[u8]> = text.split(|&b| b == b'\n').collect();
     // The piece after the last newline: empty for a whole file, else torn.
     let tail = lines.pop().unwrap_or_default();
+    let mut replay = table::Replay::default();
     for (i, line) in lines.iter().enumerate().skip(1) {
         match serde_json::from_slice::<Record>(line) {
-            Ok(r) => apply(&mut p.table, r),
+            Ok(Record::Put(spec)) => replay.put(*spec),
+            Ok(Record::Del(name)) => replay.del(&name),
             Err(e) => p.damaged.push(format!("line {}: {e}", i + 1)),
         }
     }
+    p.table = replay.finish();
     if !tail.is_empty() && !lines.is_empty() {
         p.damaged.push(format!(
             "line {}: torn (no newline at the end of the file)",
@@ -129,7 +134,18 @@ pub fn parse(text: &[u8]) -> Parsed {
     p
 }
 
-fn apply(table: &mut Vec<DeviceSpec>, r: Record) {
+/// Apply one record to the log's table.
+fn apply(table: &mut Table, r: Record) {
+    match r {
+        Record::Put(spec) => table.put(*spec),
+        Record::Del(name) => table.del(&name),
+    }
+}
+
+/// The plain replay of one record (the reference the indexed [`table`] is
+/// checked against).
+#[cfg(test)]
+fn apply_plain(table: &mut Vec<DeviceSpec>, r: Record) {
     match r {
         Record::Put(spec) => {
             let spec = *spec;
@@ -141,6 +157,12 @@ fn apply(table: &mut Vec<DeviceSpec>, r: Record) {
         }
         Record::Del(name) => table.retain(|s| name_of(s) != name),
     }
+}
+
+/// A put record, serialised from a borrowed spec (a compaction copies no spec).
+#[derive(Serialize)]
+struct SpecRef<'a> {
+    put: &'a DeviceSpec,
 }
 
 fn encode(r: &Record) -> Vec<u8> {
@@ -224,7 +246,7 @@ pub struct StateLog {
     file: Option<File>,
     /// Bytes of whole records in `file` (a failed append is cut back to this).
     len: u64,
-    table: Vec<DeviceSpec>,
+    table: Table,
     records: usize,
     /// The file exists (so a compaction must keep it up to date).
     exists: bool,
@@ -252,7 +274,7 @@ impl StateLog {
             path: path.to_path_buf(),
             file: None,
             len: 0,
-            table: Vec::new(),
+            table: Table::default(),
             records: 0,
             exists: false,
             _lock: lock,
@@ -269,7 +291,9 @@ impl StateLog {
         f.read_to_end(&mut text)
             .map_err(|e| StateError::Read(shown.clone(), e))?;
         let parsed = parse(&text);
-        log.table = parsed.table;
+        for spec in parsed.table {
+            log.table.put(spec);
+        }
         log.records = log.table.len();
         if !parsed.damaged.is_empty() {
             let secs = std::time::SystemTime::now()
@@ -313,7 +337,7 @@ impl StateLog {
 
     /// The devices recorded, in first-attached order.
     pub fn table(&self) -> &[DeviceSpec] {
-        &self.table
+        self.table.specs()
     }
 
     pub fn path(&self) -> &Path {
@@ -333,20 +357,29 @@ impl StateLog {
     /// Drop `name` from the table without a record of its own (it is gone from
     /// the file at the next rewrite, e.g. [`StateLog::compact`]).
     pub fn forget(&mut self, name: &str) {
-        self.table.retain(|s| name_of(s) != name);
+        self.table.del(name);
+    }
+
+    /// Change `spec`'s device in the table without a record of its own (it is
+    /// written at the next rewrite, e.g. [`StateLog::compact`]): only for what
+    /// a crash may lose (a restored device's file as found in this boot).
+    pub fn amend(&mut self, spec: &DeviceSpec) {
+        self.table.put(spec.clone());
     }
 
     fn record(&mut self, r: Record) -> Result<(), StateError> {
-        let mut table = self.table.clone();
         let line = encode(&r);
-        apply(&mut table, r);
         if self.file.is_none() {
-            self.rewrite(&table)?;
+            let mut table = self.table.clone();
+            apply(&mut table, r);
+            self.rewrite(table.specs())?;
             self.table = table;
             return Ok(());
         }
+        // The table changes only once the record is durable (O(1) for a put:
+        // no copy of the table per record).
         self.append(&line)?;
-        self.table = table;
+        apply(&mut self.table, r);
         self.records += 1;
         if self.records > 2 * self.table.len() + 256 {
             if let Err(e) = self.compact() {
@@ -386,20 +419,20 @@ impl StateLog {
         if !self.exists && self.table.is_empty() {
             return Ok(());
         }
-        let table = self.table.clone();
-        self.rewrite(&table)
+        let body = log_body(self.table.specs());
+        self.install(&body, self.table.len())
     }
 
     /// Write `table` as a fresh log: temporary file (0600, synced), rename,
     /// directory sync; then open it for appends.
     fn rewrite(&mut self, table: &[DeviceSpec]) -> Result<(), StateError> {
+        self.install(&log_body(table), table.len())
+    }
+
+    /// Replace the file with `body` (a whole log of `records` records).
+    fn install(&mut self, body: &[u8], records: usize) -> Result<(), StateError> {
         let shown = || self.path.display().to_string();
-        let mut body = serde_json::to_vec(&Header { loopd_state: 1 }).unwrap_or_default();
-        body.push(b'\n');
-        for spec in table {
-            body.extend(encode(&Record::Put(Box::new(spec.clone()))));
-        }
-        replace_file(&self.path, &body).map_err(|e| StateError::Write(shown(), e))?;
+        replace_file(&self.path, body).map_err(|e| StateError::Write(shown(), e))?;
         self.exists = true;
         let file = OpenOptions::new()
             .append(true)
@@ -407,9 +440,23 @@ impl StateLog {
             .map_err(|e| StateError::Write(shown(), e))?;
         self.file = Some(file);
         self.len = body.len() as u64;
-        self.records = table.len();
+        self.records = records;
         Ok(())
     }
+}
+
+/// A whole log holding `table`: the header, then one put per device.
+fn log_body(table: &[DeviceSpec]) -> Vec<u8> {
+    let mut body = serde_json::to_vec(&Header { loopd_state: 1 }).unwrap_or_default();
+    body.push(b'\n');
+    for spec in table {
+        let Ok(line) = serde_json::to_vec(&SpecRef { put: spec }) else {
+            continue;
+        };
+        body.extend(line);
+        body.push(b'\n');
+    }
+    body
 }
 
 /// Whether `path` may be used as a state file: absent, or a regular file that
@@ -524,5 +571,6 @@ fn save_copy(text: &[u8], aside: &Path) -> std::io::Result<()> {
     sync_dir(aside)
 }
 
+mod table;
 #[cfg(test)]
 mod tests;

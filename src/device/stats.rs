@@ -2,6 +2,7 @@
 //! are statistics, not synchronisation).
 
 use crate::block::{Errno, Op};
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 /// How a data request reached the backing file.
@@ -326,20 +327,20 @@ impl Snapshot {
 /// A lock-free latency histogram: four buckets per power of two of nanoseconds
 /// (about 19% resolution), plus the exact maximum and the running sum (for
 /// the metrics endpoint's `_sum`: one more relaxed add per request).
+///
+/// The buckets (2 KiB) are allocated by the first request: a daemon with tens
+/// of thousands of devices, most of them idle, does not pay for theirs.
+#[derive(Default)]
 pub struct Histogram {
-    buckets: [AtomicU64; 256],
+    buckets: OnceLock<Box<Buckets>>,
     max_ns: AtomicU64,
     sum_ns: AtomicU64,
 }
 
-impl Default for Histogram {
-    fn default() -> Self {
-        Histogram {
-            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
-            max_ns: AtomicU64::new(0),
-            sum_ns: AtomicU64::new(0),
-        }
-    }
+type Buckets = [AtomicU64; 256];
+
+fn no_requests() -> Box<Buckets> {
+    Box::new(std::array::from_fn(|_| AtomicU64::new(0)))
 }
 
 impl std::fmt::Debug for Histogram {
@@ -368,8 +369,16 @@ fn bucket_value(i: usize) -> f64 {
 }
 
 impl Histogram {
+    /// Every bucket's count (all zeros before the first request).
+    fn counts(&self) -> Vec<u64> {
+        match self.buckets.get() {
+            Some(b) => b.iter().map(|c| c.load(Relaxed)).collect(),
+            None => vec![0; 256],
+        }
+    }
+
     pub fn record(&self, ns: u64) {
-        self.buckets[bucket_of(ns)].fetch_add(1, Relaxed);
+        self.buckets.get_or_init(no_requests)[bucket_of(ns)].fetch_add(1, Relaxed);
         self.max_ns.fetch_max(ns, Relaxed);
         self.sum_ns.fetch_add(ns, Relaxed);
     }
@@ -379,7 +388,7 @@ impl Histogram {
     /// all latencies in nanoseconds. Bucket edges fall on powers of two, so the
     /// cumulative counts there are exact.
     pub fn cumulative(&self, lo: u32, hi: u32) -> (Vec<(u64, u64)>, u64, u64) {
-        let counts: Vec<u64> = self.buckets.iter().map(|b| b.load(Relaxed)).collect();
+        let counts = self.counts();
         let mut out = Vec::new();
         for k in lo..=hi.min(63) {
             // Buckets below index 4k hold latencies < 2^k (for k >= 2).
@@ -392,7 +401,7 @@ impl Histogram {
 
     /// (p50, p99, max) in microseconds; zeros when nothing was recorded.
     pub fn summary(&self) -> (f64, f64, f64) {
-        let counts: Vec<u64> = self.buckets.iter().map(|b| b.load(Relaxed)).collect();
+        let counts = self.counts();
         let total: u64 = counts.iter().sum();
         if total == 0 {
             return (0.0, 0.0, 0.0);

@@ -128,7 +128,7 @@ proptest! {
         let mut want = Vec::new();
         for r in rs {
             text.extend(line(&r));
-            apply(&mut want, r);
+            apply_plain(&mut want, r);
         }
         let p = parse(&text);
         prop_assert!(p.damaged.is_empty());
