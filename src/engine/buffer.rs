@@ -12,6 +12,12 @@
 //! allocator could keep it); a pool keeps at most [`POOL_KEEP_BYTES`] (and a
 //! quarter of the budget) idle, and frees what comes back while a reactor waits
 //! for budget.
+//!
+//! [`Lender`] keeps a reactor's spare receive buffers: an NBD connection
+//! borrows one while it has requests in flight and gives it back once idle,
+//! so an idle connection holds none. They are outside the budget, like the
+//! receive buffers they replace (bounded by the busy connections, not by
+//! what clients send).
 
 use super::budget;
 use std::alloc::{Layout, alloc_zeroed, dealloc};
@@ -238,5 +244,45 @@ impl Pool {
                 self.free[c].push(buf);
             }
         }
+    }
+}
+
+/// Bytes of a busy connection's receive buffer ([`Lender`]).
+pub const RECV_BUF: usize = 64 << 10;
+/// Spare receive buffers a reactor keeps for reuse; past this they are freed.
+const LENDER_KEEP: usize = 32;
+
+/// A reactor's spare receive buffers of [`RECV_BUF`] bytes, lent to busy
+/// connections (see the module documentation), and how many are out.
+#[derive(Default)]
+pub struct Lender {
+    idle: Vec<AlignedBuf>,
+    /// Buffers lent by this reactor and not given back (a hint for when to
+    /// look for idle borrowers: a connection that moves to another reactor
+    /// takes its buffer along, so the reactor recounts at each look).
+    pub out: usize,
+}
+
+impl Lender {
+    /// A receive buffer: a spare one, or a new one (zeroed, outside the budget).
+    pub fn lend(&mut self) -> AlignedBuf {
+        self.out += 1;
+        self.idle
+            .pop()
+            .unwrap_or_else(|| AlignedBuf::unbudgeted(RECV_BUF))
+    }
+
+    /// A buffer comes back: kept for the next borrower, or freed when enough
+    /// are kept.
+    pub fn give_back(&mut self, buf: AlignedBuf) {
+        self.out = self.out.saturating_sub(1);
+        if self.idle.len() < LENDER_KEEP && buf.capacity() == RECV_BUF {
+            self.idle.push(buf);
+        }
+    }
+
+    /// Buffers kept for reuse.
+    pub fn spare(&self) -> usize {
+        self.idle.len()
     }
 }
