@@ -127,6 +127,9 @@ fn connections_that_go_idle_give_their_buffers_back() {
     fresh_read(&srv, off, &pattern_bytes(9, off, 4096));
     // An idle connection that gave its buffer back is served again.
     let got = conns[0].read(7, 0, 4096);
-    assert!(got == pattern_bytes(9, 0, 4096), "connection 0 read back wrong bytes");
+    assert!(
+        got == pattern_bytes(9, 0, 4096),
+        "connection 0 read back wrong bytes"
+    );
     srv.assert_running();
 }

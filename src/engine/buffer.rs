@@ -317,3 +317,42 @@ impl Lender {
         self.idle.len()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lent_buffers_are_counted_reused_and_kept_up_to_a_bound() {
+        let mut l = Lender::default();
+        let mut b = l.lend();
+        assert_eq!(b.capacity(), RECV_BUF);
+        assert_eq!(l.out, 1);
+        b.as_mut_slice()[0] = 7;
+        let at = b.as_ptr();
+        l.give_back(b);
+        assert_eq!((l.out, l.spare()), (0, 1));
+        let b = l.lend();
+        assert_eq!(b.as_ptr(), at, "a spare one is lent again");
+        let many: Vec<_> = (0..LENDER_KEEP + 4).map(|_| l.lend()).collect();
+        assert_eq!(l.out, LENDER_KEEP + 5);
+        for x in many {
+            l.give_back(x);
+        }
+        l.give_back(b);
+        assert_eq!(l.out, 0);
+        assert_eq!(l.spare(), LENDER_KEEP, "the rest are freed");
+        // A buffer of another size is not kept.
+        l.give_back(AlignedBuf::unbudgeted(4096));
+        assert_eq!(l.spare(), LENDER_KEEP);
+    }
+
+    #[test]
+    fn a_lazy_buffer_is_zeroed_and_outside_the_budget() {
+        let b = AlignedBuf::lazy(RECV_BUF);
+        assert!(b.as_slice().iter().all(|&x| x == 0));
+        assert_eq!(b.as_ptr() as usize % BUF_ALIGN, 0);
+        assert!(!b.charged, "not charged to the budget");
+        assert!(b.mapped, "a mapping of its own on this system");
+    }
+}

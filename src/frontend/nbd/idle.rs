@@ -68,8 +68,7 @@ impl Conn {
             self.slots.shrink();
             if !self.recv_inflight {
                 self.go_small(io);
-            } else if self.framing.is_lent() && self.transport.can_splice() && !self.cancel_sent
-            {
+            } else if self.framing.is_lent() && self.transport.can_splice() && !self.cancel_sent {
                 // Plaintext: the receive's buffer is the framing's. Its
                 // cancel completes in `on_recv`, which gives the buffer back.
                 self.shrinking = true;

@@ -488,7 +488,10 @@ mod tests {
             t.get_mut(si).set_state(SlotState::Queued);
         }
         assert_eq!(t.len(), 2 * CHUNK);
-        assert!(std::ptr::eq(first, t.get(0)), "slots never move while they exist");
+        assert!(
+            std::ptr::eq(first, t.get(0)),
+            "slots never move while they exist"
+        );
         assert!(!t.shrink(), "slots in use are never dropped");
         assert_eq!(t.state_of(SLOTS + 5), SlotState::Free, "not made: free");
         assert_eq!(t.state_of(3 * CHUNK), SlotState::Free);
