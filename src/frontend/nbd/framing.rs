@@ -532,4 +532,125 @@ mod tests {
         assert!(!f.wants_room(false), "100 bytes fit the small buffer");
         assert_eq!(f.recv_space().len(), 100);
     }
+
+    /// One request of a generated stream: a read, or a write with a payload
+    /// that the driver takes or rejects (throws away).
+    #[derive(Debug, Clone)]
+    enum Req {
+        Read,
+        Write { len: usize, reject: bool },
+    }
+
+    fn req() -> impl proptest::strategy::Strategy<Value = Req> {
+        use proptest::prelude::*;
+        prop_oneof![
+            Just(Req::Read),
+            (0usize..3000, any::<bool>()).prop_map(|(len, reject)| Req::Write { len, reject }),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Whatever the receive sizes and wherever the large buffer is lent
+        /// and given back, every header comes out once and in order, and every
+        /// payload taken is its own bytes.
+        #[test]
+        fn buffers_lent_and_given_back_anywhere_lose_no_byte(
+            reqs in proptest::collection::vec(req(), 1..40),
+            chunks in proptest::collection::vec(1usize..5000, 1..20),
+            moves in proptest::collection::vec(0u8..4, 1..20),
+        ) {
+            let mut stream = Vec::new();
+            let mut want = Vec::new();
+            for (c, r) in reqs.iter().enumerate() {
+                let c = c as u64;
+                match *r {
+                    Req::Read => stream.extend(header(CMD_READ, c, 512)),
+                    Req::Write { len, reject } => {
+                        stream.extend(header(CMD_WRITE, c, len as u32));
+                        let body: Vec<u8> = (0..len).map(|i| (i as u64 * 7 + c) as u8).collect();
+                        if !reject {
+                            want.push((c, body.clone()));
+                        }
+                        stream.extend(body);
+                    }
+                }
+            }
+            let mut f = Framing::new(false);
+            let mut spare = Some(AlignedBuf::unbudgeted(RBUF));
+            let (mut at, mut turn) = (0usize, 0usize);
+            let mut cookies = Vec::new();
+            let mut got = Vec::new();
+            let mut arriving: Option<(u64, Vec<u8>)> = None;
+            for _ in 0..100_000 {
+                let chunk = chunks[turn % chunks.len()];
+                match f.step() {
+                    Step::Again => {}
+                    Step::Header => {
+                        let r = f.parse().expect("a header of the stream");
+                        f.consume_header();
+                        cookies.push(r.cookie);
+                        if r.kind == CMD_WRITE {
+                            let len = r.len as usize;
+                            if matches!(reqs[r.cookie as usize], Req::Write { reject: true, .. }) {
+                                f.discard(r.len);
+                                continue;
+                            }
+                            let mut dst = vec![0u8; len];
+                            let have = f.take_payload(&mut dst);
+                            if have < len {
+                                f.expect_payload(0, have);
+                                arriving = Some((r.cookie, dst));
+                            } else {
+                                got.push((r.cookie, dst));
+                            }
+                        }
+                    }
+                    Step::Payload => {
+                        let (c, mut dst) = arriving.take().expect("a payload arriving");
+                        let RecvState::Payload { got: have, .. } = f.state() else {
+                            unreachable!()
+                        };
+                        let n = chunk.min(dst.len() - have).min(stream.len() - at);
+                        dst[have..have + n].copy_from_slice(&stream[at..at + n]);
+                        at += n;
+                        turn += 1;
+                        let Got::Payload { got: now, .. } = f.received(n) else {
+                            unreachable!()
+                        };
+                        if now == dst.len() {
+                            f.end_payload();
+                            got.push((c, dst));
+                        } else {
+                            arriving = Some((c, dst));
+                        }
+                    }
+                    Step::Receive => {
+                        if at == stream.len() {
+                            break;
+                        }
+                        // The driver's choices, before a receive is posted.
+                        match moves[turn % moves.len()] {
+                            0 | 1 if f.wants_room(moves[turn % moves.len()] == 1) => {
+                                if let Some(b) = spare.take() {
+                                    f.lend(b);
+                                }
+                            }
+                            2 => {
+                                if let Some(b) = f.give_back() {
+                                    spare = Some(b);
+                                }
+                            }
+                            _ => {}
+                        }
+                        at += deliver(&mut f, &stream[at..(at + chunk).min(stream.len())]);
+                        turn += 1;
+                    }
+                }
+            }
+            proptest::prop_assert_eq!(at, stream.len(), "every byte received");
+            proptest::prop_assert_eq!(f.avail(), 0);
+            proptest::prop_assert_eq!(cookies, (0..reqs.len() as u64).collect::<Vec<_>>());
+            proptest::prop_assert_eq!(got, want);
+        }
+    }
 }
