@@ -566,8 +566,9 @@ mod tests {
                 match *r {
                     Req::Read => stream.extend(header(CMD_READ, c, 512)),
                     Req::Write { len, reject } => {
-                        stream.extend(header(CMD_WRITE, c, len as u32));
-                        let body: Vec<u8> = (0..len).map(|i| (i as u64 * 7 + c) as u8).collect();
+                        let wire_len = u32::try_from(len).expect("small");
+                        stream.extend(header(CMD_WRITE, c, wire_len));
+                        let body: Vec<u8> = (0..len).map(|i| u8::try_from(i % 251).unwrap_or(0) ^ c.to_le_bytes()[0]).collect();
                         if !reject {
                             want.push((c, body.clone()));
                         }
@@ -590,8 +591,9 @@ mod tests {
                         f.consume_header();
                         cookies.push(r.cookie);
                         if r.kind == CMD_WRITE {
-                            let len = r.len as usize;
-                            if matches!(reqs[r.cookie as usize], Req::Write { reject: true, .. }) {
+                            let len = usize::try_from(r.len).expect("small");
+                            let i = usize::try_from(r.cookie).expect("small");
+                            if matches!(reqs[i], Req::Write { reject: true, .. }) {
                                 f.discard(r.len);
                                 continue;
                             }
