@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 const BUDGET_MIB: u64 = 128;
 /// What the daemon holds besides request and reply buffers: its code and
-/// libraries, thread stacks, the rings, each connection's 64 KiB receive buffer
-/// and slot table, small charged buffers. Measured at about 12 MiB idle.
+/// libraries, thread stacks, the rings, each busy connection's 64 KiB receive
+/// buffer and slots, small charged buffers. Measured at about 12 MiB idle.
 const OVERHEAD_MIB: u64 = 48;
 const HOSTILE: usize = 12;
 const BIG: u32 = 32 << 20;

@@ -13,8 +13,11 @@
 //!   same way. Small buffers taken elsewhere (read-modify-write edges, the
 //!   zero-fill of a write-zeroes the filesystem cannot allocate) are charged
 //!   without asking: they are bounded by connections × slots, not by clients'
-//!   lengths. A connection's receive buffer is not charged (bounded by the
-//!   connection limit; charging it would let idle connections eat the reserve).
+//!   lengths. A connection's receive buffer is not charged: an idle one holds
+//!   a small buffer of its own, a busy one the 64 KiB one its reactor lends
+//!   it ([`super::buffer::Lender`]) until it is idle again (bounded by the
+//!   connection limit; charging it would let busy connections eat the
+//!   reserve).
 //! - Shares, so that the holder is refused and not everyone. One connection
 //!   stops reading past [`Budget::per_connection`] bytes of requests. Each
 //!   device's export counts the buffers its requests hold (by capacity; a

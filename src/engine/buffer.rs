@@ -12,6 +12,12 @@
 //! allocator could keep it); a pool keeps at most [`POOL_KEEP_BYTES`] (and a
 //! quarter of the budget) idle, and frees what comes back while a reactor waits
 //! for budget.
+//!
+//! [`Lender`] keeps a reactor's spare receive buffers: an NBD connection
+//! borrows one while it has requests in flight and gives it back once idle,
+//! so an idle connection holds none. They are outside the budget, like the
+//! receive buffers they replace (bounded by the busy connections, not by
+//! what clients send).
 
 use super::budget;
 use std::alloc::{Layout, alloc_zeroed, dealloc};
@@ -32,6 +38,8 @@ pub struct AlignedBuf {
     cap: usize,
     /// Charged to the memory budget (released on drop).
     charged: bool,
+    /// A mapping of its own (unmapped on drop), not the allocator's.
+    mapped: bool,
 }
 
 // SAFETY: AlignedBuf uniquely owns its allocation (like Box<[u8]>); nothing else
@@ -64,30 +72,44 @@ impl AlignedBuf {
     /// Allocate `cap` bytes (a multiple of the alignment) already charged.
     fn new_charged(cap: usize) -> AlignedBuf {
         if cap >= MMAP_MIN {
-            // SAFETY: an anonymous private mapping of a non-zero length at an
-            // address of the kernel's choosing; it aliases nothing.
-            let raw = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    cap,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                )
-            };
-            // Mappings are page aligned (>= BUF_ALIGN) and zero-filled.
-            if raw != libc::MAP_FAILED {
-                if let Some(ptr) = NonNull::new(raw.cast::<u8>()) {
-                    return AlignedBuf {
-                        ptr,
-                        cap,
-                        charged: true,
-                    };
-                }
-            }
-            std::alloc::handle_alloc_error(Self::layout(cap))
+            return Self::map(cap)
+                .unwrap_or_else(|| std::alloc::handle_alloc_error(Self::layout(cap)));
         }
+        Self::heap(cap)
+    }
+
+    /// `cap` bytes (a multiple of the alignment, not zero) mapped on their
+    /// own: zero-filled, page aligned, each page taking memory only once
+    /// touched, and all of it given back to the system when dropped. None if
+    /// the system refuses the mapping.
+    fn map(cap: usize) -> Option<AlignedBuf> {
+        // SAFETY: an anonymous private mapping of a non-zero length at an
+        // address of the kernel's choosing; it aliases nothing.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                cap,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return None;
+        }
+        // Mappings are page aligned (>= BUF_ALIGN) and zero-filled.
+        NonNull::new(raw.cast::<u8>()).map(|ptr| AlignedBuf {
+            ptr,
+            cap,
+            charged: true,
+            mapped: true,
+        })
+    }
+
+    /// `cap` bytes (a multiple of the alignment, not zero) from the
+    /// allocator, zeroed.
+    fn heap(cap: usize) -> AlignedBuf {
         let layout = Self::layout(cap);
         // SAFETY: layout has non-zero size (cap >= BUF_ALIGN) and a valid alignment.
         let raw = unsafe { alloc_zeroed(layout) };
@@ -98,7 +120,20 @@ impl AlignedBuf {
             ptr,
             cap,
             charged: true,
+            mapped: false,
         }
+    }
+
+    /// `cap` bytes outside the budget, mapped on their own where the system
+    /// allows (see [`AlignedBuf::map`]: untouched pages cost nothing, and
+    /// freeing it gives its memory back at once, which the allocator may
+    /// not), else from the allocator: for a connection's lent receive
+    /// buffer, of which a client sending only headers touches one page.
+    pub fn lazy(cap: usize) -> AlignedBuf {
+        let cap = Self::rounded(cap);
+        let mut b = Self::map(cap).unwrap_or_else(|| Self::heap(cap));
+        b.charged = false;
+        b
     }
 
     fn layout(cap: usize) -> Layout {
@@ -136,11 +171,12 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        if self.cap >= MMAP_MIN {
-            // SAFETY: ptr/cap is the mapping made in new_charged, unmapped once.
+        if self.mapped {
+            // SAFETY: ptr/cap is the mapping made in `map`, unmapped once.
             unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.cap) };
         } else {
-            // SAFETY: ptr was allocated by alloc_zeroed with exactly this layout.
+            // SAFETY: ptr was allocated by alloc_zeroed with exactly this
+            // layout (`heap`).
             unsafe { dealloc(self.ptr.as_ptr(), Self::layout(self.cap)) }
         }
         if self.charged {
@@ -238,5 +274,85 @@ impl Pool {
                 self.free[c].push(buf);
             }
         }
+    }
+}
+
+/// Bytes of a busy connection's receive buffer ([`Lender`]).
+pub const RECV_BUF: usize = 64 << 10;
+/// Spare receive buffers a reactor keeps for reuse; past this they are freed.
+const LENDER_KEEP: usize = 16;
+
+/// A reactor's spare receive buffers of [`RECV_BUF`] bytes, lent to busy
+/// connections (see the module documentation), and how many are out.
+#[derive(Default)]
+pub struct Lender {
+    idle: Vec<AlignedBuf>,
+    /// Buffers lent by this reactor and not given back (a hint for when to
+    /// look for idle borrowers: a connection that moves to another reactor
+    /// takes its buffer along, so the reactor recounts at each look).
+    pub out: usize,
+}
+
+impl Lender {
+    /// A receive buffer: a spare one, or a new one (zeroed, outside the
+    /// budget, mapped on its own: [`AlignedBuf::lazy`]).
+    pub fn lend(&mut self) -> AlignedBuf {
+        self.out += 1;
+        self.idle
+            .pop()
+            .unwrap_or_else(|| AlignedBuf::lazy(RECV_BUF))
+    }
+
+    /// A buffer comes back: kept for the next borrower, or freed when enough
+    /// are kept.
+    pub fn give_back(&mut self, buf: AlignedBuf) {
+        self.out = self.out.saturating_sub(1);
+        if self.idle.len() < LENDER_KEEP && buf.capacity() == RECV_BUF {
+            self.idle.push(buf);
+        }
+    }
+
+    /// Buffers kept for reuse.
+    pub fn spare(&self) -> usize {
+        self.idle.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lent_buffers_are_counted_reused_and_kept_up_to_a_bound() {
+        let mut l = Lender::default();
+        let mut b = l.lend();
+        assert_eq!(b.capacity(), RECV_BUF);
+        assert_eq!(l.out, 1);
+        b.as_mut_slice()[0] = 7;
+        let at = b.as_ptr();
+        l.give_back(b);
+        assert_eq!((l.out, l.spare()), (0, 1));
+        let b = l.lend();
+        assert_eq!(b.as_ptr(), at, "a spare one is lent again");
+        let many: Vec<_> = (0..LENDER_KEEP + 4).map(|_| l.lend()).collect();
+        assert_eq!(l.out, LENDER_KEEP + 5);
+        for x in many {
+            l.give_back(x);
+        }
+        l.give_back(b);
+        assert_eq!(l.out, 0);
+        assert_eq!(l.spare(), LENDER_KEEP, "the rest are freed");
+        // A buffer of another size is not kept.
+        l.give_back(AlignedBuf::unbudgeted(4096));
+        assert_eq!(l.spare(), LENDER_KEEP);
+    }
+
+    #[test]
+    fn a_lazy_buffer_is_zeroed_and_outside_the_budget() {
+        let b = AlignedBuf::lazy(RECV_BUF);
+        assert!(b.as_slice().iter().all(|&x| x == 0));
+        assert_eq!(b.as_ptr() as usize % BUF_ALIGN, 0);
+        assert!(!b.charged, "not charged to the budget");
+        assert!(b.mapped, "a mapping of its own on this system");
     }
 }

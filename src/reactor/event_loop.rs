@@ -159,13 +159,14 @@ impl Reactor {
                 }
                 self.arm_timer();
             }
-            if self.io.watch_stalls {
+            if self.io.watch_stalls || self.io.lender.out > 0 {
                 self.arm_timer();
             }
         }
     }
 
-    /// Arm the one-second timer (draining, watching stalls), if it is not.
+    /// Arm the one-second timer (draining, watching stalls, receive buffers
+    /// lent), if it is not.
     fn arm_timer(&mut self) {
         if !self.timer_armed {
             self.timer_armed = true;
@@ -197,6 +198,20 @@ impl Reactor {
                 }
             }
         }
+    }
+
+    /// The timer while receive buffers are lent: connections idle since the
+    /// last look give back what they hold (see `frontend::nbd::idle`), and
+    /// the buffers still lent are counted again (one that moved here with a
+    /// connection is this reactor's now).
+    fn look_for_idle(&mut self) {
+        let mut lent = 0;
+        for (ci, s) in self.sessions.iter_mut().enumerate() {
+            if let Some(s) = s.as_mut() {
+                lent += usize::from(s.idle_tick(&mut self.io, conn_id(ci)));
+            }
+        }
+        self.io.lender.out = lent;
     }
 
     /// Spin for up to the poll window, watching for completions or deferred task
@@ -269,6 +284,9 @@ impl Reactor {
             self.timer_armed = false;
             if self.io.watch_stalls {
                 self.look_for_stalls();
+            }
+            if self.io.lender.out > 0 {
+                self.look_for_idle();
             }
             return;
         }

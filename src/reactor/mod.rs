@@ -30,7 +30,8 @@
 //!   state carries this: the kick is a flag of the reactor's handle.
 //! - `user_data` = `tag << 56 | conn << 16 | slot`: the tag says what completed
 //!   (wake-up, receive, send, file op, cancel), `conn` indexes `conns`, `slot` the
-//!   connection's slot table. A connection's index is reused only after every
+//!   connection's slot table (a slot that was never made, or was dropped, is
+//!   free to it). A connection's index is reused only after every
 //!   operation it submitted has completed, so a completion always finds its owner.
 //! - Buffers referred to by an SQE belong to the slot (or connection) that
 //!   submitted it, which is not freed or reused until the CQE arrives. On exit the
@@ -42,7 +43,10 @@
 //!   hold budget and have a reply (or a write's payload) older than
 //!   `--reply-timeout` in ticks (see [`crate::frontend::nbd::stall`]), and
 //!   retries the connections parked here, a backstop to the wake-ups; the
-//!   same timer paces the drain on stop.
+//!   same timer paces the drain on stop, and, while this reactor has receive
+//!   buffers lent to connections, each tick lets the connections idle since
+//!   the last one give them (and their slots) back (see
+//!   `frontend::nbd::idle`): a look at every session, once a second.
 //! - Large buffered reads are spliced (see [`crate::engine::splice`]): their file → pipe
 //!   and pipe → socket operations run on the kernel's io_uring workers, which may
 //!   block there, never this thread.

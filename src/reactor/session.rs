@@ -39,7 +39,7 @@ impl Session {
     /// stopping, so the session takes no new requests).
     pub fn adopted(&mut self, io: &mut Io, si: u32, stopping: bool) {
         match self {
-            Session::Nbd(c) => c.arrive(stopping),
+            Session::Nbd(c) => c.arrive(io, stopping),
             // A queue fetches its tags once it has its index.
             Session::Ublk(q) => q.start(io, si),
         }
@@ -135,6 +135,15 @@ impl Session {
     pub fn stall_tick(&mut self, io: &mut Io, si: u32) -> bool {
         match self {
             Session::Nbd(c) => c.stall_tick(io, si),
+            Session::Ublk(_) => false,
+        }
+    }
+
+    /// One look for idle connections (see [`crate::frontend::nbd::conn`]):
+    /// whether the session still holds a receive buffer lent by the reactor.
+    pub fn idle_tick(&mut self, io: &mut Io, si: u32) -> bool {
+        match self {
+            Session::Nbd(c) => c.idle_tick(io, si),
             Session::Ublk(_) => false,
         }
     }

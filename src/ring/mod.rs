@@ -30,7 +30,7 @@
 use crate::backing::{Backend, Completions};
 use crate::device::range_lock::Wake;
 use crate::engine::budget;
-use crate::engine::buffer::Pool;
+use crate::engine::buffer::{Lender, Pool};
 use crate::engine::offload::Inbox;
 use crate::engine::ops;
 use crate::engine::splice::PipePool;
@@ -133,6 +133,8 @@ pub fn new_ring() -> Result<Ring, std::io::Error> {
 pub struct Io {
     pub(crate) ring: Ring,
     pub(crate) pool: Pool,
+    /// Receive buffers lent to busy NBD connections.
+    pub(crate) lender: Lender,
     /// Pipes for spliced read replies.
     pub(crate) pipes: PipePool,
     /// Requests parked on a range: (session, slot).
@@ -181,6 +183,7 @@ impl Io {
         Io {
             ring,
             pool: Pool::default(),
+            lender: Lender::default(),
             pipes: PipePool::default(),
             lock_waiters: Vec::new(),
             parked: Vec::new(),

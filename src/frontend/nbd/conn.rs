@@ -62,7 +62,7 @@ use super::affinity::{Follow, Peer};
 use super::framing::{Framing, RecvState};
 use super::lines;
 use super::replies::ReplyQueue;
-use super::slots::{SLOTS, SlotState, Slots};
+use super::slots::{SlotState, Slots};
 use super::tls::TlsIo;
 use super::transport::Transport;
 use crate::device::Device;
@@ -144,6 +144,11 @@ pub struct Conn {
     follow: Follow,
     /// A request was read since the reactor last looked where the client runs.
     pub(super) active: bool,
+    /// Bytes were received since the reactor's last look for idle
+    /// connections ([`Conn::idle_tick`]).
+    pub(super) recent: bool,
+    /// The receive in flight is being cancelled to give its lent buffer back.
+    pub(super) shrinking: bool,
     /// Moving to this reactor (an index into the reactor's peers): no more
     /// requests are read; the move happens once nothing is in flight.
     pub(super) moving: Option<usize>,
@@ -272,7 +277,7 @@ impl Conn {
             read_closed: false,
             dead: false,
             slots: Slots::new(),
-            sendq: ReplyQueue::with_capacity(usize::from(SLOTS)),
+            sendq: ReplyQueue::with_capacity(0),
             send_inflight: false,
             transport: Transport::new(nc.tls),
             file_ops: 0,
@@ -280,6 +285,8 @@ impl Conn {
             peer: nc.peer,
             follow: Follow::default(),
             active: false,
+            recent: false,
+            shrinking: false,
             moving: None,
             audit,
             gone: Arc::new(AtomicBool::new(false)),
@@ -347,9 +354,13 @@ impl Conn {
     }
 
     /// Taken in by a reactor: a connection that moved there is counted in
-    /// its device's moves; one arriving while the reactor stops reads
+    /// its device's moves (and a receive buffer it brought along in the
+    /// reactor's lent ones); one arriving while the reactor stops reads
     /// nothing more.
-    pub(crate) fn arrive(&mut self, stopping: bool) {
+    pub(crate) fn arrive(&mut self, io: &mut Io, stopping: bool) {
+        if self.framing.is_lent() {
+            io.lender.out += 1;
+        }
         if self.moving.take().is_some() {
             self.dev.stats.moves.fetch_add(1, Ordering::Relaxed);
         }
@@ -380,7 +391,7 @@ impl Conn {
 
     /// Retry request `si` parked on its range (if it still is).
     pub(crate) fn retry(&mut self, io: &mut Io, ci: u32, si: u16) {
-        if self.slots.get(si).state() == SlotState::WaitLock {
+        if self.slots.state_of(si) == SlotState::WaitLock {
             self.dispatch(io, ci, si);
         }
     }
@@ -457,7 +468,7 @@ impl Conn {
 
     /// Free a slot: release its range (or its place in line) and its buffers.
     pub(super) fn release_slot(&mut self, io: &mut Io, si: u16) {
-        if self.slots.get(si).state() == SlotState::Free {
+        if self.slots.state_of(si) == SlotState::Free {
             return;
         }
         self.unhold(si);
@@ -539,8 +550,8 @@ impl Conn {
                 self.release_slot(io, si);
             }
         }
-        for si in 0..SLOTS {
-            if self.slots.get(si).state() == SlotState::WaitLock {
+        for si in 0..self.slots.len() {
+            if self.slots.state_of(si) == SlotState::WaitLock {
                 self.release_slot(io, si);
             }
         }

@@ -16,15 +16,28 @@
 //! into [`Framing::recv_space`], or a payload is arriving into a slot. It
 //! reports receives with [`Framing::received`].
 //!
-//! Contract: owned by its connection. The receive buffer is allocated once
-//! and never moves, so a receive posted into [`Framing::recv_space`] stays
-//! valid while the framing lives.
+//! Two buffers, so that an idle connection costs little: a small one of
+//! [`SMALL`] bytes, the framing's own, enough for a few headers, and a large
+//! one of [`RECV_BUF`] bytes lent by the reactor ([`Framing::lend`]) while
+//! the connection is busy, given back once it is idle again
+//! ([`Framing::give_back`]). [`Framing::wants_room`] says when to borrow: the
+//! connection has requests in flight (the client is active and pipelining is
+//! likely), a receive filled the small buffer (more is waiting), or a
+//! rejected payload larger than it is to be thrown away.
+//!
+//! Contract: owned by its connection. Neither buffer moves while the framing
+//! holds it (the small one is boxed, the lent one is a heap buffer), so a
+//! receive posted into [`Framing::recv_space`] stays valid until it
+//! completes, as long as the driver changes buffers ([`Framing::lend`],
+//! [`Framing::give_back`]) only while no receive is posted.
 
-use crate::engine::buffer::AlignedBuf;
+use crate::engine::buffer::{AlignedBuf, RECV_BUF};
 use crate::frontend::nbd::wire::{self, WireError};
 
-/// Size of the header receive buffer.
-pub const RBUF: usize = 64 << 10;
+/// Size of the header receive buffer while the connection is busy.
+pub const RBUF: usize = RECV_BUF;
+/// Size of the receive buffer an idle connection keeps: a few headers.
+pub const SMALL: usize = 512;
 
 /// What the next received bytes are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,27 +74,94 @@ pub(crate) enum Got {
 }
 
 pub(crate) struct Framing {
-    buf: AlignedBuf,
+    /// The small buffer, always held.
+    small: Box<[u8; SMALL]>,
+    /// The large buffer, while lent.
+    lent: Option<AlignedBuf>,
     /// Unparsed bytes: `buf[start..end]`.
     start: usize,
     end: usize,
     state: RecvState,
     extended: bool,
+    /// The last receive filled the small buffer.
+    filled: bool,
 }
 
 impl Framing {
     /// `extended`: extended headers were negotiated (32-byte headers).
     pub(crate) fn new(extended: bool) -> Framing {
         Framing {
-            // Outside the budget: bounded by --max-connections, not by what
-            // clients send, and counting it would let idle connections eat
-            // the reserve other devices' requests need.
-            buf: AlignedBuf::unbudgeted(RBUF),
+            small: Box::new([0; SMALL]),
+            lent: None,
             start: 0,
             end: 0,
             state: RecvState::Header,
             extended,
+            filled: false,
         }
+    }
+
+    /// The buffer in use.
+    fn buf(&self) -> &[u8] {
+        match &self.lent {
+            Some(b) => &b.as_slice()[..RBUF],
+            None => &self.small[..],
+        }
+    }
+
+    fn buf_mut(&mut self) -> &mut [u8] {
+        match &mut self.lent {
+            Some(b) => &mut b.as_mut_slice()[..RBUF],
+            None => &mut self.small[..],
+        }
+    }
+
+    /// Bytes of the buffer in use.
+    fn cap(&self) -> usize {
+        if self.lent.is_some() { RBUF } else { SMALL }
+    }
+
+    /// Whether the large buffer is lent to this framing.
+    pub(crate) fn is_lent(&self) -> bool {
+        self.lent.is_some()
+    }
+
+    /// Whether the next receive ([`Step::Receive`]) should go into a lent
+    /// buffer (see the module documentation); `busy`: the connection has
+    /// requests in flight.
+    pub(crate) fn wants_room(&self, busy: bool) -> bool {
+        if self.lent.is_some() {
+            return false;
+        }
+        let big_discard =
+            matches!(self.state, RecvState::Discard { remaining } if remaining > SMALL as u64);
+        busy || self.filled || big_discard
+    }
+
+    /// Take the lent buffer `buf` (at least [`RBUF`] bytes) in place of the
+    /// small one, with what is buffered. No receive may be posted.
+    pub(crate) fn lend(&mut self, mut buf: AlignedBuf) {
+        if self.lent.is_some() || buf.capacity() < RBUF {
+            return;
+        }
+        let (s, e) = (self.start, self.end);
+        buf.as_mut_slice()[..e - s].copy_from_slice(&self.small[s..e]);
+        self.start = 0;
+        self.end = e - s;
+        self.filled = false;
+        self.lent = Some(buf);
+    }
+
+    /// Give the lent buffer back, if nothing is buffered in it: back to the
+    /// small one. No receive may be posted.
+    pub(crate) fn give_back(&mut self) -> Option<AlignedBuf> {
+        if self.avail() > 0 || self.state != RecvState::Header {
+            return None;
+        }
+        let b = self.lent.take()?;
+        self.start = 0;
+        self.end = 0;
+        Some(b)
     }
 
     pub(crate) fn state(&self) -> RecvState {
@@ -101,7 +181,7 @@ impl Framing {
     fn compact(&mut self) {
         if self.start > 0 {
             let (s, e) = (self.start, self.end);
-            self.buf.as_mut_slice().copy_within(s..e, 0);
+            self.buf_mut().copy_within(s..e, 0);
             self.end = e - s;
             self.start = 0;
         }
@@ -139,20 +219,18 @@ impl Framing {
     /// the buffer, or, for a rejected payload, as much of the buffer as the
     /// payload has left.
     pub(crate) fn recv_space(&mut self) -> &mut [u8] {
-        let at = self.end;
+        let (at, cap) = (self.end, self.cap());
         let n = match self.state {
-            RecvState::Discard { remaining } => {
-                usize::try_from(remaining).unwrap_or(RBUF).min(RBUF)
-            }
-            _ => RBUF - at,
+            RecvState::Discard { remaining } => usize::try_from(remaining).unwrap_or(cap).min(cap),
+            _ => cap - at,
         };
-        &mut self.buf.as_mut_slice()[at..at + n]
+        &mut self.buf_mut()[at..at + n]
     }
 
     /// The buffered request header ([`Step::Header`]).
     pub(crate) fn header(&self) -> &[u8] {
         let n = self.header_len().min(self.avail());
-        &self.buf.as_slice()[self.start..self.start + n]
+        &self.buf()[self.start..self.start + n]
     }
 
     /// Parse the buffered request header.
@@ -170,7 +248,7 @@ impl Framing {
     pub(crate) fn take_payload(&mut self, dst: &mut [u8]) -> usize {
         let have = self.avail().min(dst.len());
         let (s, e) = (self.start, self.start + have);
-        dst[..have].copy_from_slice(&self.buf.as_slice()[s..e]);
+        dst[..have].copy_from_slice(&self.buf()[s..e]);
         self.start = e;
         have
     }
@@ -205,7 +283,9 @@ impl Framing {
     pub(crate) fn received(&mut self, n: usize) -> Got {
         match self.state {
             RecvState::Header | RecvState::Discard { .. } => {
-                self.end = (self.end + n).min(RBUF);
+                let cap = self.cap();
+                self.end = (self.end + n).min(cap);
+                self.filled = self.lent.is_none() && self.end == cap;
                 Got::Buffered
             }
             RecvState::Payload { slot, got } => {
@@ -242,9 +322,17 @@ mod tests {
         n
     }
 
+    /// A framing holding a lent buffer, as a busy connection's.
+    fn busy(extended: bool) -> Framing {
+        let mut f = Framing::new(extended);
+        f.lend(AlignedBuf::unbudgeted(RBUF));
+        assert!(f.is_lent());
+        f
+    }
+
     #[test]
     fn pipelined_headers_are_taken_one_at_a_time() {
-        let mut f = Framing::new(false);
+        let mut f = busy(false);
         assert_eq!(f.step(), Step::Receive);
         let stream = [header(CMD_READ, 1, 512), header(CMD_READ, 2, 512)].concat();
         deliver(&mut f, &stream);
@@ -259,7 +347,7 @@ mod tests {
 
     #[test]
     fn a_header_cut_across_receives_is_put_together() {
-        let mut f = Framing::new(false);
+        let mut f = busy(false);
         let h = header(CMD_READ, 9, 4096);
         let stream = [header(CMD_READ, 8, 4096).as_slice(), &h[..10]].concat();
         f.step();
@@ -275,7 +363,7 @@ mod tests {
 
     #[test]
     fn a_payload_takes_only_its_own_bytes() {
-        let mut f = Framing::new(false);
+        let mut f = busy(false);
         let payload = vec![0xab; 100];
         let next = header(CMD_READ, 2, 512);
         let stream = [header(CMD_WRITE, 1, 100).as_slice(), &payload[..60]].concat();
@@ -307,7 +395,7 @@ mod tests {
 
     #[test]
     fn a_rejected_payload_is_thrown_away_up_to_the_next_header() {
-        let mut f = Framing::new(false);
+        let mut f = busy(false);
         let next = header(CMD_READ, 7, 512);
         // 70,000 payload bytes: more than the buffer, so some are received
         // and thrown away after the first batch.
@@ -348,9 +436,223 @@ mod tests {
 
     #[test]
     fn extended_headers_are_longer() {
-        let mut f = Framing::new(true);
+        let mut f = busy(true);
         f.step();
         deliver(&mut f, &header(CMD_READ, 1, 512));
         assert_eq!(f.step(), Step::Receive, "28 bytes are not a 32-byte header");
+    }
+
+    #[test]
+    fn an_idle_framing_holds_only_its_small_buffer() {
+        let mut f = Framing::new(false);
+        assert!(!f.is_lent());
+        assert_eq!(f.step(), Step::Receive);
+        assert_eq!(f.recv_space().len(), SMALL);
+        assert!(!f.wants_room(false), "idle: no lent buffer");
+        assert!(f.wants_room(true), "requests in flight: borrow");
+        deliver(&mut f, &header(CMD_READ, 4, 4096));
+        assert!(!f.wants_room(false), "one header does not fill it");
+        assert_eq!(f.step(), Step::Header);
+        assert_eq!(f.parse().expect("header").cookie, 4);
+        f.consume_header();
+        assert_eq!(f.step(), Step::Receive);
+        assert_eq!(f.give_back().map(|b| b.capacity()), None, "nothing lent");
+    }
+
+    #[test]
+    fn a_full_small_buffer_borrows_and_keeps_its_bytes() {
+        let mut f = Framing::new(false);
+        // More pipelined headers than the small buffer holds, the last one
+        // cut across it.
+        let n = SMALL / REQUEST_LEN + 3;
+        let stream: Vec<u8> = (0..n as u64)
+            .flat_map(|c| header(CMD_READ, c, 512))
+            .collect();
+        f.step();
+        let mut at = deliver(&mut f, &stream);
+        assert_eq!(at, SMALL);
+        assert!(f.wants_room(false), "a full receive: more is waiting");
+        let whole = SMALL / REQUEST_LEN;
+        for c in 0..whole as u64 {
+            assert_eq!(f.step(), Step::Header);
+            assert_eq!(f.parse().expect("header").cookie, c);
+            f.consume_header();
+        }
+        assert_eq!(f.step(), Step::Receive, "part of a header is left");
+        f.lend(AlignedBuf::unbudgeted(RBUF));
+        assert!(!f.wants_room(true), "lent already");
+        assert_eq!(f.recv_space().len(), RBUF - SMALL % REQUEST_LEN);
+        at += deliver(&mut f, &stream[at..]);
+        assert_eq!(at, stream.len());
+        for c in whole as u64..n as u64 {
+            assert_eq!(f.step(), Step::Header);
+            assert_eq!(f.parse().expect("header").cookie, c);
+            f.consume_header();
+        }
+        assert_eq!(f.step(), Step::Receive);
+        let b = f.give_back().expect("idle again: the buffer goes back");
+        assert_eq!(b.capacity(), RBUF);
+        assert!(!f.is_lent());
+        assert_eq!(f.recv_space().len(), SMALL);
+    }
+
+    #[test]
+    fn a_buffer_with_bytes_in_it_is_not_given_back() {
+        let mut f = busy(false);
+        f.step();
+        deliver(&mut f, &header(CMD_READ, 1, 512)[..10]);
+        assert!(f.give_back().is_none(), "part of a header is buffered");
+        assert!(f.is_lent());
+        let mut f = busy(false);
+        f.step();
+        deliver(&mut f, &header(CMD_WRITE, 1, 100));
+        f.step();
+        f.consume_header();
+        f.expect_payload(0, 0);
+        assert!(f.give_back().is_none(), "a payload is arriving");
+    }
+
+    #[test]
+    fn a_large_rejected_payload_borrows() {
+        let mut f = Framing::new(false);
+        f.step();
+        deliver(&mut f, &header(CMD_WRITE, 1, 100_000));
+        f.step();
+        f.consume_header();
+        f.discard(100_000);
+        assert_eq!(f.step(), Step::Receive);
+        assert!(f.wants_room(false), "100,000 bytes to throw away");
+        let mut f = Framing::new(false);
+        f.step();
+        deliver(&mut f, &header(CMD_WRITE, 1, 100));
+        f.step();
+        f.consume_header();
+        f.discard(100);
+        assert_eq!(f.step(), Step::Receive);
+        assert!(!f.wants_room(false), "100 bytes fit the small buffer");
+        assert_eq!(f.recv_space().len(), 100);
+    }
+
+    /// One request of a generated stream: a read, or a write with a payload
+    /// that the driver takes or rejects (throws away).
+    #[derive(Debug, Clone)]
+    enum Req {
+        Read,
+        Write { len: usize, reject: bool },
+    }
+
+    fn req() -> impl proptest::strategy::Strategy<Value = Req> {
+        use proptest::prelude::*;
+        prop_oneof![
+            Just(Req::Read),
+            (0usize..3000, any::<bool>()).prop_map(|(len, reject)| Req::Write { len, reject }),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Whatever the receive sizes and wherever the large buffer is lent
+        /// and given back, every header comes out once and in order, and every
+        /// payload taken is its own bytes.
+        #[test]
+        fn buffers_lent_and_given_back_anywhere_lose_no_byte(
+            reqs in proptest::collection::vec(req(), 1..40),
+            chunks in proptest::collection::vec(1usize..5000, 1..20),
+            moves in proptest::collection::vec(0u8..4, 1..20),
+        ) {
+            let mut stream = Vec::new();
+            let mut want = Vec::new();
+            for (c, r) in reqs.iter().enumerate() {
+                let c = c as u64;
+                match *r {
+                    Req::Read => stream.extend(header(CMD_READ, c, 512)),
+                    Req::Write { len, reject } => {
+                        let wire_len = u32::try_from(len).expect("small");
+                        stream.extend(header(CMD_WRITE, c, wire_len));
+                        let body: Vec<u8> = (0..len).map(|i| u8::try_from(i % 251).unwrap_or(0) ^ c.to_le_bytes()[0]).collect();
+                        if !reject {
+                            want.push((c, body.clone()));
+                        }
+                        stream.extend(body);
+                    }
+                }
+            }
+            let mut f = Framing::new(false);
+            let mut spare = Some(AlignedBuf::unbudgeted(RBUF));
+            let (mut at, mut turn) = (0usize, 0usize);
+            let mut cookies = Vec::new();
+            let mut got = Vec::new();
+            let mut arriving: Option<(u64, Vec<u8>)> = None;
+            for _ in 0..100_000 {
+                let chunk = chunks[turn % chunks.len()];
+                match f.step() {
+                    Step::Again => {}
+                    Step::Header => {
+                        let r = f.parse().expect("a header of the stream");
+                        f.consume_header();
+                        cookies.push(r.cookie);
+                        if r.kind == CMD_WRITE {
+                            let len = usize::try_from(r.len).expect("small");
+                            let i = usize::try_from(r.cookie).expect("small");
+                            if matches!(reqs[i], Req::Write { reject: true, .. }) {
+                                f.discard(r.len);
+                                continue;
+                            }
+                            let mut dst = vec![0u8; len];
+                            let have = f.take_payload(&mut dst);
+                            if have < len {
+                                f.expect_payload(0, have);
+                                arriving = Some((r.cookie, dst));
+                            } else {
+                                got.push((r.cookie, dst));
+                            }
+                        }
+                    }
+                    Step::Payload => {
+                        let (c, mut dst) = arriving.take().expect("a payload arriving");
+                        let RecvState::Payload { got: have, .. } = f.state() else {
+                            unreachable!()
+                        };
+                        let n = chunk.min(dst.len() - have).min(stream.len() - at);
+                        dst[have..have + n].copy_from_slice(&stream[at..at + n]);
+                        at += n;
+                        turn += 1;
+                        let Got::Payload { got: now, .. } = f.received(n) else {
+                            unreachable!()
+                        };
+                        if now == dst.len() {
+                            f.end_payload();
+                            got.push((c, dst));
+                        } else {
+                            arriving = Some((c, dst));
+                        }
+                    }
+                    Step::Receive => {
+                        if at == stream.len() {
+                            break;
+                        }
+                        // The driver's choices, before a receive is posted.
+                        match moves[turn % moves.len()] {
+                            0 | 1 if f.wants_room(moves[turn % moves.len()] == 1) => {
+                                if let Some(b) = spare.take() {
+                                    f.lend(b);
+                                }
+                            }
+                            2 => {
+                                if let Some(b) = f.give_back() {
+                                    spare = Some(b);
+                                }
+                            }
+                            _ => {}
+                        }
+                        at += deliver(&mut f, &stream[at..(at + chunk).min(stream.len())]);
+                        turn += 1;
+                    }
+                }
+            }
+            proptest::prop_assert_eq!(at, stream.len(), "every byte received");
+            proptest::prop_assert_eq!(f.avail(), 0);
+            proptest::prop_assert_eq!(cookies, (0..reqs.len() as u64).collect::<Vec<_>>());
+            proptest::prop_assert_eq!(got, want);
+        }
     }
 }

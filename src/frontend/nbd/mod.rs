@@ -8,13 +8,15 @@
 //! — the [`transport`] (plaintext or userspace TLS behind one interface), and
 //! the driver [`conn`], which owns the socket and buffers and feeds them
 //! ([`recv`] and [`send`] are its two directions, [`run`] where it meets the
-//! engine, with [`splice`] and [`status`]; [`stall`] its progress deadline).
+//! engine, with [`splice`] and [`status`]; [`stall`] its progress deadline;
+//! [`idle`] what it gives back while idle: its lent receive buffer, its slots).
 
 pub mod affinity;
 pub mod conn;
 mod facts;
 mod framing;
 pub mod handshake;
+mod idle;
 pub mod lines;
 pub mod proto;
 mod recv;

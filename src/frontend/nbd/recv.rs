@@ -50,12 +50,14 @@ impl Conn {
         }
     }
 
-    /// Post the receive the framing asked for, into its buffer.
+    /// Post the receive the framing asked for, into its buffer (the large
+    /// one borrowed first if it wants room, see [`super::idle`]).
     fn post_framing_recv(&mut self, io: &mut Io, ci: u32) {
+        self.borrow_room(io);
         let space = self.framing.recv_space();
         let (ptr, len) = (space.as_mut_ptr(), space.len());
-        // SAFETY: the framing's buffer, allocated once, lives as long as the
-        // connection, which outlives the receive.
+        // SAFETY: the framing's buffer in use, which stays put and is not
+        // changed while the receive is posted (`super::framing`'s contract).
         unsafe { self.post_recv(io, ci, ptr, len) };
     }
 
@@ -301,6 +303,12 @@ impl Conn {
                 -libc::EPROTO
             }
         };
+        if res > 0 {
+            self.recent = true;
+        }
+        if self.shrunk(io, res) {
+            return; // idle: its buffer went back (`super::idle`)
+        }
         if self.moving.is_some() && !self.read_closed {
             // Our cancel, or a receive that beat it: either way none is pending.
             self.cancel_sent = false;

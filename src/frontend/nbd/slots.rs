@@ -1,8 +1,10 @@
 //! The in-flight table of one NBD connection (pure: no I/O).
 //!
-//! A connection has [`SLOTS`] request slots, allocated once and never moved or
-//! reallocated, so the reply headers inside them have stable addresses while
-//! a `sendmsg` refers to them. A slot goes
+//! A connection has up to [`SLOTS`] request slots, made [`CHUNK`] at a time
+//! as requests need them (an idle connection has none) and never moved while
+//! they exist, so the reply headers inside them have stable addresses while a
+//! `sendmsg` refers to them; once every slot is free again the connection may
+//! drop them all ([`Slots::shrink`]). A slot goes
 //!
 //! ```text
 //!   Free ──take──▶ (Receiving: a write's payload arrives) ──▶ WaitLock ⇄ Io ──▶ Queued ──sent──▶ Free
@@ -27,6 +29,8 @@ use crate::frontend::nbd::wire::MAX_REPLY_HEADER;
 
 /// Requests a connection may have between header and reply.
 pub const SLOTS: u16 = 128;
+/// Slots made at once (a power of two dividing [`SLOTS`]).
+pub(crate) const CHUNK: u16 = 16;
 
 /// Effect bytes of one piece of a request longer than a task can be (a power
 /// of two, so pieces of an aligned request stay aligned).
@@ -128,10 +132,6 @@ impl Slot {
             part: 0,
             piped: 0,
         }
-    }
-
-    pub(crate) fn state(&self) -> SlotState {
-        self.state
     }
 
     pub(crate) fn set_state(&mut self, s: SlotState) {
@@ -308,41 +308,86 @@ impl Slot {
 
 /// The connection's slots, its free list, and the budget its requests hold.
 pub(crate) struct Slots {
-    slots: Box<[Slot]>,
+    /// [`CHUNK`] slots each; slot `si` is `chunks[si / CHUNK][si % CHUNK]`.
+    /// A chunk's slots stay put while it exists (the boxes move, not them).
+    chunks: Vec<Box<[Slot]>>,
     free: Vec<u16>,
     /// Bytes of the memory budget the slots hold (the sum of their `held`).
     held: usize,
 }
 
 impl Slots {
+    /// No slots yet: they are made as requests come.
     pub(crate) fn new() -> Slots {
         Slots {
-            slots: (0..SLOTS).map(|_| Slot::new()).collect(),
-            free: (0..SLOTS).rev().collect(),
+            chunks: Vec::new(),
+            free: Vec::new(),
             held: 0,
         }
     }
 
+    /// Slots made so far (indices `0..len()`).
+    pub(crate) fn len(&self) -> u16 {
+        u16::try_from(self.chunks.len()).unwrap_or(u16::MAX) * CHUNK
+    }
+
     pub(crate) fn get(&self, si: u16) -> &Slot {
-        &self.slots[usize::from(si)]
+        &self.chunks[usize::from(si / CHUNK)][usize::from(si % CHUNK)]
     }
 
     pub(crate) fn get_mut(&mut self, si: u16) -> &mut Slot {
-        &mut self.slots[usize::from(si)]
+        &mut self.chunks[usize::from(si / CHUNK)][usize::from(si % CHUNK)]
     }
 
-    /// Whether one more request may be taken: a slot is free and the
-    /// requests hold no more than `allowance` bytes of budget.
+    /// The state of slot `si`; `Free` for one not made (an index from
+    /// elsewhere, such as a stale retry, may name one).
+    pub(crate) fn state_of(&self, si: u16) -> SlotState {
+        if si < self.len() {
+            self.get(si).state
+        } else {
+            SlotState::Free
+        }
+    }
+
+    /// Whether one more request may be taken: a slot is free (or may be
+    /// made) and the requests hold no more than `allowance` bytes of budget.
     pub(crate) fn can_take(&self, allowance: usize) -> bool {
-        !self.free.is_empty() && self.held <= allowance
+        (!self.free.is_empty() || self.len() < SLOTS) && self.held <= allowance
     }
 
     /// A free slot for a request holding `held` bytes of budget (its state
-    /// is still `Free`; the caller sets what it does).
+    /// is still `Free`; the caller sets what it does). The lowest free index,
+    /// so more slots are made only when more requests are in flight.
     pub(crate) fn take(&mut self, held: usize) -> Option<u16> {
+        if self.free.is_empty() {
+            self.grow()?;
+        }
         let si = self.free.pop()?;
         self.held += held;
         Some(si)
+    }
+
+    /// Make [`CHUNK`] more slots, if fewer than [`SLOTS`] exist.
+    fn grow(&mut self) -> Option<()> {
+        let base = self.len();
+        if base >= SLOTS {
+            return None;
+        }
+        self.chunks.push((0..CHUNK).map(|_| Slot::new()).collect());
+        self.free.extend((base..base + CHUNK).rev());
+        Some(())
+    }
+
+    /// Drop every slot, if all are free (an idle connection): true if some
+    /// were dropped. No slot may be referred to by an operation in flight,
+    /// which a free slot is not.
+    pub(crate) fn shrink(&mut self) -> bool {
+        if self.chunks.is_empty() || !self.idle() {
+            return false;
+        }
+        self.chunks = Vec::new();
+        self.free = Vec::new();
+        true
     }
 
     /// A slot taken and given back at once (NBD_CMD_DISC): nothing of it
@@ -353,7 +398,7 @@ impl Slots {
 
     /// Give back what slot `si` holds of the budget: the bytes it held.
     pub(crate) fn unhold(&mut self, si: u16) -> usize {
-        let held = std::mem::take(&mut self.slots[usize::from(si)].held);
+        let held = std::mem::take(&mut self.get_mut(si).held);
         self.held = self.held.saturating_sub(held);
         held
     }
@@ -361,7 +406,7 @@ impl Slots {
     /// Slot `si` holds `n` more bytes of budget (a spliced read that fell
     /// back to copying took its buffer back).
     pub(crate) fn hold_more(&mut self, si: u16, n: usize) {
-        self.slots[usize::from(si)].held += n;
+        self.get_mut(si).held += n;
         self.held += n;
     }
 
@@ -373,10 +418,10 @@ impl Slots {
     /// Mark slot `si` free again (its budget, buffers and range already
     /// given back by the caller).
     pub(crate) fn free(&mut self, si: u16) {
-        let slot = &mut self.slots[usize::from(si)];
-        if slot.state == SlotState::Free {
+        if self.state_of(si) == SlotState::Free {
             return;
         }
+        let slot = self.get_mut(si);
         slot.state = SlotState::Free;
         slot.rest = 0;
         slot.data_len = 0;
@@ -386,12 +431,12 @@ impl Slots {
 
     /// Whether every slot is free.
     pub(crate) fn idle(&self) -> bool {
-        self.free.len() == usize::from(SLOTS)
+        self.free.len() == usize::from(self.len())
     }
 
     /// The slots in state `s`, in index order.
     pub(crate) fn in_state(&self, s: SlotState) -> impl Iterator<Item = u16> + '_ {
-        (0..SLOTS).filter(move |&si| self.slots[usize::from(si)].state == s)
+        (0..self.len()).filter(move |&si| self.get(si).state == s)
     }
 }
 
@@ -419,6 +464,45 @@ mod tests {
         t.free(3);
         assert!(t.idle());
         assert_eq!(t.in_state(SlotState::Io).count(), 0);
+    }
+
+    #[test]
+    fn slots_are_made_as_requests_come_and_dropped_when_idle() {
+        let mut t = Slots::new();
+        assert_eq!(t.len(), 0, "an idle connection has none");
+        assert!(t.idle());
+        assert!(t.can_take(0));
+        assert!(!t.shrink(), "nothing to drop");
+        // One request at a time reuses the first slot.
+        for _ in 0..3 {
+            let si = t.take(0).expect("slot");
+            assert_eq!(si, 0);
+            t.get_mut(si).set_state(SlotState::Io);
+            t.free(si);
+        }
+        assert_eq!(t.len(), CHUNK);
+        // CHUNK + 1 in flight: a second chunk; the first one's slots stay put.
+        let first: *const Slot = t.get(0);
+        let taken: Vec<u16> = (0..=CHUNK).map(|_| t.take(0).expect("slot")).collect();
+        for &si in &taken {
+            t.get_mut(si).set_state(SlotState::Queued);
+        }
+        assert_eq!(t.len(), 2 * CHUNK);
+        assert!(
+            std::ptr::eq(first, t.get(0)),
+            "slots never move while they exist"
+        );
+        assert!(!t.shrink(), "slots in use are never dropped");
+        assert_eq!(t.state_of(SLOTS + 5), SlotState::Free, "not made: free");
+        assert_eq!(t.state_of(3 * CHUNK), SlotState::Free);
+        for si in taken {
+            t.free(si);
+        }
+        assert!(t.idle());
+        assert!(t.shrink());
+        assert_eq!(t.len(), 0);
+        assert!(t.idle());
+        assert_eq!(t.take(0), Some(0), "made again on demand");
     }
 
     #[test]
