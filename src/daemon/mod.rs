@@ -70,6 +70,7 @@ mod detach;
 mod endpoints;
 mod error;
 mod follow;
+mod group_commit;
 pub mod info;
 mod janitor;
 mod kernel;

@@ -2,15 +2,23 @@
 //!
 //! Contract: the state log is opened and locked first thing at start
 //! ([`Daemon::open_state`]: a second daemon on the same file stops there);
-//! every change it records (attach, set, detach) is written durably
-//! ([`Daemon::write_record`]) *before* it takes effect and before the reply,
-//! and if it cannot be, the request fails and changes nothing. The log's
-//! mutex is the first lock of the daemon's lock order (see
-//! [`super::registry`]); an attach holds it from its name check to its
-//! insertion, so no client sees a device the state file lacks. At stop the
-//! file is compacted and released ([`Daemon::close_state`]); nothing is
-//! recorded after that, and a change asked for then fails. Writing blocks
-//! (`fdatasync`): these run on control threads, never on a reactor.
+//! every change it records (attach, set, detach) is written durably *before*
+//! it takes effect and before the reply, and if it cannot be, the request
+//! fails and changes nothing. Group commit: a record is staged
+//! ([`Daemon::stage_record`]) under the daemon's `log` mutex — the first lock
+//! of the daemon's lock order (see [`super::registry`]), so records are
+//! staged in the order of the checks made under it — and waited for
+//! ([`Staged::wait`]) *without* it, so concurrent requests on their control
+//! threads share one write and one `fdatasync`. An attach stages its record
+//! and claims its name (`claimed`) in one hold of `log`, waits, and then,
+//! under `log` again, publishes the device and drops the claim (or only drops
+//! the claim if its batch failed): no client sees a device the state file
+//! lacks, and no two attaches claim one name. A `set` or a detach runs under
+//! its export's control lock, which orders that export's records. At stop
+//! the file is compacted and released ([`Daemon::close_state`]); nothing is
+//! recorded after that, and a change asked for then fails. Waiting blocks
+//! (up to two batches' `fdatasync`): these run on control threads, never on a
+//! reactor.
 //!
 //! Devices from the command line and `--config` are not recorded (they come
 //! back from there); see [`super::restore`] for what comes back at start.
@@ -26,38 +34,71 @@ use super::state;
 use crate::control::proto::DeviceSpec;
 use crate::device::export::Export;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+/// A record staged in the state log, to be waited for before its change is
+/// acknowledged; `None`: nothing to record (no state file, or a device that
+/// is not recorded).
+pub(super) struct Staged(Option<(Arc<state::StateLog>, state::Pending)>);
+
+impl Staged {
+    pub(super) const NONE: Staged = Staged(None);
+
+    /// Wait until the record is durable (see [`state::StateLog::wait`]). A
+    /// failed write fails the request `what` (e.g. `attach "a"`).
+    pub(super) fn wait(self, what: &str) -> Result<(), CtlError> {
+        let Some((log, p)) = self.0 else {
+            return Ok(());
+        };
+        log.wait(p).map_err(|source| CtlError::State {
+            msg: format!("cannot {what}: the state file cannot record it"),
+            source,
+        })
+    }
+}
+
 impl Daemon {
-    /// Write one record to the state log (the caller holds its lock), durably,
-    /// before the change it records takes effect. Once the log is closed at stop
-    /// nothing may change unrecorded; a daemon without a state file records
-    /// nothing. A failed write fails the request `what` (e.g. `attach "a"`).
-    pub(super) fn write_record(
+    /// Stage one record in the state log (the caller holds the log's lock, so
+    /// records are staged in the order of its checks), to be waited for
+    /// ([`Staged::wait`]) before the change it records takes effect. Once the
+    /// log is closed at stop nothing may change unrecorded; a daemon without a
+    /// state file records nothing.
+    pub(super) fn stage_record(
         &self,
-        log: &mut Option<state::StateLog>,
-        what: &str,
-        f: impl FnOnce(&mut state::StateLog) -> Result<(), state::StateError>,
-    ) -> Result<(), CtlError> {
-        match log.as_mut() {
-            Some(l) => f(l).map_err(|source| CtlError::State {
-                msg: format!("cannot {what}: the state file cannot record it"),
-                source,
-            }),
+        log: &Option<Arc<state::StateLog>>,
+        f: impl FnOnce(&state::StateLog) -> state::Pending,
+    ) -> Result<Staged, CtlError> {
+        match log {
+            Some(l) => Ok(Staged(Some((Arc::clone(l), f(l))))),
             None if self.state.is_some() && self.stopping.load(Ordering::SeqCst) => {
                 Err(CtlError::ShuttingDown)
             }
-            None => Ok(()),
+            None => Ok(Staged::NONE),
         }
     }
 
-    /// Durably record `spec` as `e`'s configuration (before it is applied).
+    /// Stage a record under the log's lock, then wait for it without the lock
+    /// (so concurrent requests share one write and one sync).
+    fn record_one(
+        &self,
+        what: &str,
+        f: impl FnOnce(&state::StateLog) -> state::Pending,
+    ) -> Result<(), CtlError> {
+        let staged = {
+            let log = self.log.lock().map_err(|_| CtlError::ShuttingDown)?;
+            self.stage_record(&log, f)?
+        };
+        staged.wait(what)
+    }
+
+    /// Durably record `spec` as `e`'s configuration (before it is applied; the
+    /// caller holds `e`'s control lock, which orders `e`'s records).
     pub(super) fn record_put(&self, e: &Export, spec: &DeviceSpec) -> Result<(), CtlError> {
         if !e.persistent {
             return Ok(());
         }
-        let mut log = self.log.lock().map_err(|_| CtlError::ShuttingDown)?;
-        self.write_record(&mut log, &format!("change {:?}", e.name), |l| l.put(spec))
+        self.record_one(&format!("change {:?}", e.name), |l| l.stage_put(spec))
     }
 
     /// Durably record that `e` is gone (before it is unpublished); a failure
@@ -66,10 +107,7 @@ impl Daemon {
         if !e.persistent {
             return Ok(());
         }
-        let mut log = self.log.lock().map_err(|_| CtlError::ShuttingDown)?;
-        self.write_record(&mut log, &format!("detach {:?}", e.name), |l| {
-            l.del(&e.name)
-        })
+        self.record_one(&format!("detach {:?}", e.name), |l| l.stage_del(&e.name))
     }
 
     /// Lock and read the state file (first thing at start: a second daemon on
@@ -82,7 +120,7 @@ impl Daemon {
         // Read under the state file's lock: its owners are of a dead run.
         let owners = RbdOwners::load(path);
         if let Ok(mut g) = self.log.lock() {
-            *g = Some(log);
+            *g = Some(Arc::new(log));
         }
         if let Ok(mut g) = self.rbd_owners.lock() {
             *g = Some(owners);
@@ -154,11 +192,11 @@ impl Daemon {
 
     /// Compact the state file (rewrite it from its table).
     pub fn write_state(&self) {
-        let Ok(mut g) = self.log.lock() else { return };
-        if let Some(log) = g.as_mut() {
-            if let Err(e) = log.compact() {
-                tracing::error!("{e:#}");
-            }
+        let Some(log) = self.log.lock().ok().and_then(|g| g.clone()) else {
+            return;
+        };
+        if let Err(e) = log.compact() {
+            tracing::error!("{e:#}");
         }
     }
 }
