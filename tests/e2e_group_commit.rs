@@ -42,8 +42,12 @@ fn assert_whole(srv: &Server, listed: &BTreeMap<String, Json>, name: &str, image
     let (mut c, size, _) = RawClient::handshake(srv.socket(), name);
     assert_eq!(size, MIB);
     let t = tag(name);
-    let got = c.read(1, 0, t.len() as u32);
-    assert_eq!(String::from_utf8_lossy(&got), t, "{name} serves another file");
+    let got = c.read(1, 0, u32::try_from(t.len()).unwrap());
+    assert_eq!(
+        String::from_utf8_lossy(&got),
+        t,
+        "{name} serves another file"
+    );
 }
 
 fn listed(srv: &Server) -> BTreeMap<String, Json> {
@@ -236,10 +240,7 @@ fn a_batch_with_one_bad_image_attaches_the_good_ones_durably() {
         );
     }
     let back = listed(&srv);
-    assert_eq!(
-        back.keys().cloned().collect::<Vec<_>>(),
-        ["g1", "g2", "g3"]
-    );
+    assert_eq!(back.keys().cloned().collect::<Vec<_>>(), ["g1", "g2", "g3"]);
 
     // The protocol: outcomes in order, a taken name refused on its own.
     let g4 = tagged_image(dir.path(), "g4");

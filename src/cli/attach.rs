@@ -52,7 +52,9 @@ pub fn run(
         images.extend(read_list(f)?);
     }
     if images.is_empty() {
-        bail!(usage("no image given: name one or more, or a list with --from FILE|-"));
+        bail!(usage(
+            "no image given: name one or more, or a list with --from FILE|-"
+        ));
     }
     if images.len() > 1 && dev.name.is_some() {
         bail!(usage(
@@ -72,10 +74,7 @@ pub fn run(
         let v = answer(client::call(ctl, &Request::Attach(Box::new(spec)))?)?;
         return print_device(&v, json);
     }
-    let v = answer(client::call(
-        ctl,
-        &Request::AttachBatch { devices: specs },
-    )?)?;
+    let v = answer(client::call(ctl, &Request::AttachBatch { devices: specs })?)?;
     let items = v["devices"].as_array().cloned().unwrap_or_default();
     if items.len() != images.len() {
         bail!(

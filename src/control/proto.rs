@@ -56,7 +56,9 @@ pub enum Request {
     Attach(Box<DeviceSpec>),
     /// Attach many devices with one durable write of the state file; each
     /// succeeds or fails on its own (the reply lists each outcome in order).
-    AttachBatch { devices: Vec<DeviceSpec> },
+    AttachBatch {
+        devices: Vec<DeviceSpec>,
+    },
     Detach {
         name: String,
         #[serde(default)]

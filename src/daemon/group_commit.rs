@@ -178,9 +178,9 @@ mod tests {
     #[test]
     fn staged_together_commit_together() {
         let log = Arc::new(Log::new(Vec::new()));
-        let n = 12;
-        let staged = Arc::new(Barrier::new(n));
-        let threads: Vec<_> = (0..n as u32)
+        let n: u32 = 12;
+        let staged = Arc::new(Barrier::new(n as usize));
+        let threads: Vec<_> = (0..n)
             .map(|i| {
                 let (log, staged) = (Arc::clone(&log), Arc::clone(&staged));
                 std::thread::spawn(move || {
@@ -196,7 +196,7 @@ mod tests {
         assert_eq!(log.commits(), 1, "one commit for the whole group");
         log.with(|s| {
             s.sort();
-            assert_eq!(*s, (0..n as u32).collect::<Vec<_>>());
+            assert_eq!(*s, (0..n).collect::<Vec<_>>());
         });
     }
 

@@ -140,17 +140,26 @@ pub fn parse(text: &[u8]) -> Parsed {
     p
 }
 
+/// Whether `spec` is the device `name` (without allocating when, as for every
+/// attached device, the spec carries its name).
+fn is_named(spec: &DeviceSpec, name: &str) -> bool {
+    match &spec.name {
+        Some(n) => n == name,
+        _ => name_of(spec) == name,
+    }
+}
+
 fn apply(table: &mut Vec<DeviceSpec>, r: Record) {
     match r {
         Record::Put(spec) => {
             let spec = *spec;
             let name = name_of(&spec);
-            match table.iter_mut().find(|s| name_of(s) == name) {
+            match table.iter_mut().find(|s| is_named(s, &name)) {
                 Some(slot) => *slot = spec,
                 None => table.push(spec),
             }
         }
-        Record::Del(name) => table.retain(|s| name_of(s) != name),
+        Record::Del(name) => table.retain(|s| !is_named(s, &name)),
     }
 }
 
@@ -331,7 +340,10 @@ impl StateLog {
         self.log
             .wait(p.0, Log::commit)
             .map_err(|Failure(kind, msg)| {
-                StateError::Write(self.path.display().to_string(), std::io::Error::new(kind, msg))
+                StateError::Write(
+                    self.path.display().to_string(),
+                    std::io::Error::new(kind, msg),
+                )
             })
     }
 
@@ -343,7 +355,7 @@ impl StateLog {
     /// Drop `name` from the table without a record of its own (it is gone from
     /// the file at the next rewrite, e.g. [`StateLog::compact`]).
     pub fn forget(&self, name: &str) {
-        self.log.with(|l| l.table.retain(|s| name_of(s) != name));
+        self.log.with(|l| l.table.retain(|s| !is_named(s, name)));
     }
 
     /// Rewrite the file from the table (when it exists or has anything to hold).

@@ -245,7 +245,9 @@ fn set_size_limit_absent_null_or_number() {
 
 #[test]
 fn attach_batch_parses_and_its_items_encode() {
-    let r = parse_request(br#"{"v":1,"op":"attach_batch","devices":[{"image":"/a"},{"image":"/b","name":"b"}]}"#);
+    let r = parse_request(
+        br#"{"v":1,"op":"attach_batch","devices":[{"image":"/a"},{"image":"/b","name":"b"}]}"#,
+    );
     match r {
         Ok(Request::AttachBatch { devices }) => {
             assert_eq!(devices.len(), 2);
