@@ -260,6 +260,25 @@ fn a_batch_with_one_bad_image_attaches_the_good_ones_durably() {
     let out = srv.ctl(&["attach", path_str(&g1), path_str(&g2), "--name", "x"]);
     assert_ctl_error(&out, "usage");
 
+    // A longer list from a file (opened on several threads): all attached.
+    let many: Vec<(String, PathBuf)> = (0..40)
+        .map(|i| {
+            let n = format!("m{i:02}");
+            let p = tagged_image(dir.path(), &n);
+            (n, p)
+        })
+        .collect();
+    let list = dir.path().join("list.txt");
+    let text: String = many
+        .iter()
+        .map(|(_, p)| format!("{}\n", path_str(p)))
+        .collect();
+    std::fs::write(&list, text).unwrap();
+    let out = srv.ctl_ok(&["attach", "--from", path_str(&list)]);
+    let printed: Vec<&str> = out.stdout.lines().filter(|l| l.starts_with('m')).collect();
+    let names: Vec<&str> = many.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(printed, names, "printed in the order of the list:\n{out}");
+
     srv.kill9();
     let srv2 = Server::daemon()
         .socket_path(&sock)
@@ -267,12 +286,17 @@ fn a_batch_with_one_bad_image_attaches_the_good_ones_durably() {
         .arg(&state)
         .start();
     let back = listed(&srv2);
+    let mut want = vec!["g1", "g2", "g3", "g4"];
+    want.extend(&names);
     assert_eq!(
         back.keys().cloned().collect::<Vec<_>>(),
-        ["g1", "g2", "g3", "g4"],
+        want,
         "the good ones are back after kill -9, the bad one nowhere"
     );
     for (name, img) in [("g1", &g1), ("g2", &g2), ("g3", &g3), ("g4", &g4)] {
+        assert_whole(&srv2, &back, name, img);
+    }
+    for (name, img) in &many {
         assert_whole(&srv2, &back, name, img);
     }
 }

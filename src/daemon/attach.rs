@@ -7,7 +7,9 @@
 //! record's batch without any lock (group commit: concurrent attaches share
 //! one write and one sync); then under the mutex again it publishes and drops
 //! the claim (see [`super::record`]). A batch ([`Daemon::attach_batch`])
-//! stages all its records in one hold of the mutex, so they share one write.
+//! opens its devices on up to `BATCH_OPENERS` threads (scoped: joined before
+//! it goes on), then stages all their records in one hold of the mutex, so
+//! they share one write.
 //! A failed attach
 //! leaves nothing behind: an image it created is removed again, and a block
 //! device it asked for that cannot be made detaches it again. Racing attaches
@@ -35,8 +37,12 @@ use crate::device::export::Export;
 use crate::device::{Device, DeviceParams, Opening};
 use crate::text::quoted_path;
 use std::collections::BTreeSet;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+/// Threads that open the devices of one batch at most (the control client's
+/// own included).
+const BATCH_OPENERS: usize = 4;
 
 /// Where an attach comes from (what it records, what it may replace).
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -93,17 +99,23 @@ impl Daemon {
     pub fn attach_batch(&self, specs: Vec<DeviceSpec>) -> Vec<Result<DeviceInfo, CtlError>> {
         let mut out: Vec<Option<Result<DeviceInfo, CtlError>>> =
             specs.iter().map(|_| None).collect();
-        let mut opened = Vec::new();
+        let mut todo = Vec::new();
         for (i, spec) in specs.into_iter().enumerate() {
             if spec.create.is_some() {
                 out[i] = Some(self.attach(spec, true));
-                continue;
+            } else {
+                todo.push((i, spec));
             }
-            match self.open_for_attach(spec, Source::Control, Tuning::default(), false) {
+        }
+        let mut opened = Vec::new();
+        for (i, r) in self.open_many(todo) {
+            match r {
                 Ok(o) => opened.push((i, o)),
                 Err(e) => out[i] = Some(Err(e)),
             }
         }
+        // Staged in the order asked.
+        opened.sort_by_key(|(i, _)| *i);
         // One hold of the log's lock: every record in one batch.
         let mut claims = Vec::new();
         {
@@ -124,8 +136,46 @@ impl Daemon {
             out[i] = Some(r);
         }
         out.into_iter()
-            .map(|r| r.unwrap_or(Err(CtlError::ShuttingDown)))
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(CtlError::Busy(
+                        "this device of the batch could not be opened; try again".into(),
+                    ))
+                })
+            })
             .collect()
+    }
+
+    /// Open the devices of a batch ([`Daemon::open_for_attach`]) on this
+    /// thread and up to [`BATCH_OPENERS`]` - 1` scoped helpers (all joined
+    /// here) taking work from one queue, as concurrent control clients would;
+    /// results in any order.
+    fn open_many(&self, todo: Vec<(usize, DeviceSpec)>) -> Vec<(usize, Result<Opened, CtlError>)> {
+        let helpers = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(BATCH_OPENERS)
+            .min(todo.len() / 16)
+            .saturating_sub(1);
+        let queue = Mutex::new(todo);
+        let done = Mutex::new(Vec::new());
+        let work = || {
+            loop {
+                let next = queue.lock().unwrap_or_else(|p| p.into_inner()).pop();
+                let Some((i, spec)) = next else { return };
+                let r = self.open_for_attach(spec, Source::Control, Tuning::default(), false);
+                done.lock().unwrap_or_else(|p| p.into_inner()).push((i, r));
+            }
+        };
+        std::thread::scope(|s| {
+            for _ in 0..helpers {
+                // Without a helper thread this one does the work.
+                let _ = std::thread::Builder::new()
+                    .name("loopd-batch-open".into())
+                    .spawn_scoped(s, work);
+            }
+            work();
+        });
+        done.into_inner().unwrap_or_else(|p| p.into_inner())
     }
 
     /// After an attach is published: the reachability warning, and the block
