@@ -121,10 +121,26 @@ impl Daemon {
         {
             let log = self.log.lock().unwrap_or_else(|p| p.into_inner());
             let mut claimed = self.claimed.lock().unwrap_or_else(|p| p.into_inner());
+            let mut ok = Vec::new();
             for (i, o) in opened {
-                match self.claim(&log, &mut claimed, o) {
-                    Ok(c) => claims.push((i, c)),
-                    Err(e) => out[i] = Some(Err(e)),
+                match self.check_name(&claimed, &o) {
+                    Ok(()) => ok.push((i, o)),
+                    Err(e) => out[i] = Some(Err(self.undo_open(&o, e))),
+                }
+            }
+            // All records staged at once: one write, whatever else is staged.
+            let specs: Vec<&DeviceSpec> = ok.iter().map(|(_, o)| &o.spec).collect();
+            match self.stage_records(&log, &specs) {
+                Ok(staged) => {
+                    for ((i, o), staged) in ok.into_iter().zip(staged) {
+                        claimed.insert(o.name.clone());
+                        claims.push((i, Claimed { opened: o, staged }));
+                    }
+                }
+                Err(()) => {
+                    for (i, o) in ok {
+                        out[i] = Some(Err(self.undo_open(&o, CtlError::ShuttingDown)));
+                    }
                 }
             }
         }
@@ -343,13 +359,8 @@ impl Daemon {
         o: Opened,
     ) -> Result<Claimed, CtlError> {
         let name = o.name.clone();
-        if self.export(&name).is_some() || claimed.contains(&name) {
-            // Lost the name to another attach.
-            return Err(self.undo_open(&o, CtlError::NameTaken(name)));
-        }
-        if o.source == Source::Restored && self.missing_spec(&name).is_none() {
-            // Detached, or attached by a client, while this retry opened the image.
-            return Err(CtlError::NameTaken(name));
+        if let Err(e) = self.check_name(claimed, &o) {
+            return Err(self.undo_open(&o, e));
         }
         let staged = match o.source {
             Source::Control => match self.stage_record(log, |l| l.stage_put(&o.spec)) {
@@ -369,6 +380,20 @@ impl Daemon {
         };
         claimed.insert(name);
         Ok(Claimed { opened: o, staged })
+    }
+
+    /// Under the log's lock: whether `o` may take its name (no device, no
+    /// other attach's claim; a retry only while the device is missing).
+    fn check_name(&self, claimed: &BTreeSet<String>, o: &Opened) -> Result<(), CtlError> {
+        if self.export(&o.name).is_some() || claimed.contains(&o.name) {
+            // Lost the name to another attach.
+            return Err(CtlError::NameTaken(o.name.clone()));
+        }
+        if o.source == Source::Restored && self.missing_spec(&o.name).is_none() {
+            // Detached, or attached by a client, while this retry opened the image.
+            return Err(CtlError::NameTaken(o.name.clone()));
+        }
+        Ok(())
     }
 
     /// Wait (no lock held) until the claimed attach's record is durable, then

@@ -86,6 +86,15 @@ impl<S, R, E: Clone> GroupCommit<S, R, E> {
         Ticket(q.next - 1)
     }
 
+    /// Queue `rs` together, in order (one batch holds them all).
+    pub fn stage_all(&self, rs: Vec<R>) -> Vec<Ticket> {
+        let mut q = self.lock();
+        let from = q.next;
+        q.next += rs.len() as u64;
+        q.staged.extend(rs);
+        (from..q.next).map(Ticket).collect()
+    }
+
     /// Wait until `t`'s batch is committed (leading it if no commit runs):
     /// `Ok` once its record is durable, or the error that failed its batch.
     /// `commit` writes a batch to the state; it must leave the state as it was
@@ -198,6 +207,18 @@ mod tests {
             s.sort();
             assert_eq!(*s, (0..n).collect::<Vec<_>>());
         });
+    }
+
+    #[test]
+    fn staged_all_at_once_commit_in_one_batch_in_order() {
+        let log = Log::new(Vec::new());
+        let ts = log.stage_all(vec![5, 6, 7]);
+        assert_eq!(ts.len(), 3);
+        for t in ts {
+            assert_eq!(log.wait(t, write), Ok(()));
+        }
+        assert_eq!(log.commits(), 1);
+        log.with(|s| assert_eq!(*s, vec![5, 6, 7]));
     }
 
     #[test]

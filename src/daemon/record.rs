@@ -78,6 +78,24 @@ impl Daemon {
         }
     }
 
+    /// [`Daemon::stage_record`] of the attach records of `specs`, all at once
+    /// (so they go out in one write); `Err` once the log is closed at stop.
+    pub(super) fn stage_records(
+        &self,
+        log: &Option<Arc<state::StateLog>>,
+        specs: &[&DeviceSpec],
+    ) -> Result<Vec<Staged>, ()> {
+        match log {
+            Some(l) => Ok(l
+                .stage_puts(specs)
+                .into_iter()
+                .map(|p| Staged(Some((Arc::clone(l), p))))
+                .collect()),
+            None if self.state.is_some() && self.stopping.load(Ordering::SeqCst) => Err(()),
+            None => Ok(specs.iter().map(|_| Staged::NONE).collect()),
+        }
+    }
+
     /// Stage a record under the log's lock, then wait for it without the lock
     /// (so concurrent requests share one write and one sync).
     fn record_one(

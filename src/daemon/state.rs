@@ -322,6 +322,24 @@ impl StateLog {
         self.stage(Record::Put(Box::new(spec.clone())))
     }
 
+    /// Queue the attach records of `specs` together, in order: no other record
+    /// comes between them, so they go out in one write.
+    pub fn stage_puts(&self, specs: &[&DeviceSpec]) -> Vec<Pending> {
+        let staged = specs
+            .iter()
+            .map(|s| {
+                let r = Record::Put(Box::new((*s).clone()));
+                let line = encode(&r);
+                (r, line)
+            })
+            .collect();
+        self.log
+            .stage_all(staged)
+            .into_iter()
+            .map(Pending)
+            .collect()
+    }
+
     /// Queue the record of a detach for the next batch.
     pub fn stage_del(&self, name: &str) -> Pending {
         self.stage(Record::Del(name.to_owned()))
