@@ -213,6 +213,31 @@ mod tests {
     };
 
     #[test]
+    fn a_batch_gives_one_line_per_device() {
+        let dev = |image: &str| crate::control::proto::DeviceSpec {
+            image: image.into(),
+            ..Default::default()
+        };
+        let req = Request::AttachBatch {
+            devices: vec![dev("/i/a.img"), dev("/i/b.img")],
+        };
+        let reply = r#"{"v":1,"ok":true,"result":{"devices":[{"ok":true,"result":{"name":"a"}},{"ok":false,"error":{"code":"io","message":"cannot open"}}]}}"#;
+        let l = lines(&req, WHO, None, reply);
+        assert_eq!(l.len(), 2, "{l:?}");
+        assert!(
+            l[0].contains(r#"attach "a" image="/i/a.img""#) && l[0].ends_with(": ok"),
+            "{l:?}"
+        );
+        assert!(
+            l[1].contains("/i/b.img") && l[1].contains("refused: cannot open (io)"),
+            "{l:?}"
+        );
+        // Refused as a whole: one line.
+        let whole = r#"{"v":1,"ok":false,"error":{"code":"shutting_down","message":"stopping"}}"#;
+        assert_eq!(lines(&req, WHO, None, whole).len(), 1);
+    }
+
+    #[test]
     fn changes_are_audited_with_who_asked() {
         let set = Request::Set(SetSpec {
             name: "a".into(),
