@@ -6,7 +6,15 @@
 //! 2. the same through the CLI (`loopd attach` process) against `losetup -f --show
 //!    --direct-io=on -b 4096` and `loopd kernel attach` processes;
 //! 3. kernel loop setup in-process (`LOOP_CTL_GET_FREE` + `LOOP_CONFIGURE`);
-//! 4. start-up with 200 devices from a `--config` file.
+//! 4. start-up with 200 devices from a `--config` file;
+//! 5. durable attaches (group commit, batches): 16 control clients attaching
+//!    at once (µs per device, amortised), one `attach_batch` of 1,000 devices
+//!    (ms in all), a single attach on an idle daemon next to a bare
+//!    `fdatasync` of the same filesystem, and `LOOP_CONFIGURE` in the same
+//!    run. With `BENCH_LOOPD_BEFORE=/path/to/an/older/loopd` each of these is
+//!    measured for both binaries in alternating rounds (`BENCH_GC_ROUNDS`,
+//!    default 5), side by side; an older loopd without `attach_batch` does the
+//!    1,000 as single requests on one client.
 //!
 //! Usage: `cargo run --release --example attach_latency -- [ROUNDS]` (root, for
 //! the kernel loop cases). Prints a markdown report on stdout.
@@ -44,8 +52,13 @@ impl Drop for Daemon {
 /// Start `loopd serve` and wait for its control line; returns the daemon and the
 /// time from spawn to ready.
 fn start(dir: &Path, extra: &[&str]) -> (Daemon, Duration) {
+    start_bin(&loopd_bin(), dir, extra)
+}
+
+/// [`start`] with the loopd binary `bin`.
+fn start_bin(bin: &Path, dir: &Path, extra: &[&str]) -> (Daemon, Duration) {
     let t = Instant::now();
-    let mut child = Command::new(loopd_bin())
+    let mut child = Command::new(bin)
         .arg("serve")
         .args(["--socket", dir.join("nbd.sock").to_str().unwrap()])
         .args(extra)
@@ -160,6 +173,9 @@ fn run_timed(cmd: &mut Command) -> (Duration, String) {
     (d, String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
+#[path = "attach_latency/durable.rs"]
+mod durable;
+
 fn main() {
     let rounds: usize = std::env::args()
         .nth(1)
@@ -170,6 +186,10 @@ fn main() {
         .tempdir_in("/var/tmp")
         .expect("tempdir");
     let d = dir.path();
+    if std::env::var_os("BENCH_ONLY_DURABLE").is_some() {
+        durable::section(d);
+        return;
+    }
     let image = d.join("img.raw");
     std::fs::File::create(&image)
         .and_then(|f| f.set_len(64 << 20))
@@ -347,4 +367,7 @@ fn main() {
         "| difference: {n} attaches | {:.1} |",
         (many_t.as_secs_f64() - base_t.as_secs_f64()) * 1e3
     );
+
+    // 5. Durable attaches: group commit and batches.
+    durable::section(d);
 }

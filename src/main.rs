@@ -26,7 +26,8 @@ enum Cmd {
     /// IMAGE (if given), the devices of --config and of the state file, and any
     /// attached later. SIGHUP re-reads --config and the TLS certificates.
     Serve(Box<cli::serve::ServeArgs>),
-    /// Attach an image as a new device of a running server; prints its name and URIs.
+    /// Attach an image (or several, in one durable step) as new devices of a
+    /// running server; prints each one's name and URIs.
     Attach(AttachArgs),
     /// Remove a device. Refuses while clients are connected unless --force.
     Detach(DetachArgs),
@@ -90,7 +91,17 @@ impl ControlArg {
 struct AttachArgs {
     /// The image file (or block device), or an RBD image
     /// `rbd:POOL[/NAMESPACE]/IMAGE[@SNAP]` (see --ceph-conf, --ceph-id).
-    image: PathBuf,
+    /// Several images are attached in one request with one durable write
+    /// (the options apply to each; --name only with one): each succeeds or
+    /// fails on its own, a failure prints one error line naming its image,
+    /// and the exit status is the first failure's.
+    #[arg(value_name = "IMAGE", required_unless_present = "from")]
+    images: Vec<PathBuf>,
+    /// Also attach the images listed in FILE (`-`: stdin), one path per line
+    /// (blank lines and lines starting with # skipped), like the images given
+    /// as arguments, in the same request.
+    #[arg(long, value_name = "FILE|-")]
+    from: Option<PathBuf>,
     #[command(flatten)]
     dev: DeviceArgs,
     /// Remove the device when its last client disconnects.
@@ -244,12 +255,14 @@ fn run(cli: Cli) -> Result<()> {
             cli::exit::ignore_sigpipe();
             cli::serve::serve(*a)
         }
-        Cmd::Attach(a) => {
-            let mut spec = a.dev.spec(a.image);
-            spec.autoclear = a.autoclear;
-            let v = call(&a.ctl, &Request::Attach(Box::new(spec)))?;
-            cli::print_device(&v, a.json)
-        }
+        Cmd::Attach(a) => cli::attach::run(
+            &a.ctl.path(),
+            a.images,
+            a.from.as_deref(),
+            &a.dev,
+            a.autoclear,
+            a.json,
+        ),
         Cmd::Detach(a) => {
             let v = call(
                 &a.ctl,

@@ -20,6 +20,22 @@ use thiserror::Error;
 #[error("{} ({})", .0.message, code_str(.0.code))]
 pub struct DaemonError(pub ErrorBody);
 
+/// A bad command line found after parsing (e.g. `attach --name` with several
+/// images).
+#[derive(Debug, Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
+/// `attach` of several images: some were not attached (each already reported
+/// on its own line); the exit status is that of the first failure's `code`.
+#[derive(Debug, Error)]
+#[error("{failed} of {total} image(s) not attached")]
+pub struct BatchFailed {
+    pub failed: usize,
+    pub total: usize,
+    pub code: ErrorCode,
+}
+
 /// Exit statuses, one per class of failure (shown in `loopd --help`).
 pub const OK: u8 = 0;
 pub const OTHER: u8 = 1;
@@ -114,6 +130,12 @@ pub fn classify(e: &anyhow::Error) -> &'static str {
         if let Some(d) = cause.downcast_ref::<DaemonError>() {
             return code_str(d.0.code);
         }
+        if let Some(b) = cause.downcast_ref::<BatchFailed>() {
+            return code_str(b.code);
+        }
+        if cause.downcast_ref::<UsageError>().is_some() {
+            return "usage";
+        }
         if let Some(c) = cause.downcast_ref::<ClientError>() {
             return match c {
                 ClientError::Connect(..) => "not_running",
@@ -176,7 +198,9 @@ pub fn report(e: &anyhow::Error, json: bool) -> u8 {
     // is one line with nothing raw in it (it may quote a client's path).
     let daemon = e.chain().find_map(|c| c.downcast_ref::<DaemonError>());
     eprintln!("loopd: error: {}", loopd::text::sanitize_line(&line(e).0));
-    if json {
+    // A batch printed its outcomes (under --json, as its JSON).
+    let batch = e.chain().any(|c| c.downcast_ref::<BatchFailed>().is_some());
+    if json && !batch {
         let body = daemon.map(|d| d.0.message.clone()).unwrap_or(message);
         println!("{}", json_error(code, &body));
     }

@@ -1,9 +1,10 @@
 //! The command line's subcommands beyond the one-line control requests:
-//! [`args`] (argument types shared by subcommands), [`print`] (output:
+//! [`attach`] (one image, or many in one batch), [`args`] (argument types shared by subcommands), [`print`] (output:
 //! tables, JSON, escaping of the daemon's strings), [`serve`], [`kernel`],
 //! [`reload`], [`generate`], [`exit`] (exit statuses), [`log`] and [`syslog`].
 
 pub mod args;
+pub mod attach;
 pub mod exit;
 pub mod generate;
 pub mod kernel;
@@ -14,4 +15,4 @@ pub mod serve;
 pub mod syslog;
 
 pub use args::{Cache, DeviceArgs, Limit, parse_limit};
-pub use print::{print_device, print_done, print_list, print_set, print_status, print_status_all};
+pub use print::{print_done, print_list, print_set, print_status, print_status_all};

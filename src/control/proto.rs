@@ -54,6 +54,11 @@ where
 pub enum Request {
     /// Boxed: a device spec is far larger than every other request.
     Attach(Box<DeviceSpec>),
+    /// Attach many devices with one durable write of the state file; each
+    /// succeeds or fails on its own (the reply lists each outcome in order).
+    AttachBatch {
+        devices: Vec<DeviceSpec>,
+    },
     Detach {
         name: String,
         #[serde(default)]
@@ -170,6 +175,15 @@ pub fn encode_request(r: &Request) -> String {
 /// Encode a successful reply as one line.
 pub fn ok_reply<T: Serialize>(result: &T) -> String {
     serde_json::json!({ "v": VERSION, "ok": true, "result": result }).to_string()
+}
+
+/// One device's outcome in an `attach_batch` reply: `{"ok":true,"result":…}`
+/// or `{"ok":false,"error":{"code":…,"message":…}}` (a reply's body).
+pub fn batch_item<T: Serialize>(r: Result<T, ErrorBody>) -> serde_json::Value {
+    match r {
+        Ok(v) => serde_json::json!({ "ok": true, "result": v }),
+        Err(e) => serde_json::json!({ "ok": false, "error": e }),
+    }
 }
 
 /// Encode an error reply as one line.

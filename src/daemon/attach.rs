@@ -2,8 +2,15 @@
 //!
 //! Contract: an attach validates everything and opens the file *before* it
 //! takes the table lock; the export becomes visible to clients in one
-//! insertion, after its record is durable (the state log's mutex is held from
-//! the name check to the insertion: see [`super::record`]). A failed attach
+//! insertion, after its record is durable: under the state log's mutex it
+//! checks the name, stages its record and claims the name; it waits for the
+//! record's batch without any lock (group commit: concurrent attaches share
+//! one write and one sync); then under the mutex again it publishes and drops
+//! the claim (see [`super::record`]). A batch ([`Daemon::attach_batch`])
+//! opens its devices on up to `BATCH_OPENERS` threads (scoped: joined before
+//! it goes on), then stages all their records in one hold of the mutex, so
+//! they share one write.
+//! A failed attach
 //! leaves nothing behind: an image it created is removed again, and a block
 //! device it asked for that cannot be made detaches it again. Racing attaches
 //! that may create their image are serialised by `create_lock`, so exactly one
@@ -20,14 +27,22 @@ use super::bring_back;
 use super::error::CtlError;
 use super::info::DeviceInfo;
 use super::params::{Tuning, check_create, check_name, name_of, params_with};
+use super::record::Staged;
 use super::registry::Daemon;
+use super::state::StateLog;
 use crate::backing::Backend;
+use crate::backing::identity::FileIdentity;
 use crate::control::proto::DeviceSpec;
 use crate::device::export::Export;
 use crate::device::{Device, DeviceParams, Opening};
 use crate::text::quoted_path;
-use std::sync::Arc;
+use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+/// Threads that open the devices of one batch at most (the control client's
+/// own included).
+const BATCH_OPENERS: usize = 4;
 
 /// Where an attach comes from (what it records, what it may replace).
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -52,6 +67,25 @@ impl Source {
     }
 }
 
+/// An attach opened and checked, not yet recorded nor published.
+pub(super) struct Opened {
+    name: String,
+    spec: DeviceSpec,
+    export: Arc<Export>,
+    /// The attach created the image (a failed attach removes it again).
+    created: bool,
+    source: Source,
+    /// The file identity and RBD lock owner the record named (a restore).
+    recorded: Option<FileIdentity>,
+    dead_owner: Option<String>,
+}
+
+/// An attach whose name is claimed and whose record is staged.
+pub(super) struct Claimed {
+    opened: Opened,
+    staged: Staged,
+}
+
 impl Daemon {
     /// Attach a device: validate, open, probe, then publish in one step.
     ///
@@ -64,6 +98,116 @@ impl Daemon {
             Source::Static
         };
         let info = self.attach_inner(spec, source, Tuning::default(), false)?;
+        self.after_publish(info, source)
+    }
+
+    /// Attach many devices from the control socket with one durable write:
+    /// each is opened and checked on its own, the records of all that can be
+    /// attached are staged together (one batch: one write, one `fdatasync`),
+    /// then they are published. Each succeeds or fails on its own; the results
+    /// are in the order of `specs`. A device that may create its image
+    /// (`create`) is attached alone, in turn (`create_lock`).
+    pub fn attach_batch(&self, specs: Vec<DeviceSpec>) -> Vec<Result<DeviceInfo, CtlError>> {
+        let mut out: Vec<Option<Result<DeviceInfo, CtlError>>> =
+            specs.iter().map(|_| None).collect();
+        let mut todo = Vec::new();
+        for (i, spec) in specs.into_iter().enumerate() {
+            if spec.create.is_some() {
+                out[i] = Some(self.attach(spec, true));
+            } else {
+                todo.push((i, spec));
+            }
+        }
+        let mut opened = Vec::new();
+        for (i, r) in self.open_many(todo) {
+            match r {
+                Ok(o) => opened.push((i, o)),
+                Err(e) => out[i] = Some(Err(e)),
+            }
+        }
+        // Staged in the order asked.
+        opened.sort_by_key(|(i, _)| *i);
+        // One hold of the log's lock: every record in one batch.
+        let mut claims = Vec::new();
+        {
+            let log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+            let mut claimed = self.claimed.lock().unwrap_or_else(|p| p.into_inner());
+            let mut ok = Vec::new();
+            for (i, o) in opened {
+                match self.check_name(&claimed, &o) {
+                    Ok(()) => ok.push((i, o)),
+                    Err(e) => out[i] = Some(Err(self.undo_open(&o, e))),
+                }
+            }
+            // All records staged at once: one write, whatever else is staged.
+            let specs: Vec<&DeviceSpec> = ok.iter().map(|(_, o)| &o.spec).collect();
+            match self.stage_records(&log, &specs) {
+                Ok(staged) => {
+                    for ((i, o), staged) in ok.into_iter().zip(staged) {
+                        claimed.insert(o.name.clone());
+                        claims.push((i, Claimed { opened: o, staged }));
+                    }
+                }
+                Err(()) => {
+                    for (i, o) in ok {
+                        out[i] = Some(Err(self.undo_open(&o, CtlError::ShuttingDown)));
+                    }
+                }
+            }
+        }
+        // The first wait leads the batch; the others find it durable.
+        for (i, c) in claims {
+            let r = self
+                .publish(c)
+                .and_then(|info| self.after_publish(info, Source::Control));
+            out[i] = Some(r);
+        }
+        out.into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(CtlError::Busy(
+                        "this device of the batch could not be opened; try again".into(),
+                    ))
+                })
+            })
+            .collect()
+    }
+
+    /// Open the devices of a batch ([`Daemon::open_for_attach`]) on this
+    /// thread and up to [`BATCH_OPENERS`]` - 1` scoped helpers (all joined
+    /// here) taking work from one queue, as concurrent control clients would;
+    /// results in any order.
+    fn open_many(&self, todo: Vec<(usize, DeviceSpec)>) -> Vec<(usize, Result<Opened, CtlError>)> {
+        let helpers = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(BATCH_OPENERS)
+            .min(todo.len() / 16)
+            .saturating_sub(1);
+        let queue = Mutex::new(todo);
+        let done = Mutex::new(Vec::new());
+        let work = || {
+            loop {
+                let next = queue.lock().unwrap_or_else(|p| p.into_inner()).pop();
+                let Some((i, spec)) = next else { return };
+                let r = self.open_for_attach(spec, Source::Control, Tuning::default(), false);
+                done.lock().unwrap_or_else(|p| p.into_inner()).push((i, r));
+            }
+        };
+        std::thread::scope(|s| {
+            for _ in 0..helpers {
+                // Without a helper thread this one does the work.
+                let _ = std::thread::Builder::new()
+                    .name("loopd-batch-open".into())
+                    .spawn_scoped(s, work);
+            }
+            work();
+        });
+        done.into_inner().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// After an attach is published: the reachability warning, and the block
+    /// device it asked for (or the attach is undone).
+    fn after_publish(&self, info: DeviceInfo, source: Source) -> Result<DeviceInfo, CtlError> {
         if source == Source::Control {
             self.warn_if_unreachable(&info.name);
         }
@@ -80,13 +224,36 @@ impl Daemon {
         Ok(self.export(&info.name).map_or(info, |e| self.info(&e)))
     }
 
+    /// One attach: open, claim and stage, wait until durable, publish.
     pub(super) fn attach_inner(
+        &self,
+        spec: DeviceSpec,
+        source: Source,
+        tuning: Tuning,
+        is_default: bool,
+    ) -> Result<DeviceInfo, CtlError> {
+        // Racing attaches that may create the image: one at a time, from the
+        // name check to publication.
+        let _creating = spec
+            .create
+            .map(|_| self.create_lock.lock().unwrap_or_else(|p| p.into_inner()));
+        let o = self.open_for_attach(spec, source, tuning, is_default)?;
+        let c = {
+            let log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+            let mut claimed = self.claimed.lock().unwrap_or_else(|p| p.into_inner());
+            self.claim(&log, &mut claimed, o)?
+        };
+        self.publish(c)
+    }
+
+    /// Validate `spec` and open its device (no lock held but `create_lock`).
+    fn open_for_attach(
         &self,
         mut spec: DeviceSpec,
         source: Source,
         tuning: Tuning,
         is_default: bool,
-    ) -> Result<DeviceInfo, CtlError> {
+    ) -> Result<Opened, CtlError> {
         if self.stopping.load(Ordering::SeqCst) {
             return Err(CtlError::ShuttingDown);
         }
@@ -106,9 +273,6 @@ impl Daemon {
         if !(is_default && name.is_empty()) {
             check_name(&name).map_err(CtlError::Invalid)?;
         }
-        let _creating = spec
-            .create
-            .map(|_| self.create_lock.lock().unwrap_or_else(|p| p.into_inner()));
         if spec.image.is_relative() && !spec.is_rbd() {
             return Err(CtlError::Invalid(format!(
                 "image path {} is relative; the daemon needs an absolute path",
@@ -172,65 +336,128 @@ impl Daemon {
         if let Ok(tx) = self.idle_tx.lock() {
             export.set_idle_notify(tx.clone());
         }
-        // From the name check to the insertion under the log's lock: the record is
-        // durable before anyone can see the device, and no other attach interleaves.
-        let mut log = self.log.lock().map_err(|_| CtlError::ShuttingDown)?;
-        let undo = |err: CtlError| {
-            // Remove the image we made unless some export serves it.
-            let in_use = self.all().iter().any(|e| e.current().0.path == spec.image);
-            if created && !in_use {
-                let _ = std::fs::remove_file(&spec.image);
+        Ok(Opened {
+            name,
+            spec,
+            export,
+            created,
+            source,
+            recorded,
+            dead_owner,
+        })
+    }
+
+    /// A failed attach leaves no trace: the image it created is removed
+    /// unless some export serves it.
+    fn undo_open(&self, o: &Opened, err: CtlError) -> CtlError {
+        let in_use = self
+            .all()
+            .iter()
+            .any(|e| e.current().0.path == o.spec.image);
+        if o.created && !in_use {
+            let _ = std::fs::remove_file(&o.spec.image);
+        }
+        err
+    }
+
+    /// Under the log's lock (`log`, then `claimed`): check the name is free,
+    /// stage the record and claim the name, so no other attach takes it and
+    /// records are staged in the order of these checks.
+    fn claim(
+        &self,
+        log: &Option<Arc<StateLog>>,
+        claimed: &mut BTreeSet<String>,
+        o: Opened,
+    ) -> Result<Claimed, CtlError> {
+        let name = o.name.clone();
+        if let Err(e) = self.check_name(claimed, &o) {
+            return Err(self.undo_open(&o, e));
+        }
+        let staged = match o.source {
+            Source::Control => match self.stage_record(log, |l| l.stage_put(&o.spec)) {
+                Ok(s) => s,
+                Err(e) => return Err(self.undo_open(&o, e)),
+            },
+            // Only the file as found in this boot changed, at start: written
+            // with the others by the compaction that ends the restore (a
+            // crash before it: the old record, checked as after a reboot).
+            Source::Restoring
+                if o.recorded != o.spec.file && o.dead_owner == o.spec.rbd_lock_owner =>
+            {
+                if let Some(l) = log {
+                    l.amend(&o.spec);
+                }
+                Staged::NONE
             }
-            err
-        };
-        if self.export(&name).is_some() {
-            // Lost the name to an attach without `create` (those do not take
-            // create_lock).
-            return Err(undo(CtlError::NameTaken(name)));
-        }
-        let was_missing = self.missing_spec(&name).is_some();
-        if source.restored() && !was_missing {
-            // Detached, or attached by a client, while this retry opened the image.
-            return Err(CtlError::NameTaken(name));
-        }
-        if source == Source::Control {
-            self.write_record(&mut log, &format!("attach {name:?}"), |l| l.put(&spec))
-                .map_err(undo)?;
-        }
-        if source == Source::Restoring && recorded != spec.file && dead_owner == spec.rbd_lock_owner
-        {
-            // Written with the others by the compaction that ends the restore
-            // (a crash before it: the old record, checked as after a reboot).
-            if let Some(l) = log.as_mut() {
-                l.amend(&spec);
-            }
-        } else if source.restored() && (recorded != spec.file || dead_owner != spec.rbd_lock_owner)
-        {
             // First seen in this boot (or recorded by an older loopd): from now
             // on the record names the file as found here, and the RBD lock's
             // owner of this run.
-            let what = format!("record the file of {name:?}");
-            if let Err(e) = self.write_record(&mut log, &what, |l| l.put(&spec)) {
-                tracing::warn!("{}", e.body().message);
+            Source::Restored | Source::Restoring
+                if o.recorded != o.spec.file || o.dead_owner != o.spec.rbd_lock_owner =>
+            {
+                self.stage_record(log, |l| l.stage_put(&o.spec))
+                    .unwrap_or(Staged::NONE)
             }
+            Source::Restored | Source::Restoring | Source::Static => Staged::NONE,
+        };
+        claimed.insert(name);
+        Ok(Claimed { opened: o, staged })
+    }
+
+    /// Under the log's lock: whether `o` may take its name (no device, no
+    /// other attach's claim; a retry only while the device is missing).
+    fn check_name(&self, claimed: &BTreeSet<String>, o: &Opened) -> Result<(), CtlError> {
+        if self.export(&o.name).is_some() || claimed.contains(&o.name) {
+            // Lost the name to another attach.
+            return Err(CtlError::NameTaken(o.name.clone()));
+        }
+        if o.source.restored() && self.missing_spec(&o.name).is_none() {
+            // Detached, or attached by a client, while this retry opened the image.
+            return Err(CtlError::NameTaken(o.name.clone()));
+        }
+        Ok(())
+    }
+
+    /// Wait (no lock held) until the claimed attach's record is durable, then
+    /// publish the device and drop the claim in one hold of the log's lock; if
+    /// the record failed, only drop the claim and undo the open.
+    fn publish(&self, c: Claimed) -> Result<DeviceInfo, CtlError> {
+        let Claimed { opened: o, staged } = c;
+        let name = o.name.clone();
+        let mut r = if o.source.restored() {
+            staged.wait(&format!("record the file of {name:?}"))
+        } else {
+            staged.wait(&format!("attach {name:?}"))
+        };
+        if let (Err(e), true) = (&r, o.source.restored()) {
+            // The device comes back; its record keeps the old file's name.
+            tracing::warn!("{}", e.body().message);
+            r = Ok(());
         }
         {
-            let mut t = self.exports.write().map_err(|_| CtlError::ShuttingDown)?;
-            t.insert(name.clone(), Arc::clone(&export));
-        }
-        if was_missing {
+            let _log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+            let mut claimed = self.claimed.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(e) = r {
+                claimed.remove(&name);
+                drop(claimed);
+                return Err(self.undo_open(&o, e));
+            }
+            {
+                let mut t = self.exports.write().unwrap_or_else(|p| p.into_inner());
+                t.insert(name.clone(), Arc::clone(&o.export));
+            }
+            claimed.remove(&name);
             if let Ok(mut m) = self.missing.lock() {
                 m.remove(&name);
             }
         }
-        drop(log);
-        if source == Source::Static && spec.is_rbd() {
+        if o.source == Source::Static && o.spec.is_rbd() {
             // Published: from now on a `kill -9` is taken back at the next
             // start.
-            self.record_rbd_owner(&name, &spec, spec.rbd_lock_owner.clone());
+            self.record_rbd_owner(&name, &o.spec, o.spec.rbd_lock_owner.clone());
         }
-        self.follow_image_of(&export);
-        Ok(self.info(&export))
+        self.follow_image_of(&o.export);
+        Ok(self.info(&o.export))
     }
 
     /// A published RBD device hears when its image's header changes: the

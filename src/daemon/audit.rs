@@ -98,11 +98,37 @@ pub fn line(req: &Request, caller: Caller, old_size: Option<u64>, reply: &str) -
                 .map_or_else(|| "?".into(), |n| n.to_string());
             format!("resize {} {old} -> {new} bytes", quoted(name))
         }
+        Request::AttachBatch { devices } => {
+            format!("attach-batch of {} device(s)", devices.len())
+        }
         Request::Reload => "reload".into(),
         Request::ReloadTls => "reload-tls".into(),
         Request::List | Request::Status { .. } | Request::Version => return None,
     };
     Some(format!("audit: {what} by {caller}: {outcome}"))
+}
+
+/// The audit lines for `req` answered by `reply`: [`line`], and for an
+/// `attach_batch` one line per device (as if each were its own `attach`).
+pub fn lines(req: &Request, caller: Caller, old_size: Option<u64>, reply: &str) -> Vec<String> {
+    let Request::AttachBatch { devices } = req else {
+        return line(req, caller, old_size, reply).into_iter().collect();
+    };
+    let v: Value = serde_json::from_str(reply).unwrap_or(Value::Null);
+    let items = v["result"]["devices"].as_array();
+    if items.is_none_or(|i| i.len() != devices.len()) {
+        // Refused as a whole.
+        return line(req, caller, old_size, reply).into_iter().collect();
+    }
+    devices
+        .iter()
+        .zip(items.into_iter().flatten())
+        .filter_map(|(d, item)| {
+            let one = Request::Attach(Box::new(d.clone()));
+            let r = serde_json::json!({ "v": 1, "ok": item["ok"], "result": item["result"], "error": item["error"] });
+            line(&one, caller, None, &r.to_string())
+        })
+        .collect()
 }
 
 /// A reload's outcome from its report (a reply's `result`, or the report as
@@ -185,6 +211,31 @@ mod tests {
         uid: Some(1000),
         pid: Some(42),
     };
+
+    #[test]
+    fn a_batch_gives_one_line_per_device() {
+        let dev = |image: &str| crate::control::proto::DeviceSpec {
+            image: image.into(),
+            ..Default::default()
+        };
+        let req = Request::AttachBatch {
+            devices: vec![dev("/i/a.img"), dev("/i/b.img")],
+        };
+        let reply = r#"{"v":1,"ok":true,"result":{"devices":[{"ok":true,"result":{"name":"a"}},{"ok":false,"error":{"code":"io","message":"cannot open"}}]}}"#;
+        let l = lines(&req, WHO, None, reply);
+        assert_eq!(l.len(), 2, "{l:?}");
+        assert!(
+            l[0].contains(r#"attach "a" image="/i/a.img""#) && l[0].ends_with(": ok"),
+            "{l:?}"
+        );
+        assert!(
+            l[1].contains("/i/b.img") && l[1].contains("refused: cannot open (io)"),
+            "{l:?}"
+        );
+        // Refused as a whole: one line.
+        let whole = r#"{"v":1,"ok":false,"error":{"code":"shutting_down","message":"stopping"}}"#;
+        assert_eq!(lines(&req, WHO, None, whole).len(), 1);
+    }
 
     #[test]
     fn changes_are_audited_with_who_asked() {

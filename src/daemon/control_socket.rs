@@ -132,7 +132,7 @@ fn serve_client(s: UnixStream, daemon: &Daemon, idle: Duration) -> std::io::Resu
                     _ => None,
                 };
                 let reply = daemon.handle(req.clone());
-                if let Some(l) = audit::line(&req, caller, old_size, &reply) {
+                for l in audit::lines(&req, caller, old_size, &reply) {
                     tracing::info!("{l}");
                 }
                 reply

@@ -102,13 +102,43 @@ impl Daemon {
     }
 
     /// Detach a missing device: drop its record. `None` if `name` is not missing.
+    /// An attach of the name that is being recorded (a retry bringing it back)
+    /// is waited for first (bounded): then the name is a device, not missing.
     pub(super) fn detach_missing(&self, name: &str) -> Option<Result<(), CtlError>> {
-        let mut log = match self.log.lock() {
-            Ok(l) => l,
-            Err(_) => return Some(Err(CtlError::ShuttingDown)),
+        let deadline = Instant::now() + FORCE_TIMEOUT;
+        let staged = loop {
+            let log = match self.log.lock() {
+                Ok(l) => l,
+                Err(_) => return Some(Err(CtlError::ShuttingDown)),
+            };
+            self.missing_spec(name)?;
+            let mut claimed = self.claimed.lock().unwrap_or_else(|p| p.into_inner());
+            if claimed.contains(name) {
+                drop((claimed, log));
+                if Instant::now() > deadline {
+                    return Some(Err(CtlError::Busy(format!(
+                        "device {name:?} is being attached; try again"
+                    ))));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+                continue;
+            }
+            match self.stage_record(&log, |l| l.stage_del(name)) {
+                Ok(s) => {
+                    // Claimed while the removal is recorded: no attach takes
+                    // the name meanwhile.
+                    claimed.insert(name.to_owned());
+                    break s;
+                }
+                Err(e) => return Some(Err(e)),
+            }
         };
-        self.missing_spec(name)?;
-        if let Err(e) = self.write_record(&mut log, &format!("detach {name:?}"), |l| l.del(name)) {
+        let r = staged.wait(&format!("detach {name:?}"));
+        let _log = self.log.lock();
+        if let Ok(mut c) = self.claimed.lock() {
+            c.remove(name);
+        }
+        if let Err(e) = r {
             return Some(Err(e));
         }
         if let Ok(mut m) = self.missing.lock() {

@@ -14,10 +14,16 @@
 //!
 //! State file: every change it records (attach, set, detach) is durable in the
 //! [`state::StateLog`] *before* it takes effect and before the reply; if it
-//! cannot be recorded the request fails and changes nothing. The log's mutex is
-//! held from an attach's name check through its record to its insertion into the
-//! table (lock order: log, then the export table, then `missing`), so no client
-//! sees a device the state file lacks. A recorded device whose image cannot be
+//! cannot be recorded the request fails and changes nothing. Concurrent
+//! requests share one write and one `fdatasync` (group commit): under the
+//! log's mutex an attach checks its name, stages its record and claims the
+//! name; it waits for its batch to be durable holding no lock; then, under the
+//! mutex again, it is inserted into the table and its claim dropped (lock
+//! order: log, then `claimed`, then the export table, then `missing`). So no
+//! client sees a device the state file lacks, and no two attaches claim one
+//! name; a failed batch fails each request in it. A batch request
+//! (`attach_batch`) stages all its records in one hold of the mutex, so they
+//! share one write (see `record.rs`, `attach.rs`). A recorded device whose image cannot be
 //! opened at start stays recorded and is listed as *missing* with the reason; it
 //! is retried every [`RETRY_INTERVAL`] and by an attach of the same name.
 //!
@@ -37,8 +43,8 @@
 //!    settings (reactors, endpoints, TLS, default export), the lookups
 //!    (`export`, `list`, `status`), the kicks, and the exports as NBD clients
 //!    see them.
-//! 2. `record.rs`: state handling (the state log: open, record, compact,
-//!    close; [`default_state_path`]).
+//! 2. `record.rs`: state handling (the state log: open, stage a record and
+//!    wait for its batch, compact, close; [`default_state_path`]).
 //! 3. `kernel.rs`: the kernel block devices of devices (made, resized,
 //!    removed).
 //! 4. `detach.rs`: detach ([`FORCE_TIMEOUT`]).
@@ -58,7 +64,8 @@
 //! checks of a spec), [`set_rules`], [`bring_back`], [`config`], [`audit`],
 //! [`reload_report`], [`uri`], [`info`], `pool.rs` (work on a few threads at
 //! start); and [`state`] (the state file's
-//! format and log), [`rbd_owners`] (its sidecar: the RBD lock owners of the
+//! format and log), `group_commit.rs` (its group commit: records staged in
+//! order, the first waiter writes and syncs the batch), [`rbd_owners`] (its sidecar: the RBD lock owners of the
 //! devices it does not hold), [`blockdev`] (making and removing a kernel block device).
 
 mod attach;
@@ -71,6 +78,7 @@ mod detach;
 mod endpoints;
 mod error;
 mod follow;
+mod group_commit;
 pub mod info;
 mod janitor;
 mod kernel;

@@ -2,17 +2,25 @@
 //!
 //! Contract: the state log is opened and locked first thing at start
 //! ([`Daemon::open_state`]: a second daemon on the same file stops there);
-//! every change it records (attach, set, detach) is written durably
-//! ([`Daemon::write_record`]) *before* it takes effect and before the reply,
-//! and if it cannot be, the request fails and changes nothing. The log's
-//! mutex is the first lock of the daemon's lock order (see
-//! [`super::registry`]); an attach holds it from its name check to its
-//! insertion, so no client sees a device the state file lacks. At stop the
-//! file is compacted and closed ([`Daemon::close_state`]); nothing is
+//! every change it records (attach, set, detach) is written durably *before*
+//! it takes effect and before the reply, and if it cannot be, the request
+//! fails and changes nothing. Group commit: a record is staged
+//! ([`Daemon::stage_record`]) under the daemon's `log` mutex — the first lock
+//! of the daemon's lock order (see [`super::registry`]), so records are
+//! staged in the order of the checks made under it — and waited for
+//! ([`Staged::wait`]) *without* it, so concurrent requests on their control
+//! threads share one write and one `fdatasync`. An attach stages its record
+//! and claims its name (`claimed`) in one hold of `log`, waits, and then,
+//! under `log` again, publishes the device and drops the claim (or only drops
+//! the claim if its batch failed): no client sees a device the state file
+//! lacks, and no two attaches claim one name. A `set` or a detach runs under
+//! its export's control lock, which orders that export's records. At stop
+//! the file is compacted and closed ([`Daemon::close_state`]); nothing is
 //! recorded after that, and a change asked for then fails. Its lock is let
 //! go only after the devices are (the [`ClosedState`] dropped last), so no
-//! daemon can start on it while this one still holds an image's lock. Writing blocks
-//! (`fdatasync`): these run on control threads, never on a reactor.
+//! daemon can start on it while this one still holds an image's lock. Waiting blocks
+//! (up to two batches' `fdatasync`): these run on control threads, never on a
+//! reactor.
 //!
 //! Devices from the command line and `--config` are not recorded (they come
 //! back from there); see [`super::restore`] for what comes back at start.
@@ -28,7 +36,29 @@ use super::state;
 use crate::control::proto::DeviceSpec;
 use crate::device::export::Export;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
+
+/// A record staged in the state log, to be waited for before its change is
+/// acknowledged; `None`: nothing to record (no state file, or a device that
+/// is not recorded).
+pub(super) struct Staged(Option<(Arc<state::StateLog>, state::Pending)>);
+
+impl Staged {
+    pub(super) const NONE: Staged = Staged(None);
+
+    /// Wait until the record is durable (see [`state::StateLog::wait`]). A
+    /// failed write fails the request `what` (e.g. `attach "a"`).
+    pub(super) fn wait(self, what: &str) -> Result<(), CtlError> {
+        let Some((log, p)) = self.0 else {
+            return Ok(());
+        };
+        log.wait(p).map_err(|source| CtlError::State {
+            msg: format!("cannot {what}: the state file cannot record it"),
+            source,
+        })
+    }
+}
 
 /// The state file after [`Daemon::close_state`]: closed to changes, still
 /// locked. Dropped once the daemon has let its devices go (flushed, RBD
@@ -38,7 +68,7 @@ use std::sync::atomic::Ordering;
 /// which it would take for its dead self's and break.
 #[must_use = "dropping it releases the state file's lock: keep it until the devices are let go"]
 pub struct ClosedState {
-    log: Option<state::StateLog>,
+    log: Option<Arc<state::StateLog>>,
     owners: Option<RbdOwners>,
 }
 
@@ -51,41 +81,71 @@ impl Drop for ClosedState {
             tracing::warn!("{e}");
         }
         self.owners = None;
-        // Now the lock of the state file goes.
+        // Now the lock of the state file goes (with the last holder of the
+        // log: a request still waiting for its batch lets go at once).
         self.log = None;
     }
 }
 
 impl Daemon {
-    /// Write one record to the state log (the caller holds its lock), durably,
-    /// before the change it records takes effect. Once the log is closed at stop
-    /// nothing may change unrecorded; a daemon without a state file records
-    /// nothing. A failed write fails the request `what` (e.g. `attach "a"`).
-    pub(super) fn write_record(
+    /// Stage one record in the state log (the caller holds the log's lock, so
+    /// records are staged in the order of its checks), to be waited for
+    /// ([`Staged::wait`]) before the change it records takes effect. Once the
+    /// log is closed at stop nothing may change unrecorded; a daemon without a
+    /// state file records nothing.
+    pub(super) fn stage_record(
         &self,
-        log: &mut Option<state::StateLog>,
-        what: &str,
-        f: impl FnOnce(&mut state::StateLog) -> Result<(), state::StateError>,
-    ) -> Result<(), CtlError> {
-        match log.as_mut() {
-            Some(l) => f(l).map_err(|source| CtlError::State {
-                msg: format!("cannot {what}: the state file cannot record it"),
-                source,
-            }),
+        log: &Option<Arc<state::StateLog>>,
+        f: impl FnOnce(&state::StateLog) -> state::Pending,
+    ) -> Result<Staged, CtlError> {
+        match log {
+            Some(l) => Ok(Staged(Some((Arc::clone(l), f(l))))),
             None if self.state.is_some() && self.stopping.load(Ordering::SeqCst) => {
                 Err(CtlError::ShuttingDown)
             }
-            None => Ok(()),
+            None => Ok(Staged::NONE),
         }
     }
 
-    /// Durably record `spec` as `e`'s configuration (before it is applied).
+    /// [`Daemon::stage_record`] of the attach records of `specs`, all at once
+    /// (so they go out in one write); `Err` once the log is closed at stop.
+    pub(super) fn stage_records(
+        &self,
+        log: &Option<Arc<state::StateLog>>,
+        specs: &[&DeviceSpec],
+    ) -> Result<Vec<Staged>, ()> {
+        match log {
+            Some(l) => Ok(l
+                .stage_puts(specs)
+                .into_iter()
+                .map(|p| Staged(Some((Arc::clone(l), p))))
+                .collect()),
+            None if self.state.is_some() && self.stopping.load(Ordering::SeqCst) => Err(()),
+            None => Ok(specs.iter().map(|_| Staged::NONE).collect()),
+        }
+    }
+
+    /// Stage a record under the log's lock, then wait for it without the lock
+    /// (so concurrent requests share one write and one sync).
+    fn record_one(
+        &self,
+        what: &str,
+        f: impl FnOnce(&state::StateLog) -> state::Pending,
+    ) -> Result<(), CtlError> {
+        let staged = {
+            let log = self.log.lock().map_err(|_| CtlError::ShuttingDown)?;
+            self.stage_record(&log, f)?
+        };
+        staged.wait(what)
+    }
+
+    /// Durably record `spec` as `e`'s configuration (before it is applied; the
+    /// caller holds `e`'s control lock, which orders `e`'s records).
     pub(super) fn record_put(&self, e: &Export, spec: &DeviceSpec) -> Result<(), CtlError> {
         if !e.persistent {
             return Ok(());
         }
-        let mut log = self.log.lock().map_err(|_| CtlError::ShuttingDown)?;
-        self.write_record(&mut log, &format!("change {:?}", e.name), |l| l.put(spec))
+        self.record_one(&format!("change {:?}", e.name), |l| l.stage_put(spec))
     }
 
     /// Durably record that `e` is gone (before it is unpublished); a failure
@@ -94,10 +154,7 @@ impl Daemon {
         if !e.persistent {
             return Ok(());
         }
-        let mut log = self.log.lock().map_err(|_| CtlError::ShuttingDown)?;
-        self.write_record(&mut log, &format!("detach {:?}", e.name), |l| {
-            l.del(&e.name)
-        })
+        self.record_one(&format!("detach {:?}", e.name), |l| l.stage_del(&e.name))
     }
 
     /// Lock and read the state file (first thing at start: a second daemon on
@@ -110,7 +167,7 @@ impl Daemon {
         // Read under the state file's lock: its owners are of a dead run.
         let owners = RbdOwners::load(path);
         if let Ok(mut g) = self.log.lock() {
-            *g = Some(log);
+            *g = Some(Arc::new(log));
         }
         if let Ok(mut g) = self.rbd_owners.lock() {
             *g = Some(owners);
@@ -173,11 +230,11 @@ impl Daemon {
 
     /// Compact the state file (rewrite it from its table).
     pub fn write_state(&self) {
-        let Ok(mut g) = self.log.lock() else { return };
-        if let Some(log) = g.as_mut() {
-            if let Err(e) = log.compact() {
-                tracing::error!("{e:#}");
-            }
+        let Some(log) = self.log.lock().ok().and_then(|g| g.clone()) else {
+            return;
+        };
+        if let Err(e) = log.compact() {
+            tracing::error!("{e:#}");
         }
     }
 }

@@ -5,8 +5,11 @@
 //! an action on one export takes that export's own control lock
 //! ([`Export::control`]), so actions on different devices never wait for each
 //! other, and reactors take none of these locks. The state log's mutex
-//! (`log`) orders records and publication: lock order is `log`, then
-//! `exports`, then `missing`; `blockdevs`, `create_lock`, `rbd_owners` and
+//! (`log`) orders the staging of records with the name checks and
+//! publication, and `claimed` (names whose attach is staged but not yet
+//! published) is only changed under it: lock order is `log`, then `claimed`,
+//! then `exports`, then `missing`; neither is held while a record is waited
+//! for (see [`super::record`]). `blockdevs`, `create_lock`, `rbd_owners` and
 //! the rest are taken alone. A poisoned lock is taken over (its data stays
 //! consistent: every critical section here is one insertion or removal).
 //!
@@ -26,7 +29,7 @@ use crate::device::export::{ClientRef, Export};
 use crate::frontend::nbd::handshake::Exports;
 use crate::reactor::ReactorHandle;
 use crate::tls::TlsContext;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -43,7 +46,10 @@ pub struct Daemon {
     pub(super) state: Option<PathBuf>,
     /// The open state log (after [`Daemon::open_state`]); its mutex orders
     /// records and publication (see [`super::record`]).
-    pub(super) log: Mutex<Option<state::StateLog>>,
+    pub(super) log: Mutex<Option<Arc<state::StateLog>>>,
+    /// Names an attach has claimed (its record staged, the device not yet
+    /// published): changed only under `log`.
+    pub(super) claimed: Mutex<BTreeSet<String>>,
     /// The RBD lock owners of the devices the state file does not hold
     /// (`serve rbd:…`, `--config`), while the state file is open (see
     /// [`super::rbd_owners`]). Taken alone.
@@ -88,6 +94,7 @@ impl Daemon {
             endpoints: RwLock::default(),
             state,
             log: Mutex::new(None),
+            claimed: Mutex::new(BTreeSet::new()),
             rbd_owners: Mutex::new(None),
             missing: Mutex::default(),
             create_lock: Mutex::new(()),

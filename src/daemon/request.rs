@@ -3,13 +3,21 @@
 //! result or error ([`super::error::CtlError::body`]).
 
 use super::registry::Daemon;
-use crate::control::proto::{Request, err_reply, ok_reply};
+use crate::control::proto::{Request, batch_item, err_reply, ok_reply};
 
 impl Daemon {
     /// Run one control request and encode its reply line.
     pub fn handle(&self, req: Request) -> String {
         let r = match req {
             Request::Attach(spec) => self.attach(*spec, true).map(|i| ok_reply(&i)),
+            Request::AttachBatch { devices } => {
+                let items: Vec<_> = self
+                    .attach_batch(devices)
+                    .into_iter()
+                    .map(|r| batch_item(r.map_err(|e| e.body())))
+                    .collect();
+                Ok(ok_reply(&serde_json::json!({ "devices": items })))
+            }
             Request::Detach { name, force } => self
                 .detach(&name, force)
                 .map(|()| ok_reply(&serde_json::json!({ "name": name }))),

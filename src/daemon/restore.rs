@@ -44,7 +44,7 @@ impl Daemon {
     pub fn restore(&self) {
         let (specs, path) = match self.log.lock() {
             Ok(g) => match g.as_ref() {
-                Some(l) => (l.table().to_vec(), l.path().display().to_string()),
+                Some(l) => (l.table(), l.path().display().to_string()),
                 None => return,
             },
             Err(_) => return,

@@ -12,12 +12,22 @@
 //!   removed when the log is dropped (a `kill -9` leaves it: harmless).
 //! - Nothing is written to a path that exists and is not a loopd state file
 //!   (not a regular file, or no header): [`StateError::NotState`].
-//! - A change is durable before it is acknowledged: [`StateLog::put`] and
-//!   [`StateLog::del`] `write(2)` one line to the `O_APPEND` file and `fdatasync`
-//!   it; if either fails, the partial line is cut off again and the change is
-//!   refused (the in-memory table is unchanged). Rewrites (the first record, and
-//!   compaction) go to a temporary file (mode 0600, synced) renamed over the log,
-//!   then the directory is synced.
+//! - A change is durable before it is acknowledged, and concurrent changes
+//!   share the cost (group commit, [`super::group_commit`]): a record is staged
+//!   ([`StateLog::stage_put`], [`StateLog::stage_del`]; in the order the caller
+//!   means, e.g. under its own lock) and then waited for ([`StateLog::wait`];
+//!   [`StateLog::put`] and [`StateLog::del`] do both). The first waiter writes
+//!   every record staged so far in one `write(2)` to the `O_APPEND` file and
+//!   one `fdatasync`, and wakes the others; records staged meanwhile form the
+//!   next batch. If the write or the sync fails, the partial lines are cut off
+//!   again and every record of the batch is refused (the in-memory table, which
+//!   holds only what is durable, is unchanged). Rewrites (the first record, and
+//!   compaction) go to a temporary file (mode 0600, synced) renamed over the
+//!   log, then the directory is synced.
+//! - Threads: the log is shared (`&self`); its one mutex (inside the group
+//!   commit) is never held across a write or sync of a batch, only across the
+//!   rare whole-file rewrites of [`StateLog::compact`]; [`StateLog::wait`]
+//!   blocks for up to two batches' sync.
 //! - Damaged lines (unreadable JSON, a torn last line without its newline from a
 //!   crash or power loss) never make the state shrink silently: what parses is
 //!   kept, the whole file is first copied to `STATE.damaged-YYYYmmddTHHMMSSZ`
@@ -26,6 +36,7 @@
 //!   on what the daemon has managed to attach: a device whose image is missing
 //!   stays recorded.
 
+use super::group_commit::{GroupCommit, Ticket};
 use crate::control::proto::DeviceSpec;
 use serde::{Deserialize, Serialize};
 use std::fs::{File, OpenOptions};
@@ -238,18 +249,40 @@ pub(super) fn replace_file(path: &Path, body: &[u8]) -> std::io::Result<()> {
     written
 }
 
-/// An open, locked state log. See the module documentation.
-pub struct StateLog {
+/// The state log's mutable part, behind its group commit.
+struct Log {
     path: PathBuf,
     /// The log, open for appends; `None` until the file exists and is whole (the
     /// next record then rewrites the file from `table`).
     file: Option<File>,
     /// Bytes of whole records in `file` (a failed append is cut back to this).
     len: u64,
+    /// The durable table: what the file holds (and amendments for the next
+    /// rewrite, [`StateLog::amend`]).
     table: Table,
     records: usize,
     /// The file exists (so a compaction must keep it up to date).
     exists: bool,
+    /// `fdatasync`s of appended batches.
+    syncs: u64,
+}
+
+/// A staged record and its line.
+type Staged = (Record, Vec<u8>);
+
+/// A failed batch's error, for each of its records.
+#[derive(Clone)]
+struct Failure(std::io::ErrorKind, String);
+
+/// A record staged by [`StateLog::stage_put`] or [`StateLog::stage_del`]:
+/// acknowledge its change only once [`StateLog::wait`] says it is durable.
+#[must_use = "a staged record is acknowledged only once waited for"]
+pub struct Pending(Ticket);
+
+/// An open, locked state log. See the module documentation.
+pub struct StateLog {
+    path: PathBuf,
+    log: GroupCommit<Log, Staged, Failure>,
     _lock: File,
 }
 
@@ -270,14 +303,127 @@ impl StateLog {
         // Refuse a foreign file before creating anything beside it.
         precheck(path)?;
         let lock = lock(path)?;
-        let mut log = StateLog {
+        let log = Log::read(path)?;
+        Ok(StateLog {
+            path: path.to_path_buf(),
+            log: GroupCommit::new(log),
+            _lock: lock,
+        })
+    }
+
+    /// The devices recorded (durably), in first-attached order.
+    pub fn table(&self) -> Vec<DeviceSpec> {
+        self.log.with(|l| l.table.specs().to_vec())
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Record an attach or a change of `spec` (durably, see the module docs).
+    pub fn put(&self, spec: &DeviceSpec) -> Result<(), StateError> {
+        self.wait(self.stage_put(spec))
+    }
+
+    /// Record a detach (durably).
+    pub fn del(&self, name: &str) -> Result<(), StateError> {
+        self.wait(self.stage_del(name))
+    }
+
+    /// Queue the record of an attach or a change of `spec` for the next batch
+    /// (records are written in the order they are staged).
+    pub fn stage_put(&self, spec: &DeviceSpec) -> Pending {
+        self.stage(Record::Put(Box::new(spec.clone())))
+    }
+
+    /// Queue the attach records of `specs` together, in order: no other record
+    /// comes between them, so they go out in one write.
+    pub fn stage_puts(&self, specs: &[&DeviceSpec]) -> Vec<Pending> {
+        let staged = specs
+            .iter()
+            .map(|s| {
+                let r = Record::Put(Box::new((*s).clone()));
+                let line = encode(&r);
+                (r, line)
+            })
+            .collect();
+        self.log
+            .stage_all(staged)
+            .into_iter()
+            .map(Pending)
+            .collect()
+    }
+
+    /// Queue the record of a detach for the next batch.
+    pub fn stage_del(&self, name: &str) -> Pending {
+        self.stage(Record::Del(name.to_owned()))
+    }
+
+    fn stage(&self, r: Record) -> Pending {
+        // Encoded on the caller's thread, outside any commit.
+        let line = encode(&r);
+        Pending(self.log.stage((r, line)))
+    }
+
+    /// Wait until the batch holding `p` is durable (leading it if no write
+    /// runs: see [`super::group_commit`]); a failed write or sync fails every
+    /// record of its batch, and the file and table are as they were.
+    pub fn wait(&self, p: Pending) -> Result<(), StateError> {
+        self.log
+            .wait(p.0, Log::commit)
+            .map_err(|Failure(kind, msg)| {
+                StateError::Write(
+                    self.path.display().to_string(),
+                    std::io::Error::new(kind, msg),
+                )
+            })
+    }
+
+    /// Batches made durable by one `fdatasync` each, since the log was opened.
+    pub fn syncs(&self) -> u64 {
+        self.log.with(|l| l.syncs)
+    }
+
+    /// Drop `name` from the table without a record of its own (it is gone from
+    /// the file at the next rewrite, e.g. [`StateLog::compact`]).
+    pub fn forget(&self, name: &str) {
+        self.log.with(|l| l.table.del(name));
+    }
+
+    /// Change `spec`'s device in the table without a record of its own (it is
+    /// written at the next rewrite, e.g. [`StateLog::compact`]): only for what
+    /// a crash may lose (a restored device's file as found in this boot).
+    pub fn amend(&self, spec: &DeviceSpec) {
+        self.log.with(|l| l.table.put(spec.clone()));
+    }
+
+    /// Rewrite the file from the table (when it exists or has anything to hold).
+    /// Records staged and not yet written are written after it.
+    pub fn compact(&self) -> Result<(), StateError> {
+        self.log.with(|l| {
+            if !l.exists && l.table.is_empty() {
+                return Ok(());
+            }
+            let table = std::mem::take(&mut l.table);
+            let r = l.rewrite(table.specs());
+            l.table = table;
+            r.map_err(|e| StateError::Write(l.path.display().to_string(), e))
+        })
+    }
+}
+
+impl Log {
+    /// Read the state file at `path` (under its lock).
+    fn read(path: &Path) -> Result<Log, StateError> {
+        let shown = path.display().to_string();
+        let mut log = Log {
             path: path.to_path_buf(),
             file: None,
             len: 0,
             table: Table::default(),
             records: 0,
             exists: false,
-            _lock: lock,
+            syncs: 0,
         };
         // Now under the lock: the file as it is (checked again, it may have
         // changed since `precheck`).
@@ -335,112 +481,75 @@ impl StateLog {
         Ok(log)
     }
 
-    /// The devices recorded, in first-attached order.
-    pub fn table(&self) -> &[DeviceSpec] {
-        self.table.specs()
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// Record an attach or a change of `spec` (durably, see the module docs).
-    pub fn put(&mut self, spec: &DeviceSpec) -> Result<(), StateError> {
-        self.record(Record::Put(Box::new(spec.clone())))
-    }
-
-    /// Record a detach (durably).
-    pub fn del(&mut self, name: &str) -> Result<(), StateError> {
-        self.record(Record::Del(name.to_owned()))
-    }
-
-    /// Drop `name` from the table without a record of its own (it is gone from
-    /// the file at the next rewrite, e.g. [`StateLog::compact`]).
-    pub fn forget(&mut self, name: &str) {
-        self.table.del(name);
-    }
-
-    /// Change `spec`'s device in the table without a record of its own (it is
-    /// written at the next rewrite, e.g. [`StateLog::compact`]): only for what
-    /// a crash may lose (a restored device's file as found in this boot).
-    pub fn amend(&mut self, spec: &DeviceSpec) {
-        self.table.put(spec.clone());
-    }
-
-    fn record(&mut self, r: Record) -> Result<(), StateError> {
-        let line = encode(&r);
+    /// Make one batch durable (the group commit's leader, no lock held): one
+    /// `write(2)` of all its lines and one `fdatasync`, or a rewrite when the
+    /// file is not whole. The table changes only once the batch is durable.
+    fn commit(&mut self, batch: Vec<Staged>) -> Result<(), Failure> {
+        let fail = |e: std::io::Error| Failure(e.kind(), e.to_string());
         if self.file.is_none() {
             let mut table = self.table.clone();
-            apply(&mut table, r);
-            self.rewrite(table.specs())?;
+            for (r, _) in batch {
+                apply(&mut table, r);
+            }
+            self.rewrite(table.specs()).map_err(fail)?;
             self.table = table;
             return Ok(());
         }
-        // The table changes only once the record is durable (O(1) for a put:
-        // no copy of the table per record).
-        self.append(&line)?;
-        apply(&mut self.table, r);
-        self.records += 1;
+        let mut lines = Vec::with_capacity(batch.iter().map(|(_, l)| l.len()).sum());
+        for (_, l) in &batch {
+            lines.extend_from_slice(l);
+        }
+        self.append(&lines).map_err(fail)?;
+        self.records += batch.len();
+        for (r, _) in batch {
+            apply(&mut self.table, r);
+        }
         if self.records > 2 * self.table.len() + 256 {
-            if let Err(e) = self.compact() {
-                // The record itself is durable; the long log stays.
-                tracing::warn!("state file compaction failed: {e}");
+            let table = std::mem::take(&mut self.table);
+            if let Err(e) = self.rewrite(table.specs()) {
+                // The records themselves are durable; the long log stays.
+                tracing::warn!(
+                    "state file compaction failed: cannot write the state file {}: {e}",
+                    self.path.display()
+                );
             }
+            self.table = table;
         }
         Ok(())
     }
 
-    fn append(&mut self, line: &[u8]) -> Result<(), StateError> {
-        let shown = || self.path.display().to_string();
+    fn append(&mut self, lines: &[u8]) -> std::io::Result<()> {
         let Some(f) = self.file.as_mut() else {
-            return Err(StateError::Write(
-                shown(),
-                std::io::Error::other("state file not open"),
-            ));
+            return Err(std::io::Error::other("state file not open"));
         };
-        // One write(2) per record (O_APPEND), then fdatasync: durable before
-        // the reply. On failure cut the file back so no partial line is left for
-        // the next record to be glued to.
-        let r = f.write_all(line).and_then(|()| f.sync_data());
+        // One write(2) per batch (O_APPEND), then fdatasync: durable before
+        // the replies. On failure cut the file back so no partial line is left
+        // for the next batch to be glued to.
+        let r = f.write_all(lines).and_then(|()| f.sync_data());
+        self.syncs += 1;
         if let Err(e) = r {
             let len = self.len;
             if f.set_len(len).and_then(|()| f.sync_data()).is_err() {
                 // The file may end in a partial line: rewrite it next time.
                 self.file = None;
             }
-            return Err(StateError::Write(shown(), e));
+            return Err(e);
         }
-        self.len += line.len() as u64;
+        self.len += lines.len() as u64;
         Ok(())
-    }
-
-    /// Rewrite the file from the table (when it exists or has anything to hold).
-    pub fn compact(&mut self) -> Result<(), StateError> {
-        if !self.exists && self.table.is_empty() {
-            return Ok(());
-        }
-        let body = log_body(self.table.specs());
-        self.install(&body, self.table.len())
     }
 
     /// Write `table` as a fresh log: temporary file (0600, synced), rename,
     /// directory sync; then open it for appends.
-    fn rewrite(&mut self, table: &[DeviceSpec]) -> Result<(), StateError> {
-        self.install(&log_body(table), table.len())
-    }
-
-    /// Replace the file with `body` (a whole log of `records` records).
-    fn install(&mut self, body: &[u8], records: usize) -> Result<(), StateError> {
-        let shown = || self.path.display().to_string();
-        replace_file(&self.path, body).map_err(|e| StateError::Write(shown(), e))?;
+    fn rewrite(&mut self, table: &[DeviceSpec]) -> std::io::Result<()> {
+        let body = log_body(table);
+        replace_file(&self.path, &body)?;
         self.exists = true;
-        let file = OpenOptions::new()
-            .append(true)
-            .open(&self.path)
-            .map_err(|e| StateError::Write(shown(), e))?;
-        self.file = Some(file);
+        // The old handle names the file replaced: never append to it.
+        self.file = None;
+        self.file = Some(OpenOptions::new().append(true).open(&self.path)?);
         self.len = body.len() as u64;
-        self.records = records;
+        self.records = table.len();
         Ok(())
     }
 }

@@ -147,6 +147,8 @@ fn set_spec() -> impl Strategy<Value = SetSpec> {
 fn request() -> impl Strategy<Value = Request> {
     prop_oneof![
         device_spec().prop_map(|d| Request::Attach(Box::new(d))),
+        proptest::collection::vec(device_spec(), 0..4)
+            .prop_map(|devices| Request::AttachBatch { devices }),
         (name(), any::<bool>()).prop_map(|(name, force)| Request::Detach { name, force }),
         Just(Request::List),
         proptest::option::of(name()).prop_map(|name| Request::Status { name }),
@@ -239,4 +241,31 @@ fn set_size_limit_absent_null_or_number() {
         p(r#"{"v":1,"op":"set","name":"a","size_limit":4096}"#),
         Some(Some(4096))
     );
+}
+
+#[test]
+fn attach_batch_parses_and_its_items_encode() {
+    let r = parse_request(
+        br#"{"v":1,"op":"attach_batch","devices":[{"image":"/a"},{"image":"/b","name":"b"}]}"#,
+    );
+    match r {
+        Ok(Request::AttachBatch { devices }) => {
+            assert_eq!(devices.len(), 2);
+            assert_eq!(devices[1].name.as_deref(), Some("b"));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        parse_request(br#"{"v":1,"op":"attach_batch"}"#).map_err(|e| e.code),
+        Err(ErrorCode::BadRequest)
+    );
+    let bad = batch_item::<u32>(Err(ErrorBody {
+        code: ErrorCode::NotFound,
+        message: "x".into(),
+    }));
+    assert_eq!(bad["ok"], false);
+    assert_eq!(bad["error"]["code"], "not_found");
+    assert_eq!(bad["error"]["message"], "x");
+    let good = batch_item::<u32>(Ok(7));
+    assert_eq!((&good["ok"], &good["result"]), (&true.into(), &7.into()));
 }

@@ -81,7 +81,7 @@ fn utc_stamp_is_civil_time() {
 fn records_are_durable_and_a_second_opener_is_locked_out() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("s.state");
-    let mut log = StateLog::open(&path).unwrap();
+    let log = StateLog::open(&path).unwrap();
     assert!(!path.exists(), "no file before the first record");
     log.put(&spec("a")).unwrap();
     log.put(&spec("b")).unwrap();
@@ -96,6 +96,46 @@ fn records_are_durable_and_a_second_opener_is_locked_out() {
     drop(log);
     let again = StateLog::open(&path).unwrap();
     assert_eq!(again.table(), &[spec("b")]);
+}
+
+/// Group commit: records staged by many threads before any of them waits are
+/// written by one `write` and made durable by one `fdatasync`, each thread
+/// is answered only then, and every record is read back.
+#[test]
+fn concurrent_records_share_one_sync() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.state");
+    let log = std::sync::Arc::new(StateLog::open(&path).unwrap());
+    log.put(&spec("first")).unwrap(); // the file exists: appends from now on
+    assert_eq!(log.syncs(), 0, "the first record rewrites the file");
+    let n = 16;
+    let staged = std::sync::Arc::new(std::sync::Barrier::new(n));
+    let threads: Vec<_> = (0..n)
+        .map(|i| {
+            let (log, staged) = (log.clone(), staged.clone());
+            std::thread::spawn(move || {
+                let p = log.stage_put(&spec(&format!("d{i}")));
+                staged.wait();
+                log.wait(p)
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap().unwrap();
+    }
+    assert_eq!(log.syncs(), 1, "one fdatasync for the {n} records");
+    assert_eq!(log.table().len(), n + 1);
+    // Later records: each alone, each its own sync.
+    log.del("d0").unwrap();
+    assert_eq!(log.syncs(), 2);
+    drop(log);
+    let again = StateLog::open(&path).unwrap();
+    let mut names: Vec<_> = again.table().iter().map(name_of).collect();
+    names.sort();
+    let mut want: Vec<_> = (1..n).map(|i| format!("d{i}")).collect();
+    want.push("first".into());
+    want.sort();
+    assert_eq!(names, want);
 }
 
 #[test]
