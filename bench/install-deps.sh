@@ -12,8 +12,9 @@ export PATH="/usr/bin:/usr/sbin:/bin:/sbin:${PATH}"
 
 PACKAGES=(fio nbdkit qemu-utils libnbd-bin python3-libnbd python3-matplotlib util-linux openssl
     ceph-mon ceph-osd ceph-common rbd-nbd)
-# Wait for another apt or dpkg to release its lock instead of failing at once.
-APT=(apt-get -o DPkg::Lock::Timeout=600)
+# apt_get: waits for another apt or dpkg to let go of its locks.
+# shellcheck source=scripts/apt.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../scripts/apt.sh"
 missing=()
 for t in fio nbdkit qemu-nbd nbdinfo losetup fincore findmnt setpriv openssl ceph-mon ceph-osd ceph rbd rbd-nbd; do
     command -v "$t" >/dev/null 2>&1 || missing+=("$t")
@@ -52,7 +53,7 @@ install_qemu_block_extra() {
     fi
     suite=${suite%%/*}
     echo "bench/install-deps: installing qemu-block-extra $v from $suite"
-    DEBIAN_FRONTEND=noninteractive "${APT[@]}" install -y --no-install-recommends \
+    DEBIAN_FRONTEND=noninteractive apt_get install -y --no-install-recommends \
         -t "$suite" "qemu-block-extra=$v"
     qemu_rbd_ok || {
         echo "bench/install-deps: ERROR: qemu-block-extra is not qemu-utils' version after installing it" >&2
@@ -72,8 +73,8 @@ if [ "$(id -u)" -ne 0 ]; then
     exit 1
 fi
 export DEBIAN_FRONTEND=noninteractive
-"${APT[@]}" update
-"${APT[@]}" install -y --no-install-recommends "${PACKAGES[@]}"
+apt_get update
+apt_get install -y --no-install-recommends "${PACKAGES[@]}"
 /usr/bin/python3 -c 'import matplotlib' >/dev/null
 fio --enghelp=nbd >/dev/null
 fio --enghelp=rbd >/dev/null

@@ -18,9 +18,9 @@ TOOLS=(qemu-io qemu-img qemu-nbd fio nbdkit nbdinfo nbdcopy nbdsh nbd-client nbd
     systemd-socket-activate curl ss ceph-mon ceph-osd ceph rbd ceph-authtool monmaptool)
 # Shared libraries checked by name (ldconfig's cache).
 LIBS=(librbd.so.1 librados.so.2)
-# Wait for another apt or dpkg (unattended-upgrades, a second install) to
-# release its lock instead of failing at once.
-APT=(apt-get -o DPkg::Lock::Timeout=600)
+# apt_get: waits for another apt or dpkg to let go of its locks.
+# shellcheck source=scripts/apt.sh
+. "$(dirname "${BASH_SOURCE[0]}")/apt.sh"
 # fsx (asomers' fsx-rs, crates.io), pinned; installed into /usr/local/bin.
 FSX_VERSION=0.3.2
 
@@ -107,12 +107,12 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 export DEBIAN_FRONTEND=noninteractive
-"${APT[@]}" update
+apt_get update
 # nbdfuse ships in libnbd-bin up to Debian 12, in a package of its own later.
 if apt-cache show nbdfuse >/dev/null 2>&1; then
     PACKAGES+=(nbdfuse)
 fi
-"${APT[@]}" install -y --no-install-recommends "${PACKAGES[@]}"
+apt_get install -y --no-install-recommends "${PACKAGES[@]}"
 
 # Check again, so a package that did not provide a tool fails here, clearly.
 still=()

@@ -17,6 +17,10 @@ VENV=${LOOPD_VNG_VENV:-/opt/loopd-vng}
 VNG_VERSION=1.42
 BACKPORTS_LIST=/etc/apt/sources.list.d/bookworm-backports.sources
 
+# apt_get: waits for another apt or dpkg to let go of its locks.
+# shellcheck source=scripts/apt.sh
+. "$(dirname "${BASH_SOURCE[0]}")/apt.sh"
+
 say() { echo "install-vm-deps: $*"; }
 die() {
     echo "install-vm-deps: ERROR: $*" >&2
@@ -87,12 +91,12 @@ Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 EOF
 fi
-apt-get update
+apt_get update
 
 # 2. The kernel: the newest linux-image-amd64 from backports (6.12 today).
 k=$(newest_kernel)
 if [ -z "$k" ] || ! kernel_has_modules "$k"; then
-    apt-get install -y --no-install-recommends -t bookworm-backports linux-image-amd64
+    apt_get install -y --no-install-recommends -t bookworm-backports linux-image-amd64
 fi
 
 # 3. QEMU from the suite the installed qemu-utils came from: the installed
@@ -110,15 +114,15 @@ if ! command -v qemu-system-x86_64 >/dev/null 2>&1; then
         say "qemu-utils $v is from $suite: installing qemu-system-x86 $v from it"
         qemu_args=(-t "$suite" "qemu-system-x86=$v")
     fi
-    apt-get install -y --no-install-recommends "${qemu_args[@]}"
+    apt_get install -y --no-install-recommends "${qemu_args[@]}"
     if [ -n "${v:-}" ] && [ "$(dpkg-query -W -f='${Version}' qemu-utils)" != "$v" ]; then
         die "installing qemu-system-x86 changed qemu-utils from $v to $(dpkg-query -W -f='${Version}' qemu-utils)"
     fi
 fi
 
 # 4. busybox-static (virtme-ng's initramfs) and venv support.
-installed busybox-static || apt-get install -y --no-install-recommends busybox-static
-python3 -c 'import ensurepip' >/dev/null 2>&1 || apt-get install -y --no-install-recommends python3-venv
+installed busybox-static || apt_get install -y --no-install-recommends busybox-static
+python3 -c 'import ensurepip' >/dev/null 2>&1 || apt_get install -y --no-install-recommends python3-venv
 
 # 5. virtme-ng, pinned, in its own virtualenv.
 if ! vng_ok; then
