@@ -222,3 +222,36 @@ fn rbd_specs_cannot_forge_a_line() {
     d.ctl_ok(&["detach", "r"]);
     assert!(raw_controls(&d.stderr_text()).is_empty());
 }
+
+/// A batch attach (`loopd attach IMG…`) reports each failed image on a line
+/// of its own: an image path with a newline, a fake audit line and a bidi
+/// override reaches the terminal escaped, one line, beside the good image's
+/// success.
+#[test]
+fn a_batch_attach_reports_a_hostile_image_path_escaped() {
+    let dir = tempdir();
+    let d = Server::daemon().start();
+    let good = dir.path().join("good.img");
+    create_sparse_image(&good, MIB);
+    let evil = format!("{}/ev\u{202e}il\n{FAKE}.img", dir.path().display());
+    let out = d.ctl(&["attach", path_str(&good), &evil]);
+    assert!(!out.success(), "one image is missing: {out}");
+    assert!(raw_controls(&out.stderr).is_empty(), "{out}");
+    assert!(raw_controls(&out.stdout).is_empty(), "{out}");
+    let errors: Vec<&str> = out
+        .stderr
+        .lines()
+        .filter(|l| l.contains("pid=4242"))
+        .collect();
+    assert_eq!(errors.len(), 1, "the hostile path is on one line: {out}");
+    assert!(errors[0].contains(r"ev\u{202e}il\naudit"), "{}", errors[0]);
+    assert!(
+        !out.stderr
+            .lines()
+            .any(|l| l.trim_start().starts_with("audit:")),
+        "{out}"
+    );
+    // The good one is attached.
+    let list = d.ctl_ok(&["list", "--json"]);
+    assert_eq!(Json::parse(&list.stdout).arr().len(), 1, "{}", list.stdout);
+}
