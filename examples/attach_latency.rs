@@ -19,11 +19,9 @@
 //! Usage: `cargo run --release --example attach_latency -- [ROUNDS]` (root, for
 //! the kernel loop cases). Prints a markdown report on stdout.
 
-use loopd::control::proto::{DeviceSpec, Request, encode_request};
+use loopd::control::proto::{DeviceSpec, Request};
 use loopd::device::CacheMode;
-use loopd::kernel_loop::{self, DirectIo, KernelParams};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::net::UnixStream;
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -80,59 +78,6 @@ fn start_bin(bin: &Path, dir: &Path, extra: &[&str]) -> (Daemon, Duration) {
     (Daemon { child }, t.elapsed())
 }
 
-fn nbd_go(sock: &Path, name: &str) {
-    let mut s = UnixStream::connect(sock).expect("connect nbd");
-    let mut hello = [0u8; 18];
-    s.read_exact(&mut hello).expect("hello");
-    s.write_all(&3u32.to_be_bytes()).expect("flags");
-    let mut opt = Vec::new();
-    opt.extend_from_slice(&0x4948_4156_454F_5054u64.to_be_bytes());
-    opt.extend_from_slice(&7u32.to_be_bytes());
-    let n = u32::try_from(name.len()).expect("short name");
-    opt.extend_from_slice(&(4 + n + 2).to_be_bytes());
-    opt.extend_from_slice(&n.to_be_bytes());
-    opt.extend_from_slice(name.as_bytes());
-    opt.extend_from_slice(&0u16.to_be_bytes());
-    s.write_all(&opt).expect("go");
-    loop {
-        let mut h = [0u8; 20];
-        s.read_exact(&mut h).expect("reply");
-        let kind = u32::from_be_bytes([h[12], h[13], h[14], h[15]]);
-        let len = u32::from_be_bytes([h[16], h[17], h[18], h[19]]) as usize;
-        let mut body = vec![0u8; len];
-        s.read_exact(&mut body).expect("body");
-        if kind == 1 {
-            return; // ACK: the export is open
-        }
-        assert!(kind & 0x8000_0000 == 0, "GO failed: reply {kind:#x}");
-    }
-}
-
-struct Ctl {
-    r: BufReader<UnixStream>,
-    w: UnixStream,
-}
-
-impl Ctl {
-    fn connect(p: &Path) -> Ctl {
-        let w = UnixStream::connect(p).expect("control");
-        Ctl {
-            r: BufReader::new(w.try_clone().expect("clone")),
-            w,
-        }
-    }
-
-    fn call(&mut self, req: &Request) -> String {
-        let mut line = encode_request(req);
-        line.push('\n');
-        self.w.write_all(line.as_bytes()).expect("send");
-        let mut reply = String::new();
-        self.r.read_line(&mut reply).expect("reply");
-        assert!(reply.contains("\"ok\":true"), "control error: {reply}");
-        reply
-    }
-}
-
 fn spec(image: &Path, name: &str) -> DeviceSpec {
     DeviceSpec {
         image: image.to_path_buf(),
@@ -157,24 +102,11 @@ fn stats(mut v: Vec<f64>) -> (f64, f64, f64) {
     (pct(500), pct(990), v.iter().sum::<f64>() / v.len() as f64)
 }
 
-fn us(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e6
-}
-
-fn run_timed(cmd: &mut Command) -> (Duration, String) {
-    let t = Instant::now();
-    let out = cmd.output().expect("spawn");
-    let d = t.elapsed();
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (d, String::from_utf8_lossy(&out.stdout).trim().to_owned())
-}
-
+mod common;
 #[path = "attach_latency/durable.rs"]
 mod durable;
+
+use common::{Ctl, loop_configure_us, nbd_go, run_timed, us};
 
 fn main() {
     let rounds: usize = std::env::args()
@@ -283,16 +215,7 @@ fn main() {
             );
             lk.push(us(t));
             run_timed(Command::new(&bin).args(["kernel", "detach", &dev]));
-            let p = KernelParams {
-                image: image.clone(),
-                block_size: Some(4096),
-                direct_io: DirectIo::On,
-                ..Default::default()
-            };
-            let t = Instant::now();
-            let a = kernel_loop::attach(&p).expect("kernel attach");
-            lib.push(us(t.elapsed()));
-            kernel_loop::detach(&a.device).expect("kernel detach");
+            lib.push(loop_configure_us(&image));
         }
         let losetup = row("`losetup -f --show --direct-io=on -b 4096` command", ls);
         let kcli = row(

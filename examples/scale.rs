@@ -20,12 +20,15 @@
 //! Prints a markdown report on stdout. Files go to a temporary directory under
 //! /var/tmp (removed at the end).
 
-use loopd::control::proto::{DeviceSpec, Request, encode_request};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::net::UnixStream;
+use loopd::control::proto::{DeviceSpec, Request};
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+mod common;
+
+use common::{Ctl, nbd_go, run_timed, us};
 
 fn this_loopd() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
@@ -117,59 +120,6 @@ fn start(bin: &Path, dir: &Path, state: &Path) -> (Daemon, Instant, Duration) {
     (Daemon { child, pid }, t, ready)
 }
 
-fn nbd_go(sock: &Path, name: &str) {
-    let mut s = UnixStream::connect(sock).expect("connect nbd");
-    let mut hello = [0u8; 18];
-    s.read_exact(&mut hello).expect("hello");
-    s.write_all(&3u32.to_be_bytes()).expect("flags");
-    let mut opt = Vec::new();
-    opt.extend_from_slice(&0x4948_4156_454F_5054u64.to_be_bytes());
-    opt.extend_from_slice(&7u32.to_be_bytes());
-    let n = u32::try_from(name.len()).expect("short name");
-    opt.extend_from_slice(&(4 + n + 2).to_be_bytes());
-    opt.extend_from_slice(&n.to_be_bytes());
-    opt.extend_from_slice(name.as_bytes());
-    opt.extend_from_slice(&0u16.to_be_bytes());
-    s.write_all(&opt).expect("go");
-    loop {
-        let mut h = [0u8; 20];
-        s.read_exact(&mut h).expect("reply");
-        let kind = u32::from_be_bytes([h[12], h[13], h[14], h[15]]);
-        let len = u32::from_be_bytes([h[16], h[17], h[18], h[19]]) as usize;
-        let mut body = vec![0u8; len];
-        s.read_exact(&mut body).expect("body");
-        if kind == 1 {
-            return;
-        }
-        assert!(kind & 0x8000_0000 == 0, "GO {name} failed: reply {kind:#x}");
-    }
-}
-
-struct Ctl {
-    r: BufReader<UnixStream>,
-    w: UnixStream,
-}
-
-impl Ctl {
-    fn connect(p: &Path) -> Ctl {
-        let w = UnixStream::connect(p).expect("control");
-        Ctl {
-            r: BufReader::new(w.try_clone().expect("clone")),
-            w,
-        }
-    }
-
-    fn call(&mut self, req: &Request) -> String {
-        let mut line = encode_request(req);
-        line.push('\n');
-        self.w.write_all(line.as_bytes()).expect("send");
-        let mut reply = String::new();
-        self.r.read_line(&mut reply).expect("reply");
-        assert!(reply.contains("\"ok\":true"), "control error: {reply}");
-        reply
-    }
-}
-
 fn spec(image: &Path, name: &str) -> DeviceSpec {
     DeviceSpec {
         image: image.to_path_buf(),
@@ -182,10 +132,6 @@ fn spec(image: &Path, name: &str) -> DeviceSpec {
 fn pct(v: &mut [f64], p: usize) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[((v.len() - 1) * p).div_ceil(1000)]
-}
-
-fn us(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e6
 }
 
 /// Make `n` sparse 1 MiB images `img{i}.raw` in `dir` (those missing).
@@ -468,19 +414,6 @@ fn many(a: &Args, d: &Path, nofile: u64) {
         daemon.stop();
     }
     println!();
-}
-
-/// Run a command, return its wall time and stdout.
-fn run_timed(cmd: &mut Command) -> (Duration, String) {
-    let t = Instant::now();
-    let out = cmd.output().expect("spawn");
-    let d = t.elapsed();
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (d, String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
 /// Section 3: `loopd attach` from the shell, next to `losetup -f --show`.

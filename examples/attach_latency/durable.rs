@@ -1,8 +1,7 @@
 //! Durable attaches (issue 25): group commit and batches, before and after.
 
-use super::{Ctl, loopd_bin, spec, start_bin, stats, us};
+use super::{Ctl, loop_configure_us, loopd_bin, spec, start_bin, stats, us};
 use loopd::control::proto::{Request, encode_request};
-use loopd::kernel_loop::{self, DirectIo, KernelParams};
 use std::io::{BufRead, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -132,23 +131,7 @@ fn bare_fdatasync(d: &Path, n: usize) -> Vec<f64> {
 /// `n` in-process `LOOP_CTL_GET_FREE` + `LOOP_CONFIGURE` (µs each), if root.
 fn loop_configure(image: &Path, n: usize) -> Option<Vec<f64>> {
     let root = rustix::process::geteuid().is_root() && Path::new("/dev/loop-control").exists();
-    root.then(|| {
-        (0..n)
-            .map(|_| {
-                let p = KernelParams {
-                    image: image.to_path_buf(),
-                    block_size: Some(4096),
-                    direct_io: DirectIo::On,
-                    ..Default::default()
-                };
-                let t = Instant::now();
-                let a = kernel_loop::attach(&p).expect("kernel attach");
-                let took = us(t.elapsed());
-                kernel_loop::detach(&a.device).expect("kernel detach");
-                took
-            })
-            .collect()
-    })
+    root.then(|| (0..n).map(|_| loop_configure_us(image)).collect())
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
