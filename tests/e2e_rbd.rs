@@ -45,11 +45,6 @@ fn attach(srv: &Server, spec: &str, extra: &[&str]) -> Out {
     srv.ctl(&a)
 }
 
-/// A length in memory (test sizes fit).
-fn us(n: u64) -> usize {
-    usize::try_from(n).expect("fits in memory")
-}
-
 /// The bytes a pattern write of qemu-io (`write -P byte off len`) leaves.
 fn fill(v: &mut [u8], off: u64, len: u64, byte: u8) {
     let (a, b) = (us(off), us(off + len));

@@ -82,11 +82,6 @@ fn wait_log_line(srv: &Server, needles: &[&str]) -> String {
     }
 }
 
-/// A length in memory (test sizes fit).
-fn us(n: u64) -> usize {
-    usize::try_from(n).expect("fits in memory")
-}
-
 /// The size a new NBD connection is told in the handshake.
 fn handshake_size(srv: &Server, name: &str) -> u64 {
     RawClient::handshake(srv.socket(), name).1
