@@ -55,35 +55,16 @@ fn scratch() -> tempfile::TempDir {
         .expect("tempdir in TMPDIR")
 }
 
-/// An image of the test cluster, removed when dropped.
-struct Image {
-    name: String,
+/// An image of the test cluster of [`SIZE`] bytes, removed when dropped.
+fn image(prefix: &str) -> CephImage {
+    CephImage::new(prefix, SIZE)
 }
 
-impl Image {
-    fn new(prefix: &str) -> Image {
-        let name = unique_image_name(prefix);
-        ceph().create_image(&name, SIZE);
-        Image { name }
-    }
-
-    /// `rbd:rbd/NAME`, as loopd is given it.
-    fn spec(&self) -> String {
-        ceph().loopd_image(&self.name)
-    }
-
-    /// `rbd export` of the image into the file `to`.
-    fn export_to(&self, to: &Path) {
-        let bytes = ceph().export_image(&self.name);
-        assert_eq!(bytes.len() as u64, SIZE, "export length");
-        fs::write(to, bytes).unwrap_or_else(|e| panic!("write {}: {e}", to.display()));
-    }
-}
-
-impl Drop for Image {
-    fn drop(&mut self) {
-        let _ = ceph().rbd(&["rm", "--no-progress", &ceph().image_spec(&self.name)]);
-    }
+/// `rbd export` of `img` into the file `to`.
+fn export_to(img: &CephImage, to: &Path) {
+    let bytes = img.export();
+    assert_eq!(bytes.len() as u64, SIZE, "export length");
+    fs::write(to, bytes).unwrap_or_else(|e| panic!("write {}: {e}", to.display()));
 }
 
 /// A daemon (no default device) whose state file and sockets live in `dir`,
@@ -101,7 +82,7 @@ fn daemon(dir: &Path) -> Server {
 
 /// `loopd attach rbd:… --name NAME --blockdev KIND --ceph-conf … --ceph-id …
 /// ARGS`: the block device it printed (it exists and has its size).
-fn attach(srv: &Server, kind: &str, img: &Image, name: &str, args: &[&str]) -> PathBuf {
+fn attach(srv: &Server, kind: &str, img: &CephImage, name: &str, args: &[&str]) -> PathBuf {
     let spec = img.spec();
     let conf = path_str(&ceph().conf).to_owned();
     let mut a = vec![
@@ -178,7 +159,7 @@ fn aligned(store: &mut Vec<u8>, len: usize) -> &mut [u8] {
 /// detach; the export after detach holds the filesystem and its files.
 fn filesystem_over_rbd(kind: &str, cache: &str) {
     let t = scratch();
-    let img = Image::new(&format!("kfs-{kind}"));
+    let img = image(&format!("kfs-{kind}"));
     let srv = daemon(t.path());
     let started = Instant::now();
     let dev = attach(&srv, kind, &img, "rfs", &["--cache", cache]);
@@ -247,7 +228,7 @@ fn filesystem_over_rbd(kind: &str, cache: &str) {
 
     // The image itself (not loopd, not the kernel's cache) holds the filesystem.
     let copy = t.path().join("exported.img");
-    img.export_to(&copy);
+    export_to(&img, &copy);
     e2fsck_clean(&copy);
     assert_eq!(md5_in_image(&copy, "a", t.path()), a, "a in the export");
     assert_eq!(md5_in_image(&copy, "b", t.path()), b, "b in the export");
@@ -277,7 +258,7 @@ fn nbd_over_rbd_bytes_and_ext4_match_rbd_export() {
 /// write acknowledged before the kill and not yet flushed is lost with it).
 fn kill_9_and_restart_over_rbd(kind: &str, says: &str) {
     let t = scratch();
-    let img = Image::new(&format!("kkill-{kind}"));
+    let img = image(&format!("kkill-{kind}"));
     let mut srv = daemon(t.path());
     let dev = attach(&srv, kind, &img, "rrec", &["--cache", "direct"]);
     mkfs_ext4(&dev);
@@ -319,7 +300,7 @@ fn kill_9_and_restart_over_rbd(kind: &str, says: &str) {
     // Nothing fsync'ed is lost: the image, read by `rbd export` while no
     // daemon serves it (e2fsck replays the journal on this copy).
     let killed = t.path().join("killed.img");
-    img.export_to(&killed);
+    export_to(&img, &killed);
     let fsck = sh_status(
         KCMD_TIMEOUT,
         "e2fsck",
@@ -375,7 +356,7 @@ fn kill_9_and_restart_over_rbd(kind: &str, says: &str) {
     srv.ctl_ok(&["detach", "rrec"]);
     assert!(gone(&dev), "{} removed by detach", dev.display());
     let copy = t.path().join("exported.img");
-    img.export_to(&copy);
+    export_to(&img, &copy);
     e2fsck_clean(&copy);
     assert_eq!(md5_in_image(&copy, "during", t.path()), during, "in export");
 }
@@ -410,7 +391,7 @@ fn kernel_at_least(major: u32, minor: u32) -> bool {
 #[test]
 fn ublk_over_rbd_follows_an_rbd_resize_as_far_as_the_kernel_can() {
     let t = scratch();
-    let img = Image::new("kgrow");
+    let img = image("kgrow");
     let srv = daemon(t.path());
     let dev = attach(&srv, "ublk", &img, "grow", &["--cache", "direct"]);
     assert_eq!(dev_size(&dev), SIZE);
