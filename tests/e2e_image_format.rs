@@ -157,3 +157,63 @@ fn a_raw_image_whose_client_writes_a_qcow2_header_is_restored_after_restart() {
         d.stderr_text()
     );
 }
+
+/// How many of `path`'s pages are in the page cache (`mincore` over a
+/// mapping of it).
+fn cached_pages(path: &Path) -> usize {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(path).expect("open image");
+    let len = usize::try_from(f.metadata().expect("stat").len()).expect("image size");
+    // SAFETY: a private read-only mapping of `len` bytes of an open file;
+    // unmapped below, never dereferenced.
+    let map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(map, libc::MAP_FAILED, "mmap");
+    let mut vec = vec![0u8; len.div_ceil(4096)];
+    // SAFETY: `map` is a mapping of `len` bytes; `vec` has one byte per page.
+    let rc = unsafe { libc::mincore(map, len, vec.as_mut_ptr()) };
+    // SAFETY: the mapping made above.
+    unsafe { libc::munmap(map, len) };
+    assert_eq!(rc, 0, "mincore");
+    vec.iter().filter(|b| **b & 1 == 1).count()
+}
+
+/// The format probe of a direct-I/O device reads the image's head with
+/// `O_DIRECT`: attaching it leaves nothing of the image in the page cache
+/// (a buffered probe made the kernel read ahead and keep its first pages;
+/// a thousand attaches kept megabytes of cache nobody asked for).
+#[test]
+fn a_direct_attach_leaves_the_image_out_of_the_page_cache() {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    let dir = tempdir();
+    let img = dir.path().join("cold.img");
+    let mut f = std::fs::File::create(&img).expect("create");
+    f.write_all(&vec![0x5a; 1 << 20]).expect("write");
+    f.sync_all().expect("fsync");
+    // SAFETY: an advice call on an open descriptor.
+    let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    assert_eq!(rc, 0, "fadvise");
+    drop(f);
+    assert_eq!(
+        cached_pages(&img),
+        0,
+        "the image is still cached before the attach"
+    );
+    let d = Server::daemon().start();
+    let out = d.ctl(&["attach", "--cache", "direct", path_str(&img)]);
+    assert!(out.success(), "attach:\n{out}");
+    assert_eq!(
+        cached_pages(&img),
+        0,
+        "the attach's format probe left pages of the image in the page cache"
+    );
+}

@@ -347,7 +347,12 @@ impl Pinned {
     /// Open the pinned file for I/O (read, and write unless `read_only`;
     /// `O_DIRECT` with `direct`), through its descriptor: no path lookup.
     pub fn open(&self, read_only: bool, direct: bool) -> std::io::Result<File> {
-        reopen(&self.fd, read_only, direct)
+        reopen_as(
+            &self.fd,
+            (self.identity.dev, self.identity.ino),
+            read_only,
+            direct,
+        )
     }
 
     /// As [`Pinned::open`], with the error naming the image.
@@ -434,6 +439,18 @@ fn open_in_dir(path: &Path) -> std::io::Result<(OwnedFd, OwnedFd)> {
 /// Open the file `fd` refers to again, for I/O, through `/proc/self/fd`: the
 /// same inode, whatever its path names now (checked: device and inode).
 pub fn reopen(fd: &impl AsFd, read_only: bool, direct: bool) -> std::io::Result<File> {
+    let a = rustix::fs::fstat(fd)?;
+    reopen_as(fd, (a.st_dev, a.st_ino), read_only, direct)
+}
+
+/// As [`reopen`], for a descriptor whose device and inode the caller already
+/// knows (`dev_ino`, e.g. a [`Pinned`] file's identity): one `fstat` fewer.
+pub fn reopen_as(
+    fd: &impl AsFd,
+    dev_ino: (u64, u64),
+    read_only: bool,
+    direct: bool,
+) -> std::io::Result<File> {
     let mut o = std::fs::OpenOptions::new();
     o.read(true).write(!read_only);
     let mut flags = libc::O_CLOEXEC | libc::O_NOCTTY;
@@ -442,8 +459,8 @@ pub fn reopen(fd: &impl AsFd, read_only: bool, direct: bool) -> std::io::Result<
     }
     o.custom_flags(flags);
     let f = o.open(proc_fd(fd))?;
-    let (a, b) = (rustix::fs::fstat(fd)?, rustix::fs::fstat(&f)?);
-    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino) {
+    let b = rustix::fs::fstat(&f)?;
+    if dev_ino != (b.st_dev, b.st_ino) {
         return Err(std::io::Error::other(
             "the descriptor reopened a different file",
         ));

@@ -42,7 +42,10 @@
 //! device), as QEMU readers that share writing are let through.
 //!
 //! Locks: the registry mutex, held only by [`ImageLock::acquire`] and `Drop`
-//! (control plane; never on the data path). `acquire` waits up to
+//! (control plane; never on the data path), over the registry and the lock
+//! system calls on its descriptors; the sysfs look-up of kernel loop devices
+//! is done before it is taken, so concurrent opens (a batch) do not queue
+//! behind it. `acquire` waits up to
 //! [`LOCAL_GRACE`] (without the mutex) for a conflicting device of this process to
 //! be dropped, because a connection's last reference to a detached device goes
 //! a moment after `detach` has answered.
@@ -347,21 +350,33 @@ impl ImageLock {
         };
         let meta = file.metadata().map_err(|e| (open_err(e), false))?;
         let key = (meta.dev(), meta.ino());
+        // Looked up before the registry's mutex is taken (sysfs reads that
+        // other opens need not wait for); used unless this is a
+        // reconfiguration, which only the registry can tell.
+        let kernel_writer = if mode.shared {
+            None
+        } else {
+            kernel_loop_writer(file)
+        };
         let mut reg = registry();
         if let btree_map::Entry::Vacant(slot) = reg.entry(key) {
-            // A description of its own (closing it releases the bytes),
-            // opened through the device's descriptor: no path lookup.
-            let fd =
-                super::identity::reopen(file, true, false).map_err(|e| (open_err(e), false))?;
-            let m = fd.metadata().map_err(|e| (open_err(e), false))?;
-            if (m.dev(), m.ino()) != key {
-                return Err((
-                    LockError::Replaced {
-                        path: path.to_path_buf(),
-                    },
-                    false,
-                ));
-            }
+            // A description of its own (closing it releases the bytes, whoever
+            // else still holds the device's descriptors), opened through the
+            // device's descriptor: no path lookup. Checked to be the same
+            // device and inode (the key): an error without an errno says the
+            // descriptor reopened another file.
+            let fd = super::identity::reopen_as(file, key, true, false).map_err(|e| {
+                if e.raw_os_error().is_none() {
+                    (
+                        LockError::Replaced {
+                            path: path.to_path_buf(),
+                        },
+                        false,
+                    )
+                } else {
+                    (open_err(e), false)
+                }
+            })?;
             slot.insert(Entry {
                 path: path.to_path_buf(),
                 fd,
@@ -377,7 +392,7 @@ impl ImageLock {
                 false,
             ));
         };
-        let result = Self::join(entry, path, owner, mode);
+        let result = Self::join(entry, path, owner, mode, kernel_writer);
         if entry.holders.is_empty() {
             reg.remove(&key);
         }
@@ -394,6 +409,7 @@ impl ImageLock {
         path: &Path,
         owner: &str,
         mode: Mode,
+        kernel_writer: Option<String>,
     ) -> Result<(u64, bool), (LockError, bool)> {
         let in_use = |why| LockError::InUse {
             path: path.to_path_buf(),
@@ -411,7 +427,7 @@ impl ImageLock {
         }
         let reconfiguration = e.holders.iter().any(|h| h.owner == owner);
         if !mode.shared && !reconfiguration {
-            if let Some(dev) = kernel_loop_writer(&e.fd) {
+            if let Some(dev) = kernel_writer {
                 let who = format!("kernel loop device {dev}");
                 return Err((
                     in_use(describe(Conflict::TheyUse(perm::WRITE), &who)),
@@ -487,7 +503,7 @@ fn bound_loops() -> Vec<String> {
         n.strip_prefix("loop")
             .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
     };
-    if let Ok(t) = std::fs::read_to_string("/proc/partitions") {
+    if let Some(t) = proc_partitions() {
         return t
             .lines()
             .filter_map(|l| l.split_whitespace().nth(3))
@@ -503,6 +519,30 @@ fn bound_loops() -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// `/proc/partitions` now: read from offset 0 of a descriptor opened once
+/// (the kernel writes the text afresh for each read from the start), so an
+/// attach pays one or two `pread`s, not an open, a `statx` and a close.
+fn proc_partitions() -> Option<String> {
+    use std::os::unix::fs::FileExt;
+    static FILE: std::sync::OnceLock<Option<File>> = std::sync::OnceLock::new();
+    let f = FILE
+        .get_or_init(|| File::open("/proc/partitions").ok())
+        .as_ref()?;
+    // Read in 4 KiB pieces on the stack (a zeroed heap buffer per attach
+    // cost more than the read); bounded: 1 MiB of partitions is plenty.
+    let mut text = Vec::new();
+    let mut piece = [0u8; 4096];
+    while text.len() < (1 << 20) {
+        match f.read_at(&mut piece, text.len() as u64) {
+            Ok(0) => return String::from_utf8(text).ok(),
+            Ok(n) => text.extend_from_slice(&piece[..n]),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+    }
+    None
 }
 
 /// Whether a kernel loop device may use the image `file` (`read_only`, or

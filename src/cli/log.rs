@@ -183,11 +183,14 @@ impl Write for LineWriter {
             for line in text.split_terminator('\n') {
                 match t {
                     // loopd's own colours stay; every field was escaped.
+                    // One write per line (stderr is unbuffered: `writeln!`
+                    // would write the line and its newline apart).
                     Target::Stderr { ansi: true, .. } => {
-                        let _ = writeln!(std::io::stderr().lock(), "{line}");
+                        let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
                     }
                     Target::Stderr { .. } => {
-                        let _ = writeln!(std::io::stderr().lock(), "{}", sanitize_line(line));
+                        let l = format!("{}\n", sanitize_line(line));
+                        let _ = std::io::stderr().write_all(l.as_bytes());
                     }
                     Target::File { file, .. } => {
                         let l = format!("{}\n", sanitize_line(line));

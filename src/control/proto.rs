@@ -177,12 +177,60 @@ pub fn ok_reply<T: Serialize>(result: &T) -> String {
     serde_json::json!({ "v": VERSION, "ok": true, "result": result }).to_string()
 }
 
+/// As [`ok_reply`], for a result that is already a JSON value: moved into
+/// the reply, not copied.
+pub fn ok_reply_value(result: serde_json::Value) -> String {
+    let mut m = serde_json::Map::new();
+    m.insert("v".into(), VERSION.into());
+    m.insert("ok".into(), true.into());
+    m.insert("result".into(), result);
+    serde_json::Value::Object(m).to_string()
+}
+
+/// A reply whose result is `{"devices":[…]}`, written straight from
+/// `devices` (no JSON tree in between: a list or a batch of thousands of
+/// devices). Replies keep their keys in sorted order (as [`ok_reply`]'s JSON
+/// tree does), so `T` must serialize its fields in sorted order too
+/// (`DeviceInfo` and [`BatchItem`] do; their tests check).
+pub fn devices_reply<T: Serialize>(devices: &[T]) -> String {
+    #[derive(Serialize)]
+    struct Devices<'a, T> {
+        devices: &'a [T],
+    }
+    // Keys in sorted order.
+    #[derive(Serialize)]
+    struct Reply<'a, R> {
+        ok: bool,
+        result: &'a R,
+        v: u32,
+    }
+    let r = Reply {
+        ok: true,
+        result: &Devices { devices },
+        v: VERSION,
+    };
+    serde_json::to_string(&r).unwrap_or_else(|e| {
+        err_reply(&ErrorBody {
+            code: ErrorCode::Internal,
+            message: format!("cannot encode the reply: {e}"),
+        })
+    })
+}
+
 /// One device's outcome in an `attach_batch` reply: `{"ok":true,"result":…}`
-/// or `{"ok":false,"error":{"code":…,"message":…}}` (a reply's body).
-pub fn batch_item<T: Serialize>(r: Result<T, ErrorBody>) -> serde_json::Value {
+/// or `{"error":{"code":…,"message":…},"ok":false}` (keys in sorted order).
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub enum BatchItem<T> {
+    Done { ok: bool, result: T },
+    Refused { error: ErrorBody, ok: bool },
+}
+
+/// The [`BatchItem`] of one device's outcome.
+pub fn batch_item<T: Serialize>(r: Result<T, ErrorBody>) -> BatchItem<T> {
     match r {
-        Ok(v) => serde_json::json!({ "ok": true, "result": v }),
-        Err(e) => serde_json::json!({ "ok": false, "error": e }),
+        Ok(result) => BatchItem::Done { ok: true, result },
+        Err(error) => BatchItem::Refused { error, ok: false },
     }
 }
 

@@ -10,7 +10,7 @@
 
 use super::error::CtlError;
 use super::reload_report::ReloadReport;
-use crate::control::proto::Request;
+use crate::control::proto::{DeviceSpec, Request};
 use crate::text::{quoted, quoted_path};
 use serde_json::Value;
 
@@ -41,19 +41,10 @@ pub fn line(req: &Request, caller: Caller, old_size: Option<u64>, reply: &str) -
             _ => "ok".to_string(),
         }
     } else {
-        format!(
-            "refused: {} ({})",
-            v["error"]["message"].as_str().unwrap_or("?"),
-            v["error"]["code"].as_str().unwrap_or("?")
-        )
+        refused(&v)
     };
     let what = match req {
-        Request::Attach(s) => {
-            let name = r["name"]
-                .as_str()
-                .map_or_else(|| s.name.clone().unwrap_or_default(), str::to_owned);
-            format!("attach {} image={}", quoted(&name), quoted_path(&s.image))
-        }
+        Request::Attach(s) => attach_what(s, r),
         Request::Detach { name, force } => {
             format!(
                 "detach {}{}",
@@ -120,15 +111,39 @@ pub fn lines(req: &Request, caller: Caller, old_size: Option<u64>, reply: &str) 
         // Refused as a whole.
         return line(req, caller, old_size, reply).into_iter().collect();
     }
+    // Each item as if it were the reply to its own `attach`.
     devices
         .iter()
         .zip(items.into_iter().flatten())
-        .filter_map(|(d, item)| {
-            let one = Request::Attach(Box::new(d.clone()));
-            let r = serde_json::json!({ "v": 1, "ok": item["ok"], "result": item["result"], "error": item["error"] });
-            line(&one, caller, None, &r.to_string())
+        .map(|(d, item)| {
+            let outcome = if item["ok"].as_bool() == Some(true) {
+                "ok".to_string()
+            } else {
+                refused(item)
+            };
+            format!(
+                "audit: {} by {caller}: {outcome}",
+                attach_what(d, &item["result"])
+            )
         })
         .collect()
+}
+
+/// What an attach of `spec` did, its reply's result being `r`.
+fn attach_what(spec: &DeviceSpec, r: &Value) -> String {
+    let name = r["name"]
+        .as_str()
+        .unwrap_or_else(|| spec.name.as_deref().unwrap_or_default());
+    format!("attach {} image={}", quoted(name), quoted_path(&spec.image))
+}
+
+/// A refusal's outcome from a reply (or batch item) `v`.
+fn refused(v: &Value) -> String {
+    format!(
+        "refused: {} ({})",
+        v["error"]["message"].as_str().unwrap_or("?"),
+        v["error"]["code"].as_str().unwrap_or("?")
+    )
 }
 
 /// A reload's outcome from its report (a reply's `result`, or the report as

@@ -21,44 +21,46 @@ pub enum DeviceState {
     Missing,
 }
 
-/// One device, as `loopd list` shows it.
+/// One device, as `loopd list` shows it. Fields in sorted order: replies
+/// keep their keys sorted, and lists are written straight from these
+/// (`crate::control::proto::devices_reply`; a test checks the order).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct DeviceInfo {
-    pub name: String,
-    pub image: PathBuf,
-    pub size: u64,
-    pub offset: u64,
-    pub size_limit: Option<u64>,
+    pub autoclear: bool,
     pub block_size: u32,
+    /// The kernel block device the device is handed to (`/dev/ublkbN`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blockdev: Option<PathBuf>,
+    /// The cache mode asked for.
+    pub cache: CacheMode,
+    pub clients: u32,
+    /// Whether direct I/O is really in use.
+    pub direct: bool,
+    pub image: PathBuf,
+    pub name: String,
+    pub offset: u64,
+    /// Its partition devices, as the kernel has them now.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub partitions: Vec<PathBuf>,
+    pub read_only: bool,
+    /// Why a missing device is not attached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    pub size: u64,
+    pub size_limit: Option<u64>,
+    #[serde(default)]
+    pub state: DeviceState,
     /// The block size is advertised as the NBD minimum (else 1).
     #[serde(default)]
     pub strict_block_size: bool,
-    /// The cache mode asked for.
-    pub cache: CacheMode,
-    /// Whether direct I/O is really in use.
-    pub direct: bool,
-    pub read_only: bool,
+    /// TLS client identities allowed to open it (empty: every client).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tls_allow: Vec<String>,
+    pub uris: Vec<String>,
     /// Read-only because the image cannot be written (a read-only mount, mode
     /// 0444), not because it was asked.
     #[serde(default)]
     pub write_protected: bool,
-    pub autoclear: bool,
-    pub clients: u32,
-    pub uris: Vec<String>,
-    #[serde(default)]
-    pub state: DeviceState,
-    /// Why a missing device is not attached.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reason: Option<String>,
-    /// The kernel block device the device is handed to (`/dev/ublkbN`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub blockdev: Option<PathBuf>,
-    /// Its partition devices, as the kernel has them now.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub partitions: Vec<PathBuf>,
-    /// TLS client identities allowed to open it (empty: every client).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub tls_allow: Vec<String>,
 }
 
 impl DeviceInfo {
@@ -220,4 +222,50 @@ pub struct SetResult {
     pub file_size: u64,
     /// The size limit makes the device smaller than the file (past its offset).
     pub capped_by_size_limit: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lists and batches are written straight from `DeviceInfo`
+    /// (`devices_reply`): its keys must come out in the sorted order of the
+    /// JSON tree replies are otherwise made from.
+    #[test]
+    fn device_info_serializes_in_sorted_order() {
+        let full = DeviceInfo {
+            autoclear: true,
+            block_size: 4096,
+            blockdev: Some("/dev/ublkb0".into()),
+            cache: CacheMode::Direct,
+            clients: 2,
+            direct: true,
+            image: "/img".into(),
+            name: "d".into(),
+            offset: 512,
+            partitions: vec!["/dev/ublkb0p1".into()],
+            read_only: false,
+            reason: Some("gone".into()),
+            size: 1 << 20,
+            size_limit: Some(1 << 20),
+            state: DeviceState::Missing,
+            strict_block_size: true,
+            tls_allow: vec!["cn".into()],
+            uris: vec!["nbd://x".into()],
+            write_protected: true,
+        };
+        let bare = DeviceInfo {
+            blockdev: None,
+            partitions: Vec::new(),
+            reason: None,
+            size_limit: None,
+            tls_allow: Vec::new(),
+            ..full.clone()
+        };
+        for info in [full, bare] {
+            let direct = serde_json::to_string(&info).unwrap();
+            let tree = serde_json::to_value(&info).unwrap().to_string();
+            assert_eq!(direct, tree);
+        }
+    }
 }

@@ -3,7 +3,9 @@
 //! result or error ([`super::error::CtlError::body`]).
 
 use super::registry::Daemon;
-use crate::control::proto::{Request, batch_item, err_reply, ok_reply};
+use crate::control::proto::{
+    Request, batch_item, devices_reply, err_reply, ok_reply, ok_reply_value,
+};
 
 impl Daemon {
     /// Run one control request and encode its reply line.
@@ -16,15 +18,15 @@ impl Daemon {
                     .into_iter()
                     .map(|r| batch_item(r.map_err(|e| e.body())))
                     .collect();
-                Ok(ok_reply(&serde_json::json!({ "devices": items })))
+                Ok(devices_reply(&items))
             }
             Request::Detach { name, force } => self
                 .detach(&name, force)
                 .map(|()| ok_reply(&serde_json::json!({ "name": name }))),
-            Request::List => Ok(ok_reply(&serde_json::json!({ "devices": self.list() }))),
+            Request::List => Ok(devices_reply(&self.list())),
             Request::Status { name: Some(name) } => self.status(&name).map(|s| ok_reply(&s)),
-            Request::Status { name: None } => Ok(ok_reply(
-                &serde_json::json!({ "devices": self.status_all() }),
+            Request::Status { name: None } => Ok(ok_reply_value(
+                serde_json::json!({ "devices": self.status_all() }),
             )),
             Request::Set(s) => self.set(s).map(|r| ok_reply(&r)),
             Request::Resize { name } => self.resize(&name).map(|r| ok_reply(&r)),

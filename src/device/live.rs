@@ -9,6 +9,7 @@ use crate::backing::Backend;
 use crate::backing::align;
 use crate::backing::create;
 use crate::backing::file::{FileBackend, FileParts};
+use crate::backing::format;
 use crate::backing::identity::{FileIdentity, Pinned};
 use crate::backing::lock::{ImageLock, Mode};
 use crate::text::quoted_path;
@@ -297,9 +298,9 @@ impl Device {
             shared: p.shared,
         };
         let image_lock = ImageLock::acquire(&p.path, &plain, &p.name, mode)?;
-        if p.format.is_none() && !created && !image_lock.is_reconfiguration() {
-            crate::backing::format::check_raw(&p.path, &plain)?;
-        }
+        // Whether to look for a container format (after the direct
+        // descriptor is open: the probe reads through it if there is one).
+        let probe_format = p.format.is_none() && !created && !image_lock.is_reconfiguration();
         let align = align::probe(&plain);
         let local_fs = on_local_disk(&plain);
         let default_bs = align.offset.clamp(512, 4096);
@@ -356,6 +357,13 @@ impl Device {
             },
         };
 
+        if probe_format {
+            if direct {
+                format::check_raw_direct(&p.path, &file, align.offset, &plain)?;
+            } else {
+                format::check_raw(&p.path, &plain)?;
+            }
+        }
         let size = window(p, file_size, block_size)?;
         let backend = Backend::File(FileBackend::new(FileParts {
             file,

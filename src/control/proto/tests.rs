@@ -259,13 +259,33 @@ fn attach_batch_parses_and_its_items_encode() {
         parse_request(br#"{"v":1,"op":"attach_batch"}"#).map_err(|e| e.code),
         Err(ErrorCode::BadRequest)
     );
-    let bad = batch_item::<u32>(Err(ErrorBody {
+    let bad = serde_json::to_value(batch_item::<u32>(Err(ErrorBody {
         code: ErrorCode::NotFound,
         message: "x".into(),
-    }));
+    })))
+    .unwrap();
     assert_eq!(bad["ok"], false);
     assert_eq!(bad["error"]["code"], "not_found");
     assert_eq!(bad["error"]["message"], "x");
-    let good = batch_item::<u32>(Ok(7));
+    let good = serde_json::to_value(batch_item::<u32>(Ok(7))).unwrap();
     assert_eq!((&good["ok"], &good["result"]), (&true.into(), &7.into()));
+}
+
+/// The devices reply written straight from its items is, byte for byte, the
+/// reply of the JSON tree (sorted keys), for batch items of both kinds.
+#[test]
+fn devices_reply_is_the_sorted_reply() {
+    let items = vec![
+        batch_item(Ok(serde_json::json!({"b": 1, "a": [true]}))),
+        batch_item(Err(ErrorBody {
+            code: ErrorCode::NameTaken,
+            message: "taken \"x\"".into(),
+        })),
+    ];
+    let tree = ok_reply(&serde_json::json!({ "devices": items }));
+    assert_eq!(devices_reply(&items), tree);
+    assert_eq!(
+        devices_reply::<u32>(&[]),
+        ok_reply(&serde_json::json!({ "devices": [] }))
+    );
 }
