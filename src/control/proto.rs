@@ -187,16 +187,11 @@ pub fn ok_reply_value(result: serde_json::Value) -> String {
     serde_json::Value::Object(m).to_string()
 }
 
-/// A reply whose result is `{"devices":[…]}`, written straight from
-/// `devices` (no JSON tree in between: a list or a batch of thousands of
-/// devices). Replies keep their keys in sorted order (as [`ok_reply`]'s JSON
-/// tree does), so `T` must serialize its fields in sorted order too
+/// As [`ok_reply`], written straight from `result` (no JSON tree in
+/// between). Replies keep their keys in sorted order (as [`ok_reply`]'s JSON
+/// tree does), so `T` must serialize its fields in sorted order
 /// (`DeviceInfo` and [`BatchItem`] do; their tests check).
-pub fn devices_reply<T: Serialize>(devices: &[T]) -> String {
-    #[derive(Serialize)]
-    struct Devices<'a, T> {
-        devices: &'a [T],
-    }
+pub fn sorted_reply<T: Serialize>(result: &T) -> String {
     // Keys in sorted order.
     #[derive(Serialize)]
     struct Reply<'a, R> {
@@ -206,7 +201,7 @@ pub fn devices_reply<T: Serialize>(devices: &[T]) -> String {
     }
     let r = Reply {
         ok: true,
-        result: &Devices { devices },
+        result,
         v: VERSION,
     };
     serde_json::to_string(&r).unwrap_or_else(|e| {
@@ -215,6 +210,16 @@ pub fn devices_reply<T: Serialize>(devices: &[T]) -> String {
             message: format!("cannot encode the reply: {e}"),
         })
     })
+}
+
+/// A [`sorted_reply`] whose result is `{"devices":[…]}` (a list or a batch
+/// of thousands of devices).
+pub fn devices_reply<T: Serialize>(devices: &[T]) -> String {
+    #[derive(Serialize)]
+    struct Devices<'a, T> {
+        devices: &'a [T],
+    }
+    sorted_reply(&Devices { devices })
 }
 
 /// One device's outcome in an `attach_batch` reply: `{"ok":true,"result":…}`

@@ -23,7 +23,7 @@ pub enum DeviceState {
 
 /// One device, as `loopd list` shows it. Fields in sorted order: replies
 /// keep their keys sorted, and lists are written straight from these
-/// (`crate::control::proto::devices_reply`; a test checks the order).
+/// (`crate::control::proto::sorted_reply`; a test checks the order).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct DeviceInfo {
     pub autoclear: bool,
@@ -266,6 +266,10 @@ mod tests {
             let direct = serde_json::to_string(&info).unwrap();
             let tree = serde_json::to_value(&info).unwrap().to_string();
             assert_eq!(direct, tree);
+            assert_eq!(
+                crate::control::proto::sorted_reply(&info),
+                crate::control::proto::ok_reply(&info)
+            );
         }
     }
 }

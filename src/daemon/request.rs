@@ -4,14 +4,14 @@
 
 use super::registry::Daemon;
 use crate::control::proto::{
-    Request, batch_item, devices_reply, err_reply, ok_reply, ok_reply_value,
+    Request, batch_item, devices_reply, err_reply, ok_reply, ok_reply_value, sorted_reply,
 };
 
 impl Daemon {
     /// Run one control request and encode its reply line.
     pub fn handle(&self, req: Request) -> String {
         let r = match req {
-            Request::Attach(spec) => self.attach(*spec, true).map(|i| ok_reply(&i)),
+            Request::Attach(spec) => self.attach(*spec, true).map(|i| sorted_reply(&i)),
             Request::AttachBatch { devices } => {
                 let items: Vec<_> = self
                     .attach_batch(devices)
