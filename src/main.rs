@@ -21,6 +21,7 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+#[command(defer = true)]
 enum Cmd {
     /// Run the server until Ctrl-C/SIGTERM (in the background with --fork): serve
     /// IMAGE (if given), the devices of --config and of the state file, and any
@@ -70,7 +71,9 @@ struct ManArgs {
     out_dir: PathBuf,
 }
 
-/// Where client commands find the server.
+// Where client commands find the server. (A plain comment: a doc comment on
+// a flattened struct would become the `about` of each subcommand using it,
+// as deferred arguments are added after the variant's own doc.)
 #[derive(clap::Args)]
 struct ControlArg {
     /// The server's control socket [default: $LOOPD_CONTROL, else the default
