@@ -167,8 +167,9 @@ fn serve_client(s: UnixStream, daemon: &Daemon, idle: Duration) -> std::io::Resu
         uid: cred.map(|c| c.uid.as_raw()),
         pid: cred.map(|c| c.pid.as_raw_nonzero().get()),
     };
-    let mut w = s.try_clone()?;
-    let mut r = BufReader::new(s);
+    // Read and written through `&UnixStream`: no second descriptor.
+    let mut w = &s;
+    let mut r = BufReader::new(&s);
     let mut line = Vec::with_capacity(256);
     loop {
         line.clear();
@@ -183,8 +184,7 @@ fn serve_client(s: UnixStream, daemon: &Daemon, idle: Duration) -> std::io::Resu
                 code: ErrorCode::BadRequest,
                 message: format!("request longer than {MAX_LINE} bytes"),
             };
-            w.write_all(err_reply(&e).as_bytes())?;
-            w.write_all(b"\n")?;
+            w.write_all(format!("{}\n", err_reply(&e)).as_bytes())?;
             return Ok(());
         }
         while line.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
@@ -209,7 +209,9 @@ fn serve_client(s: UnixStream, daemon: &Daemon, idle: Duration) -> std::io::Resu
             }
             Err(e) => err_reply(&e),
         };
-        w.write_all(reply.as_bytes())?;
-        w.write_all(b"\n")?;
+        // The line and its end in one write: the client wakes once.
+        let mut out = reply.into_bytes();
+        out.push(b'\n');
+        w.write_all(&out)?;
     }
 }
