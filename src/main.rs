@@ -20,7 +20,13 @@ struct Cli {
     cmd: Cmd,
 }
 
+/// Subcommands. Their arguments are deferred (`Command::defer`): a run builds
+/// the one it uses (`loopd attach` pays for attach's options, not serve's
+/// eighty), while each one's name and doc stay eager for `loopd --help`.
+/// Command-level text belongs on the variants: a doc comment on an `Args`
+/// struct would be applied after the variant's and replace it.
 #[derive(Subcommand)]
+#[command(defer = true)]
 enum Cmd {
     /// Run the server until Ctrl-C/SIGTERM (in the background with --fork): serve
     /// IMAGE (if given), the devices of --config and of the state file, and any
@@ -70,7 +76,9 @@ struct ManArgs {
     out_dir: PathBuf,
 }
 
-/// Where client commands find the server.
+// Where client commands find the server. (A plain comment: a doc comment on
+// a flattened struct would become the `about` of each subcommand using it,
+// as deferred arguments are added after the variant's own doc.)
 #[derive(clap::Args)]
 struct ControlArg {
     /// The server's control socket [default: $LOOPD_CONTROL, else the default
@@ -321,5 +329,171 @@ fn call(ctl: &ControlArg, req: &Request) -> Result<serde_json::Value> {
     match client::call(&ctl.path(), req)? {
         Ok(v) => Ok(v),
         Err(e) => Err(cli::exit::DaemonError(e).into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The deferred command tree (`defer = true`) against the fully built
+    //! one: same help, errors and matches for every subcommand, each
+    //! subcommand's text its variant's, completions with every option.
+
+    use super::*;
+    use clap::Command;
+
+    fn full() -> Command {
+        let mut c = command();
+        c.build();
+        c
+    }
+
+    /// Every subcommand's path (`["kernel", "attach"]`), hidden ones too, but
+    /// not clap's own `help`.
+    fn paths(cmd: &Command, prefix: &[String], out: &mut Vec<Vec<String>>) {
+        for s in cmd.get_subcommands().filter(|s| s.get_name() != "help") {
+            let mut p = prefix.to_vec();
+            p.push(s.get_name().to_owned());
+            out.push(p.clone());
+            paths(s, &p, out);
+        }
+    }
+
+    fn all_paths() -> Vec<Vec<String>> {
+        let mut out = vec![vec![]];
+        paths(&full(), &[], &mut out);
+        out
+    }
+
+    /// What a parse shows a user: the matches, or the error's kind, its
+    /// text (help, usage, message) and where it goes.
+    fn outcome(r: Result<clap::ArgMatches, clap::Error>) -> String {
+        match r {
+            Ok(m) => format!("ok {m:?}"),
+            Err(e) => format!(
+                "{:?} stderr={} exit={}\n{}",
+                e.kind(),
+                e.use_stderr(),
+                e.exit_code(),
+                e.render().ansi()
+            ),
+        }
+    }
+
+    #[test]
+    fn deferred_tree_parses_like_the_full_tree() {
+        let paths = all_paths();
+        assert!(paths.len() > 12, "{paths:?}");
+        let mut argvs: Vec<Vec<String>> = Vec::new();
+        for p in &paths {
+            for tail in [
+                &["--help"][..],
+                &["-h"],
+                &["--version"],
+                &[],
+                &["--no-such-option"],
+                &["--json", "--no-such-option"],
+                &["x", "y", "z", "w"],
+                &["--control"],
+                &["--cache", "nonsense", "img"],
+                &["--json", "--name", "n", "img"],
+            ] {
+                argvs.push(
+                    p.iter()
+                        .cloned()
+                        .chain(tail.iter().map(|s| s.to_string()))
+                        .collect(),
+                );
+            }
+            argvs.push(
+                ["help".to_owned()]
+                    .into_iter()
+                    .chain(p.iter().cloned())
+                    .collect(),
+            );
+        }
+        argvs.push(vec!["attac".into()]);
+        argvs.push(vec!["attach".into(), "--hel".into()]);
+        for a in &argvs {
+            let argv = || std::iter::once("loopd".to_owned()).chain(a.iter().cloned());
+            let lazy = outcome(command().try_get_matches_from(argv()));
+            let eager = outcome(full().try_get_matches_from(argv()));
+            assert_eq!(lazy, eager, "loopd {}", a.join(" "));
+        }
+    }
+
+    /// The text a command shows of itself, as its parent's variant set it.
+    fn own_text(c: &Command) -> Vec<String> {
+        let s = |t: Option<&clap::builder::StyledStr>| t.map(|t| t.to_string()).unwrap_or_default();
+        vec![
+            s(c.get_about()),
+            s(c.get_long_about()),
+            s(c.get_before_help()),
+            s(c.get_before_long_help()),
+            s(c.get_after_help()),
+            s(c.get_after_long_help()),
+            format!("{:?}", c.get_all_aliases().collect::<Vec<_>>()),
+            format!("hide={}", c.is_hide_set()),
+        ]
+    }
+
+    /// Building a subcommand (adding its deferred arguments) must not change
+    /// its about, help texts or aliases, which `loopd --help` shows unbuilt.
+    fn check_own_text(cmd: &Command, path: &str) {
+        let mut c = cmd.clone();
+        // Builds this command alone: its deferred part registers its
+        // subcommands, theirs stays deferred.
+        let _ = c.render_help();
+        for s in c.get_subcommands().filter(|s| s.get_name() != "help") {
+            let name = format!("{path} {}", s.get_name());
+            let mut built = s.clone();
+            built.build();
+            assert_eq!(own_text(s), own_text(&built), "{name}");
+            assert!(!own_text(s)[0].is_empty(), "{name} has no about");
+            check_own_text(s, &name);
+        }
+    }
+
+    #[test]
+    fn each_subcommand_keeps_its_variants_text_once_built() {
+        check_own_text(&command(), "loopd");
+    }
+
+    #[test]
+    fn completions_offer_every_deferred_option() {
+        let script = String::from_utf8(cli::generate::completions(
+            &command(),
+            clap_complete::Shell::Fish,
+        ))
+        .expect("utf-8");
+        let mut checked = 0;
+        for p in all_paths().iter().filter(|p| !p.is_empty()) {
+            let mut c = full();
+            let mut hidden = false;
+            for n in p {
+                let Some(s) = c.find_subcommand(n).cloned() else {
+                    panic!("{p:?}")
+                };
+                hidden |= s.is_hide_set();
+                c = s;
+            }
+            if hidden {
+                continue;
+            }
+            let leaf = p.last().expect("non-empty");
+            // Not clap's own --help and --version (built into every subcommand).
+            let own = |a: &&clap::Arg| !matches!(a.get_id().as_str(), "help" | "version");
+            for a in c.get_arguments().filter(|a| !a.is_hide_set()).filter(own) {
+                let Some(long) = a.get_long() else { continue };
+                let line = format!("-l {long}");
+                assert!(
+                    script
+                        .lines()
+                        .any(|l| l.contains(&line) && l.contains(leaf.as_str())),
+                    "{p:?} --{long} missing:\n{script}"
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked > 60, "only {checked} options checked");
     }
 }

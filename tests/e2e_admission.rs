@@ -374,3 +374,60 @@ fn control_clients_have_a_limit_and_an_idle_timeout() {
     );
     srv.ctl_ok(&["list"]);
 }
+
+/// The daemon's control client threads (comm `loopd-control-client`, cut to
+/// 15 bytes by the kernel): their thread ids.
+fn control_client_threads(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let t = t.unwrap();
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        if comm.trim_end() == "loopd-control-c" {
+            out.push(t.file_name().to_string_lossy().parse().unwrap());
+        }
+    }
+    out
+}
+
+/// Issue 25 (the shell command's cost on the daemon's side): control clients
+/// that come one after another are served by the same few pooled threads, not
+/// by a new thread each; clients that hold a thread (one silent, one halfway
+/// through a line) hold up none of them, and are served when they go on.
+#[test]
+fn control_client_threads_are_reused_and_a_stalled_client_holds_none_back() {
+    let srv = Server::daemon().start();
+    let pid = srv.pid();
+    let mut silent = ControlConn::connect(srv.control());
+    let mut halfway = ControlConn::connect(srv.control());
+    halfway.send_raw(br#"{"v":1,"op":"#);
+    let mut seen = std::collections::BTreeSet::new();
+    let t = Instant::now();
+    for _ in 0..20 {
+        let mut c = ControlConn::connect(srv.control());
+        assert_eq!(c.ok(r#"{"v":1,"op":"list"}"#).at("devices").arr().len(), 0);
+        seen.extend(control_client_threads(pid));
+        drop(c);
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "20 clients took {:?}",
+        t.elapsed()
+    );
+    // Two held by the stalled clients, the rest by at most the 4 spare
+    // threads (a thread per client would have made 22).
+    assert!(
+        seen.len() <= 6,
+        "{} control client threads for 2 stalled and 20 successive clients: {seen:?}",
+        seen.len()
+    );
+    halfway.send_raw(b"\"list\"}\n");
+    assert_eq!(halfway.read_reply().at("ok"), &common::Json::Bool(true));
+    assert_eq!(
+        silent
+            .ok(r#"{"v":1,"op":"list"}"#)
+            .at("devices")
+            .arr()
+            .len(),
+        0
+    );
+}

@@ -31,7 +31,9 @@ impl From<Cache> for CacheMode {
     }
 }
 
-/// How a device is configured (shared by `serve IMAGE` and `attach`).
+// How a device is configured (shared by `serve IMAGE` and `attach`). (A
+// plain comment: a doc comment here would become the `about` of both
+// subcommands, whose arguments are deferred; see `main.rs`.)
 #[derive(clap::Args)]
 pub struct DeviceArgs {
     /// Export name [default: the image's file stem]; the empty name also selects

@@ -1,7 +1,8 @@
 //! Shell completions and man pages generated from the CLI definition.
 //!
 //! Both take the `clap::Command` that `main.rs` parses with, so they never
-//! drift from it. Hidden subcommands and options (test and benchmark switches,
+//! drift from it; its subcommands' arguments are deferred (added when a
+//! subcommand is used, see `main.rs`), so both build the whole tree first. Hidden subcommands and options (test and benchmark switches,
 //! `loopd man` itself) appear in neither. Man pages: `loopd.1` with the
 //! subcommand list, EXIT STATUS, ENVIRONMENT and FILES, and one page per
 //! subcommand (`loopd-attach.1`, `loopd-kernel-attach.1`, ...), as git does.
@@ -101,15 +102,16 @@ const FILES: &[(&str, &str)] = &[
     ),
 ];
 
-/// `cmd` without hidden subcommands and options, recursively: what completions
-/// offer. Argument groups are dropped (they may name hidden options and only
-/// matter to parsing).
-fn visible(cmd: &Command) -> Command {
+/// `cmd` (built) without hidden subcommands and options, recursively: what
+/// completions offer. Argument groups are dropped (they may name hidden
+/// options and only matter to parsing). The version is the top command's only
+/// (building copies it into every subcommand, which completions never offered).
+fn visible(cmd: &Command, top: bool) -> Command {
     let mut out = Command::new(cmd.get_name().to_string());
     if let Some(a) = cmd.get_about() {
         out = out.about(a.clone());
     }
-    if let Some(v) = cmd.get_version() {
+    if let Some(v) = cmd.get_version().filter(|_| top) {
         out = out.version(v.to_string());
     }
     if cmd.is_subcommand_required_set() {
@@ -128,14 +130,17 @@ fn visible(cmd: &Command) -> Command {
     out.subcommands(
         cmd.get_subcommands()
             .filter(|s| !s.is_hide_set())
-            .map(visible),
+            .map(|s| visible(s, false)),
     )
 }
 
 /// The completion script for `shell`. (Returned, not written: clap_complete
-/// panics on a write error, e.g. a closed pipe.)
+/// panics on a write error, e.g. a closed pipe.) `cmd` may be unbuilt, with
+/// its subcommands' arguments deferred (`Command::defer`): it is built here.
 pub fn completions(cmd: &Command, shell: Shell) -> Vec<u8> {
-    let mut c = visible(cmd).disable_help_subcommand(true);
+    let mut full = cmd.clone().disable_help_subcommand(true);
+    full.build();
+    let mut c = visible(&full, true).disable_help_subcommand(true);
     let mut out = Vec::new();
     clap_complete::generate(shell, &mut c, BIN, &mut out);
     out

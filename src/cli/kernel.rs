@@ -7,6 +7,7 @@ use loopd::size::{parse_block_size, parse_size};
 use std::path::PathBuf;
 
 #[derive(Subcommand)]
+#[command(defer = true)]
 pub enum KernelCmd {
     /// Set up /dev/loopN for IMAGE with one LOOP_CONFIGURE; prints the device
     /// (with --partscan, then each partition's node, one per line).

@@ -27,11 +27,11 @@ pub fn call(
 ) -> Result<Result<serde_json::Value, ErrorBody>, ClientError> {
     let s = UnixStream::connect(path).map_err(|e| ClientError::Connect(path.to_path_buf(), e))?;
     let io = |e| ClientError::Io(path.to_path_buf(), e);
-    let mut w = s.try_clone().map_err(io)?;
     let mut line = proto::encode_request(req);
     line.push('\n');
-    w.write_all(line.as_bytes()).map_err(io)?;
-    let mut r = BufReader::new(s);
+    // Written and read through `&UnixStream`: no second descriptor.
+    (&s).write_all(line.as_bytes()).map_err(io)?;
+    let mut r = BufReader::new(&s);
     let mut reply = Vec::new();
     r.read_until(b'\n', &mut reply).map_err(io)?;
     if reply.is_empty() {
