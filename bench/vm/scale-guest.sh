@@ -77,13 +77,13 @@ step() { # name timeout command...
 
 echo "| step | exit | s | MemAvailable lost, MiB (after − before) |" > "$OUT/steps.md"
 echo "|---|---:|---:|---:|" >> "$OUT/steps.md"
-# Block devices at the kernel's default ublks_max (64; since Linux 6.5 it
-# limits only unprivileged devices, so root's 100 are made).
-step ublk 900 "$SCALE" --only ublk --ublk "$UBLK" ${BEFORE:+--before "$BEFORE"}
 step restart 900 "$SCALE" --only restart --restart "$RESTART" --rounds 1
 step many 1200 "$SCALE" --only many --many "$MANY" --rounds 1
 step idle 1200 python3 "$BIN/idle-connections" --loopd "$LOOPD" --label loopd \
     --n "$CONNS" --fresh 20 --batch 512 --past-limit
+# Block devices at the kernel's default ublks_max (64: on 6.12 it limits
+# only unprivileged devices, so root's 100 are made).
+step ublk 900 "$SCALE" --only ublk --ublk "$UBLK" ${BEFORE:+--before "$BEFORE"}
 {
     echo "**Limits during the run** (raised by this script: fs.nr_open, RLIMIT_NOFILE)"
     echo
