@@ -13,12 +13,24 @@
 //!    100 (median, p99);
 //! 3. the shell command (`--cli ROUNDS`, default 200): `loopd attach` process
 //!    start to exit (then `loopd detach`), next to `losetup -f --show` (then
-//!    `losetup -d`, root only), interleaved.
+//!    `losetup -d`, root only), interleaved;
+//! 4. block devices made at once (`--ublk N`, default 100; root, ublk_drv):
+//!    one `loopd attach --blockdev ublk IMG…` batch, each `/dev/ublkbN`'s
+//!    first 4 KiB checked against its image, a restart that makes them again
+//!    from the state file, the detach of all; next to N kernel loop devices
+//!    set up in-process (`LOOP_CTL_GET_FREE` + `LOOP_CONFIGURE`), checked the
+//!    same way (see `common/blockdevs.rs`).
 //!
-//! Usage: `cargo run --release --example scale -- [--before BIN] [--restart N]
-//! [--many N] [--cli ROUNDS] [--rounds R] [--only restart|many|cli]`.
+//! `--restart` takes a list (`--restart 4900,10000`): one section each, in
+//! the same run. The open-file limit: the soft limit is raised to the hard
+//! one, and where the hard one is below what the counts need (4 descriptors
+//! per device) it is raised too when the process may (root: up to
+//! `fs.nr_open`); what is left caps the counts, and the report says so.
+//!
+//! Usage: `cargo run --release --example scale -- [--before BIN] [--restart N[,N…]]
+//! [--many N] [--cli ROUNDS] [--ublk N] [--rounds R] [--only restart|many|cli|ublk[,…]]`.
 //! Prints a markdown report on stdout. Files go to a temporary directory under
-//! /var/tmp (removed at the end).
+//! `$TMPDIR` (default /var/tmp; removed at the end).
 
 use loopd::control::proto::{DeviceSpec, Request};
 use std::io::{BufRead, BufReader};
@@ -27,8 +39,14 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
+// Section 4 (uses this example's daemon helpers, so not part of `common`).
+#[path = "common/ublk.rs"]
+mod ublk;
 
 use common::{Ctl, nbd_go, run_timed, us};
+
+/// Devices per `attach_batch` when a state file is made for the restart.
+const MAKE_BATCH: usize = 1000;
 
 fn this_loopd() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
@@ -72,6 +90,11 @@ impl Daemon {
             .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok())
             .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
             .sum()
+    }
+
+    /// Memory maps (lines of /proc/PID/maps): bounded by `vm.max_map_count`.
+    fn maps(&self) -> usize {
+        std::fs::read_to_string(format!("/proc/{}/maps", self.pid)).map_or(0, |s| s.lines().count())
     }
 
     fn fds(&self) -> usize {
@@ -151,9 +174,10 @@ fn images(dir: &Path, n: usize) -> Vec<PathBuf> {
 
 struct Args {
     bins: Vec<(String, PathBuf)>,
-    restart: usize,
+    restart: Vec<usize>,
     many: usize,
     cli: usize,
+    ublk: usize,
     rounds: usize,
     only: Option<String>,
 }
@@ -161,9 +185,10 @@ struct Args {
 fn args() -> Args {
     let mut a = Args {
         bins: Vec::new(),
-        restart: 10_000,
+        restart: vec![10_000],
         many: 50_000,
         cli: 200,
+        ublk: 100,
         rounds: 3,
         only: None,
     };
@@ -172,7 +197,13 @@ fn args() -> Args {
         let mut v = || it.next().unwrap_or_else(|| panic!("{k} needs a value"));
         match k.as_str() {
             "--before" => a.bins.push(("before".into(), PathBuf::from(v()))),
-            "--restart" => a.restart = v().parse().expect("--restart N"),
+            "--restart" => {
+                a.restart = v()
+                    .split(',')
+                    .map(|n| n.parse().expect("--restart N[,N…]"))
+                    .collect()
+            }
+            "--ublk" => a.ublk = v().parse().expect("--ublk N"),
             "--many" => a.many = v().parse().expect("--many N"),
             "--cli" => a.cli = v().parse().expect("--cli ROUNDS"),
             "--rounds" => a.rounds = v().parse().expect("--rounds R"),
@@ -184,8 +215,10 @@ fn args() -> Args {
     a
 }
 
-/// Raise the soft open-file limit to the hard one (inherited by the daemons).
-fn raise_nofile() -> u64 {
+/// Raise the open-file limit (inherited by the daemons) to `need`: the
+/// hard limit too where it is lower and the process may (root, up to
+/// `fs.nr_open`), else the soft one to the hard one. The limit in force.
+fn raise_nofile(need: u64) -> u64 {
     let mut r = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -193,6 +226,15 @@ fn raise_nofile() -> u64 {
     // SAFETY: getrlimit/setrlimit with a valid pointer to a local.
     unsafe {
         libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
+        if r.rlim_max < need {
+            let up = libc::rlimit {
+                rlim_cur: need,
+                rlim_max: need,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &up) == 0 {
+                return need;
+            }
+        }
         r.rlim_cur = r.rlim_max;
         libc::setrlimit(libc::RLIMIT_NOFILE, &r);
     }
@@ -201,13 +243,19 @@ fn raise_nofile() -> u64 {
 
 fn main() {
     let a = args();
-    let nofile = raise_nofile();
+    let want = |s: &str| {
+        a.only
+            .as_deref()
+            .is_none_or(|o| o.split(',').any(|x| x == s))
+    };
+    let most = a.restart.iter().copied().max().unwrap_or(0).max(a.many);
+    let nofile = raise_nofile(4 * most as u64 + 1024);
+    let tmp = std::env::var_os("TMPDIR").map_or_else(|| PathBuf::from("/var/tmp"), PathBuf::from);
     let dir = tempfile::Builder::new()
         .prefix("loopd-bench-scale")
-        .tempdir_in("/var/tmp")
+        .tempdir_in(tmp)
         .expect("tempdir");
     let d = dir.path();
-    let want = |s: &str| a.only.as_deref().is_none_or(|o| o == s);
     println!(
         "Binaries: {}. Open-file limit: {nofile}.\n",
         a.bins
@@ -217,7 +265,9 @@ fn main() {
             .join(", ")
     );
     if want("restart") {
-        restart(&a, d, nofile);
+        for &n in &a.restart {
+            restart(&a, n, d, nofile);
+        }
     }
     if want("many") {
         many(&a, d, nofile);
@@ -225,23 +275,25 @@ fn main() {
     if want("cli") {
         cli(&a, d);
     }
+    if want("ublk") {
+        ublk::run(&a.bins, d, a.ublk);
+    }
 }
 
-/// Section 1, restart: with `a.restart` devices in the state file (as many
-/// as the open-file limit lets one daemon hold, 4 descriptors each), and
-/// with `a.restart` recorded devices whose images are gone (all missing: the
-/// state file's parsing, the restore loop and the compaction at 10,000
-/// without the descriptors).
-fn restart(a: &Args, d: &Path, nofile: u64) {
+/// Section 1, restart: with `want` devices in the state file (as many as
+/// the open-file limit lets one daemon hold, 4 descriptors each), and with
+/// `want` recorded devices whose images are gone (all missing: the state
+/// file's parsing, the restore loop and the compaction at 10,000 without the
+/// descriptors).
+fn restart(a: &Args, want: usize, d: &Path, nofile: u64) {
     let room = usize::try_from(nofile.saturating_sub(200) / 4).unwrap_or(usize::MAX);
-    let n = a.restart.min(room);
-    if n < a.restart {
+    let n = want.min(room);
+    if n < want {
         println!(
-            "(restart: {n} devices, not {}: 4 descriptors per device and an open-file limit of {nofile})\n",
-            a.restart
+            "(restart: {n} devices, not {want}: 4 descriptors per device and an open-file limit of {nofile})\n"
         );
     }
-    restart_gone(a, d);
+    restart_gone(a, want, d);
     let imgs = images(d, n);
     let state = d.join("restart.state");
     let _ = std::fs::remove_file(&state);
@@ -250,8 +302,14 @@ fn restart(a: &Args, d: &Path, nofile: u64) {
     let (daemon, _, _) = start(last, d, &state);
     let mut ctl = Ctl::connect(&d.join("nbd.ctl"));
     let t = Instant::now();
-    for (i, img) in imgs.iter().enumerate() {
-        ctl.call(&Request::Attach(Box::new(spec(img, &format!("r{i}")))));
+    let all: Vec<_> = (imgs.iter().enumerate())
+        .map(|(i, img)| spec(img, &format!("r{i}")))
+        .collect();
+    for chunk in all.chunks(MAKE_BATCH) {
+        let reply = ctl.call(&Request::AttachBatch {
+            devices: chunk.to_vec(),
+        });
+        assert!(!reply.contains("\"ok\":false"), "attach_batch: {reply}");
     }
     let made = t.elapsed();
     drop(ctl);
@@ -261,7 +319,7 @@ fn restart(a: &Args, d: &Path, nofile: u64) {
         a.rounds
     );
     println!(
-        "(state file made by {last_bin}: {n} attaches in {:.1} s; one 1 MiB sparse file per device)\n",
+        "(state file made by {last_bin}: {n} attaches, in batches of {MAKE_BATCH}, in {:.1} s; one 1 MiB sparse file per device)\n",
         made.as_secs_f64()
     );
     println!(
@@ -309,10 +367,9 @@ fn restart(a: &Args, d: &Path, nofile: u64) {
     println!();
 }
 
-/// A state file of `a.restart` devices whose images do not exist: every
-/// one is listed as missing after the restart.
-fn restart_gone(a: &Args, d: &Path) {
-    let n = a.restart;
+/// A state file of `n` devices whose images do not exist: every one is
+/// listed as missing after the restart.
+fn restart_gone(a: &Args, n: usize, d: &Path) {
     let state = d.join("gone.state");
     let mut text = String::from("{\"loopd_state\":1}\n");
     for i in 0..n {
@@ -353,9 +410,9 @@ fn many(a: &Args, d: &Path, nofile: u64) {
     let want = a.many;
     println!("## Many devices: durable attaches into one daemon\n");
     println!(
-        "| binary | devices | RSS before, MiB | RSS after, MiB | KiB per device | fds per device | attach µs first 100 (median / p99) | last 100 (median / p99) | p99 last/first | daemon CPU µs per attach, first / last 100 | total s |"
+        "| binary | devices | RSS before, MiB | RSS after, MiB | KiB per device | fds per device | memory maps before → after | attach µs first 100 (median / p99) | last 100 (median / p99) | p99 last/first | daemon CPU µs per attach, first / last 100 | total s |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (name, bin) in &a.bins {
         let state = d.join(format!("many-{name}.state"));
         let _ = std::fs::remove_file(&state);
@@ -363,6 +420,7 @@ fn many(a: &Args, d: &Path, nofile: u64) {
         let mut ctl = Ctl::connect(&d.join("nbd.ctl"));
         let rss0 = daemon.rss_kib();
         let fd0 = daemon.fds();
+        let maps0 = daemon.maps();
         // How many descriptors a device takes, from the first 100.
         let probe = images(d, 100);
         let mut lat = Vec::with_capacity(want);
@@ -394,11 +452,12 @@ fn many(a: &Args, d: &Path, nofile: u64) {
         let total = t.elapsed();
         let cpu_last = (daemon.cpu_ns() - c_last) as f64 / 100e3;
         let rss1 = daemon.rss_kib();
+        let maps1 = daemon.maps();
         let (mut first, mut last) = (lat[..100].to_vec(), lat[lat.len() - 100..].to_vec());
         let (f50, f99) = (pct(&mut first, 500), pct(&mut first, 990));
         let (l50, l99) = (pct(&mut last, 500), pct(&mut last, 990));
         println!(
-            "| {name} | {n}{} | {:.1} | {:.1} | {:.2} | {per} | {f50:.0} / {f99:.0} | {l50:.0} / {l99:.0} | {:.2} | {cpu_first:.0} / {cpu_last:.0} | {:.1} |",
+            "| {name} | {n}{} | {:.1} | {:.1} | {:.2} | {per} | {maps0} → {maps1} | {f50:.0} / {f99:.0} | {l50:.0} / {l99:.0} | {:.2} | {cpu_first:.0} / {cpu_last:.0} | {:.1} |",
             if n < want {
                 format!(" (of {want}: open-file limit)")
             } else {

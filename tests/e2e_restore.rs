@@ -123,3 +123,68 @@ fn two_hundred_recorded_devices_come_back_with_their_bytes() {
     check_devices(&srv, "second start");
     assert_eq!(records(&state), recs, "nothing changed in the records");
 }
+
+/// A state file with more devices than the open-file limit has room for
+/// (300 devices, 4 descriptors each, under a limit of 800): the daemon
+/// starts anyway (it used to open devices until the descriptors ran out,
+/// then fail to set up its signal handling and exit), the devices that fit
+/// come back with their bytes, the others are listed as missing with a
+/// reason naming the limit, the control socket answers (a detach of one of
+/// them), and under the usual limit every device comes back.
+#[test]
+fn more_recorded_devices_than_the_open_file_limit_has_room_for() {
+    const N: usize = 300;
+    let dir = tempdir();
+    let imgs = dir.path().join("imgs");
+    std::fs::create_dir(&imgs).unwrap();
+    let state = dir.path().join("r.state");
+    let mut text = String::from("{\"loopd_state\":1}\n");
+    for i in 0..N {
+        let img = imgs.join(format!("d{i}.img"));
+        create_pattern_image(&img, SIZE, seed(i % DEVICES));
+        text.push_str(&put_line(&format!("d{i}"), &img));
+    }
+    std::fs::write(&state, &text).unwrap();
+
+    let mut srv = Server::daemon()
+        .nofile(800)
+        .arg("--state")
+        .arg(&state)
+        .start();
+    let list = srv.list_json();
+    assert_eq!(list.len(), N, "devices listed");
+    let live: Vec<&Json> = list.iter().filter(|d| d.at("state") == "live").collect();
+    let left: Vec<&Json> = list.iter().filter(|d| d.at("state") == "missing").collect();
+    assert_eq!(live.len() + left.len(), N, "{list:?}");
+    assert!(!live.is_empty() && !left.is_empty(), "{list:?}");
+    for d in &left {
+        assert!(
+            d.at("reason").str().contains("open-file limit (800)"),
+            "{d:?}"
+        );
+    }
+    for d in &live {
+        let name = d.at("name").str();
+        let i: usize = name[1..].parse().unwrap();
+        let (mut c, _, _) = RawClient::handshake(srv.socket(), name);
+        let got = c.read(1, 0, 4096);
+        assert_bytes_eq(&got, &pattern_bytes(seed(i % DEVICES), 0, 4096), 0, name);
+    }
+    let dropped = left[0].at("name").str().to_owned();
+    srv.ctl_ok(&["detach", &dropped]);
+    let log = srv.stderr_text();
+    assert!(
+        log.contains("not attached: the open-file limit (800)"),
+        "{log}"
+    );
+    srv.stop_ok();
+
+    let srv = Server::daemon().arg("--state").arg(&state).start();
+    let list = srv.list_json();
+    assert_eq!(list.len(), N - 1, "the detached device stays gone");
+    assert!(
+        list.iter().all(|d| d.at("state") == "live"),
+        "{:?}",
+        list.iter().find(|d| d.at("state") != "live")
+    );
+}

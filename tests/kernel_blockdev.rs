@@ -4,7 +4,8 @@
 //! and checksums, `fstrim` reaching the image as holes, fio with verification,
 //! read-only devices, offset/size-limit windows, set/resize as far as the kernel
 //! follows, detach refusing while mounted or open, `kill -9` + restart keeping a
-//! mounted filesystem (ublk recovery; NBD reconnect), and 50 devices.
+//! mounted filesystem (ublk recovery; NBD reconnect), 50 devices, and a
+//! batch of 24 made at once.
 //!
 //! Runs as root inside the VM `scripts/vm-test.sh` boots (`ublk_drv` and `nbd`
 //! loaded, TMPDIR on a tmpfs). Every server, mount and device is a guard released on
@@ -487,6 +488,61 @@ fn ublk_fifty_devices_attach_and_detach() {
         "50 ublk devices attached, read and detached in {:?}",
         start.elapsed()
     );
+}
+
+/// One `loopd attach --blockdev ublk IMG…` (an `attach_batch`, whose block
+/// devices are made several at once): every outcome comes back in the
+/// images' order, the image that cannot be opened fails alone, and each
+/// device printed serves its own image's bytes; a detach removes each.
+#[test]
+fn ublk_batch_outcomes_in_order_each_device_its_image() {
+    let t = scratch();
+    let srv = daemon(t.path());
+    let mut imgs = Vec::new();
+    for i in 0..24u8 {
+        let img = t.path().join(format!("b{i}.img"));
+        if i != 7 {
+            create_pattern_image(&img, 1 << 20, i);
+        }
+        imgs.push(img);
+    }
+    let mut args = vec!["attach", "--blockdev", "ublk", "--queues", "1"];
+    args.extend(["--queue-depth", "4", "--json"]);
+    args.extend(imgs.iter().map(|p| p.to_str().expect("utf-8 path")));
+    let out = srv.ctl(&args);
+    assert!(!out.success(), "b7.img is missing: the batch fails:\n{out}");
+    let items = Json::parse(&out.stdout);
+    assert_eq!(items.arr().len(), 24, "{out}");
+    let mut devs = Vec::new();
+    for (i, (item, img)) in items.arr().iter().zip(&imgs).enumerate() {
+        assert_eq!(
+            item.at("image").str(),
+            img.to_str().expect("utf-8"),
+            "{out}"
+        );
+        if i == 7 {
+            assert!(!item.at("ok").bool(), "{out}");
+            assert!(!img.exists(), "a failed attach creates nothing");
+            continue;
+        }
+        assert!(item.at("ok").bool(), "{out}");
+        let r = item.at("result");
+        assert_eq!(r.at("name").str(), format!("b{i}"), "{out}");
+        let dev = PathBuf::from(r.at("blockdev").str());
+        let mut buf = vec![0u8; 4096];
+        fs::File::open(&dev)
+            .expect("open")
+            .read_exact_at(&mut buf, 8192)
+            .expect("read");
+        let i = u8::try_from(i).expect("small");
+        assert_eq!(buf, pattern_bytes(i, 8192, 4096), "{}", dev.display());
+        devs.push((format!("b{i}"), dev));
+    }
+    assert_eq!(srv.ctl_json(&["list"]).arr().len(), 23);
+    for (name, dev) in &devs {
+        srv.ctl_ok(&["detach", name]);
+        assert!(gone(dev), "{} removed", dev.display());
+    }
 }
 
 /// `--partscan`: the partition devices exist the moment attach returns (it

@@ -9,7 +9,9 @@
 //! the claim (see [`super::record`]). A batch ([`Daemon::attach_batch`])
 //! opens its devices on up to `BATCH_OPENERS` threads (scoped: joined before
 //! it goes on), then stages all their records in one hold of the mutex, so
-//! they share one write.
+//! they share one write; once published, their block devices (if asked) are
+//! made up to [`BLOCKDEV_THREADS`] at once, as at start (scoped threads of
+//! [`super::pool`], joined before the reply).
 //! A failed attach
 //! leaves nothing behind: an image it created is removed again, and a block
 //! device it asked for that cannot be made detaches it again. Racing attaches
@@ -26,7 +28,9 @@
 use super::bring_back;
 use super::error::CtlError;
 use super::info::DeviceInfo;
+use super::kernel::BLOCKDEV_THREADS;
 use super::params::{Tuning, check_create, check_name, name_of, params_with};
+use super::pool;
 use super::record::Staged;
 use super::registry::Daemon;
 use super::state::StateLog;
@@ -155,12 +159,26 @@ impl Daemon {
                 }
             }
         }
+        // Block devices to make: several at once, as at start (making one
+        // mostly waits for the kernel); none asked, no thread.
+        let makers = claims
+            .iter()
+            .filter(|(_, c)| c.opened.spec.blockdev.is_some())
+            .count();
         // The first wait leads the batch; the others find it durable.
+        let mut published = Vec::new();
         for (i, c) in claims {
-            let r = self
-                .publish(c)
-                .and_then(|info| self.after_publish(info, Source::Control));
-            out[i] = Some(r);
+            match self.publish(c) {
+                Ok(info) => published.push((i, info)),
+                Err(e) => out[i] = Some(Err(e)),
+            }
+        }
+        let threads = pool::threads_for(makers, 1, BLOCKDEV_THREADS);
+        let made = pool::each(&published, threads, "loopd-blockdev", |_, (_, info)| {
+            self.after_publish(info.clone(), Source::Control)
+        });
+        for ((i, _), r) in published.iter().zip(made) {
+            out[*i] = Some(r);
         }
         out.into_iter()
             .map(|r| {

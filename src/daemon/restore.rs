@@ -11,6 +11,14 @@
 //! Threads: at start the images are opened on a small pool ([`super::pool`],
 //! [`RESTORE_THREADS`]) that [`Daemon::restore`] waits for; each device is
 //! published on its own, under the usual locks (see [`super::registry`]).
+//!
+//! Descriptors: neither the restore nor a retry opens more devices than the
+//! open-file limit has room for beside the descriptors open and
+//! [`reserved_fds`] (the daemon's own, its connections' and reactors'); the
+//! devices past that stay missing, saying so ([`no_room`]), and come back
+//! once the limit leaves room (a retry counts the room again). So a state
+//! file larger than the limit allows never leaves the daemon without the
+//! descriptors it needs to start and to answer its control socket.
 
 use super::attach::Source;
 use super::error::CtlError;
@@ -29,6 +37,38 @@ pub const RETRY_INTERVAL: Duration = Duration::from_secs(2);
 /// Threads that open the state file's images at start (one per 16 devices,
 /// up to this many): opening mostly waits for the filesystem.
 pub const RESTORE_THREADS: usize = 8;
+
+/// Descriptors a device holds: its pinned `O_PATH` file, a read-write one,
+/// an `O_DIRECT` one, and its image lock.
+const FDS_PER_DEVICE: u64 = 4;
+
+/// Descriptors a restore or a retry leaves to the rest of the daemon: what
+/// the server keeps beside NBD connections (256, and 96 per reactor; one
+/// reactor per CPU by default).
+fn reserved_fds() -> u64 {
+    let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    256 + 96 * cpus as u64
+}
+
+/// How many more devices the open-file limit has room for beside the
+/// descriptors open now and [`reserved_fds`], and the limit; `None` when it
+/// cannot be told (no /proc: no cap).
+fn device_room() -> Option<(usize, u64)> {
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile).current?;
+    let open = std::fs::read_dir("/proc/self/fd").ok()?.count() as u64;
+    let room = limit.saturating_sub(open + reserved_fds()) / FDS_PER_DEVICE;
+    Some((usize::try_from(room).unwrap_or(usize::MAX), limit))
+}
+
+/// The reason a device left out for want of descriptors is missing.
+fn no_room(limit: u64) -> String {
+    format!(
+        "not attached: the open-file limit ({limit}) has no room for it ({FDS_PER_DEVICE} \
+         descriptors per device, {} kept for connections and the daemon); raise it \
+         (LimitNOFILE=, ulimit -n) and restart, or detach other devices",
+        reserved_fds()
+    )
+}
 
 impl Daemon {
     /// Bring back the devices of the state file (after those of the command line
@@ -83,15 +123,27 @@ impl Daemon {
                 );
             }
         }
+        let recorded = todo.len();
+        if let Some((room, limit)) = device_room().filter(|(room, _)| *room < todo.len()) {
+            let over = todo.split_off(room);
+            tracing::warn!(
+                "state file {path}: {} of {recorded} device(s) not attached: {}",
+                over.len(),
+                no_room(limit)
+            );
+            for (name, _) in over {
+                self.set_missing_reason(&name, no_room(limit));
+            }
+        }
         let threads = pool::threads_for(todo.len(), 16, RESTORE_THREADS);
         let back = pool::each(&todo, threads, "loopd-restore", |_, (name, spec)| {
             self.restore_one(name, spec.clone())
         });
         let restored = back.iter().filter(|b| **b).count();
-        if !todo.is_empty() {
+        if recorded > 0 {
             tracing::info!(
                 "state file {path}: {restored} device(s) restored, {} missing",
-                todo.len() - restored
+                recorded - restored
             );
         }
         self.write_state();
@@ -144,7 +196,13 @@ impl Daemon {
             Ok(m) => m.iter().map(|(n, x)| (n.clone(), x.clone())).collect(),
             Err(_) => return,
         };
-        for (name, x) in all {
+        if all.is_empty() {
+            return;
+        }
+        // As many as the open-file limit has room for; the others wait for
+        // the next round, keeping their reason.
+        let room = device_room().map_or(usize::MAX, |(room, _)| room);
+        for (name, x) in all.into_iter().take(room) {
             match self.attach_inner(x.spec.clone(), Source::Restored, Tuning::default(), false) {
                 Ok(_) => {
                     tracing::info!(
