@@ -102,4 +102,4 @@ pub use error::CtlError;
 pub use params::{Tuning, name_of};
 pub use record::{ClosedState, default_state_path};
 pub use registry::Daemon;
-pub use restore::RETRY_INTERVAL;
+pub use restore::{RETRY_INTERVAL, reserved_fds};

@@ -42,12 +42,17 @@ pub const RESTORE_THREADS: usize = 8;
 /// an `O_DIRECT` one, and its image lock.
 const FDS_PER_DEVICE: u64 = 4;
 
-/// Descriptors a restore or a retry leaves to the rest of the daemon: what
-/// the server keeps beside NBD connections (256, and 96 per reactor; one
-/// reactor per CPU by default).
-fn reserved_fds() -> u64 {
-    let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
-    256 + 96 * cpus as u64
+/// Descriptors kept for everything but NBD connections: the control plane,
+/// images, the state file, and per reactor its ring, eventfd and splice pipes.
+/// The server caps `--max-connections` by it; a restore or a retry leaves it
+/// to the rest of the daemon beside the recorded devices' own descriptors.
+pub fn reserved_fds(reactors: usize) -> u64 {
+    256 + 96 * reactors as u64
+}
+
+/// [`reserved_fds`] for the default number of reactors (one per CPU).
+fn reserved_fds_default() -> u64 {
+    reserved_fds(std::thread::available_parallelism().map_or(1, std::num::NonZero::get))
 }
 
 /// How many more devices the open-file limit has room for beside the
@@ -56,7 +61,7 @@ fn reserved_fds() -> u64 {
 fn device_room() -> Option<(usize, u64)> {
     let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile).current?;
     let open = std::fs::read_dir("/proc/self/fd").ok()?.count() as u64;
-    let room = limit.saturating_sub(open + reserved_fds()) / FDS_PER_DEVICE;
+    let room = limit.saturating_sub(open + reserved_fds_default()) / FDS_PER_DEVICE;
     Some((usize::try_from(room).unwrap_or(usize::MAX), limit))
 }
 
@@ -66,7 +71,7 @@ fn no_room(limit: u64) -> String {
         "not attached: the open-file limit ({limit}) has no room for it ({FDS_PER_DEVICE} \
          descriptors per device, {} kept for connections and the daemon); raise it \
          (LimitNOFILE=, ulimit -n) and restart, or detach other devices",
-        reserved_fds()
+        reserved_fds_default()
     )
 }
 

@@ -25,7 +25,7 @@ pub mod pidfile;
 mod quiet;
 
 use crate::daemon::control_socket::{self as control, ControlError};
-use crate::daemon::{ClosedState, Daemon, Endpoints};
+use crate::daemon::{ClosedState, Daemon, Endpoints, reserved_fds};
 use crate::engine::admit::Admission;
 use crate::frontend::nbd::handshake::{Policy, TlsMode};
 use crate::metrics::{self, MetricsError};
@@ -166,12 +166,6 @@ pub fn nbd_socket_path(opts: &ServeOptions) -> Option<PathBuf> {
         (None, true) => Some(default_socket_dir().join("loopd.sock")),
         (None, false) => None,
     }
-}
-
-/// Descriptors kept for everything but NBD connections: the control plane,
-/// images, the state file, and per reactor its ring, eventfd and splice pipes.
-fn reserved_fds(reactors: usize) -> u64 {
-    256 + 96 * reactors as u64
 }
 
 /// `--max-connections` as the open-file limit allows it (at least one).
