@@ -286,10 +286,10 @@ fn main() {
 /// file's parsing, the restore loop and the compaction at 10,000 without the
 /// descriptors).
 fn restart(a: &Args, want: usize, d: &Path, nofile: u64) {
-    // The daemon's restore keeps 256 + 96 per CPU descriptors for connections
-    // and itself (src/daemon/restore.rs) and leaves devices past that missing.
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
-    let reserve = 256 + 96 * cpus + 64;
+    // The daemon's restore keeps `reserved_fds` for connections and itself
+    // and leaves devices past that missing (64 more: what is open at start).
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let reserve = loopd::daemon::reserved_fds(cpus) + 64;
     let room = usize::try_from(nofile.saturating_sub(reserve) / 4).unwrap_or(usize::MAX);
     let n = want.min(room);
     if n < want {
