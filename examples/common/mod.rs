@@ -91,6 +91,14 @@ pub fn run_timed(cmd: &mut Command) -> (Duration, String) {
 /// One in-process `LOOP_CTL_GET_FREE` + `LOOP_CONFIGURE` of `image` (direct
 /// I/O, 4 KiB blocks): µs to attach (the detach after it is not timed).
 pub fn loop_configure_us(image: &Path) -> f64 {
+    let (a, took) = loop_configure(image);
+    kernel_loop::detach(&a.device).expect("kernel detach");
+    took
+}
+
+/// One in-process `LOOP_CTL_GET_FREE` + `LOOP_CONFIGURE` of `image` (direct
+/// I/O, 4 KiB blocks), left attached: the device and µs to attach.
+pub fn loop_configure(image: &Path) -> (kernel_loop::Attached, f64) {
     let p = KernelParams {
         image: image.to_path_buf(),
         block_size: Some(4096),
@@ -99,7 +107,5 @@ pub fn loop_configure_us(image: &Path) -> f64 {
     };
     let t = Instant::now();
     let a = kernel_loop::attach(&p).expect("kernel attach");
-    let took = us(t.elapsed());
-    kernel_loop::detach(&a.device).expect("kernel detach");
-    took
+    (a, us(t.elapsed()))
 }

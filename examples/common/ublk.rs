@@ -14,7 +14,7 @@
 use crate::common::{Ctl, us};
 use crate::{pct, start};
 use loopd::control::proto::Request;
-use loopd::kernel_loop::{self, DirectIo, KernelParams};
+use loopd::kernel_loop;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -116,15 +116,8 @@ pub fn run(bins: &[(String, PathBuf)], dir: &Path, n: usize) {
     let mut kdevs = Vec::new();
     let t = Instant::now();
     for (i, img) in kimgs.iter().enumerate() {
-        let p = KernelParams {
-            image: img.clone(),
-            block_size: Some(4096),
-            direct_io: DirectIo::On,
-            ..Default::default()
-        };
-        let t = Instant::now();
-        let a = kernel_loop::attach(&p).expect("kernel attach");
-        kt.push(us(t.elapsed()));
+        let (a, took) = crate::common::loop_configure(img);
+        kt.push(took);
         kdevs.push((i, a.device.display().to_string()));
     }
     let ktotal = t.elapsed();
