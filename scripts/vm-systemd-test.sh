@@ -17,11 +17,15 @@
 #   5. `systemctl stop loopd.service loopd.socket loopd-control.socket`: no loopd
 #      process, no socket file; the state file is kept.
 #
-#   scripts/vm-systemd-test.sh
+#   scripts/vm-systemd-test.sh                       # under every kernel
+#   LOOPD_VM_KERNEL=newest scripts/vm-systemd-test.sh  # under one
 #
-# Needs what scripts/install-test-deps.sh installs, and root. Logs go to
-# target/vm-systemd-test/. Environment as scripts/vm-test.sh: LOOPD_VM_KERNEL,
-# LOOPD_VNG_VENV, LOOPD_VM_TIMEOUT (whole VM run, default 1200 s),
+# Runs under each kernel of scripts/vm-test.sh's matrix (6.12 and the newest,
+# scripts/vm-kernels.sh), one VM boot each. Needs what
+# scripts/install-test-deps.sh installs, and root. Logs go to
+# target/vm-systemd-test/RELEASE/. Environment as scripts/vm-test.sh:
+# LOOPD_VM_KERNELS, LOOPD_VM_KERNEL (one kernel: a name or a vmlinuz),
+# LOOPD_VNG_VENV, LOOPD_VM_TIMEOUT (one VM run, default 1200 s),
 # LOOPD_VM_BOOT_TIMEOUT (300 s), LOOPD_VM_CPUS (2), LOOPD_VM_MEMORY (2G).
 set -euo pipefail
 
@@ -34,15 +38,42 @@ BOOT_TIMEOUT=${LOOPD_VM_BOOT_TIMEOUT:-300}
 CPUS=${LOOPD_VM_CPUS:-2}
 MEMORY=${LOOPD_VM_MEMORY:-2G}
 
+REL=
 die() {
-    echo "vm-systemd-test: ERROR: $*" >&2
+    echo "vm-systemd-test${REL:+ on $REL}: ERROR: $*" >&2
     exit 1
 }
 
+# --- the kernels: one run of this script each -------------------------------------
+# vm_kernel, vm_kernel_release.
+# shellcheck source=scripts/vm-kernels.sh
+. scripts/vm-kernels.sh
+if [ -z "${LOOPD_VM_KERNEL:-}" ]; then
+    read -r -a kernel_names <<<"${LOOPD_VM_KERNELS:-6.12 newest}"
+    [ "${#kernel_names[@]}" -gt 0 ] || die "LOOPD_VM_KERNELS names no kernel"
+    failed=()
+    results=()
+    for n in "${kernel_names[@]}"; do
+        t0=$(date +%s)
+        if LOOPD_VM_KERNEL=$n "$0"; then
+            results+=("$n: passed ($(($(date +%s) - t0)) s)")
+        else
+            results+=("$n: FAILED ($(($(date +%s) - t0)) s)")
+            failed+=("$n")
+        fi
+    done
+    echo "== vm-systemd-test: results by kernel"
+    printf '  %s\n' "${results[@]}"
+    [ "${#failed[@]}" -eq 0 ] || die "failed under: ${failed[*]}"
+    echo "== vm-systemd-test: passed under ${#kernel_names[@]} kernel(s)"
+    exit 0
+fi
+
 # --- host prerequisites -------------------------------------------------------
-KERNEL=${LOOPD_VM_KERNEL:-$({ ls -1 /boot/vmlinuz-6.12* 2>/dev/null || true; } | sort -V | tail -n 1)}
+KERNEL=$(vm_kernel "$LOOPD_VM_KERNEL")
 [ -n "$KERNEL" ] && [ -r "$KERNEL" ] ||
-    die "no readable kernel /boot/vmlinuz-6.12* (run scripts/install-test-deps.sh, or set LOOPD_VM_KERNEL)"
+    die "no readable kernel '$LOOPD_VM_KERNEL' (6.12: /boot/vmlinuz-6.12*; newest: in ${VM_KERNELS_DIR}; run scripts/install-test-deps.sh, or set LOOPD_VM_KERNEL to a vmlinuz)"
+REL=$(vm_kernel_release "$KERNEL")
 [ -x "$VNG" ] || die "virtme-ng not found at $VNG (run scripts/install-test-deps.sh)"
 for t in qemu-system-x86_64 busybox nbdinfo nbdcopy unshare nsenter systemctl journalctl; do
     command -v "$t" >/dev/null || die "$t missing (run scripts/install-test-deps.sh)"
@@ -53,8 +84,8 @@ done
 # --- build and install ----------------------------------------------------------
 echo "== vm-systemd-test: build"
 cargo build --release
-rm -rf "$OUT/run"
-RUN=$OUT/run
+RUN=$OUT/$REL
+rm -rf "$RUN"
 mkdir -p "$RUN/scratch"
 # Installed for real under $RUN (the VM sees the host's file system read-only,
 # and $RUN read-write): the units name $INST/usr/bin/loopd and
@@ -258,7 +289,7 @@ EOF
 chmod +x "$GUEST"
 
 # --- boot, run, report ------------------------------------------------------------
-echo "== vm-systemd-test: booting $KERNEL (TCG, $CPUS cpus, $MEMORY)"
+echo "== vm-systemd-test: booting $KERNEL ($REL, TCG, $CPUS cpus, $MEMORY)"
 t0=$(date +%s)
 PATH=$(dirname "$VNG"):$PATH timeout --kill-after=30 "$TIMEOUT" \
     "$VNG" --run "$KERNEL" --disable-kvm --cpus "$CPUS" --memory "$MEMORY" \
@@ -280,7 +311,7 @@ wait "$vm_pid"
 vng_rc=$?
 set -e
 trap - EXIT INT TERM
-echo "== vm-systemd-test: VM exited ($vng_rc) after $(($(date +%s) - t0)) s; logs in $RUN"
+echo "== vm-systemd-test: the VM on $REL exited ($vng_rc) after $(($(date +%s) - t0)) s; logs in $RUN"
 if [ ! -e "$RUN/booted" ]; then
     tail -n 40 "$RUN/console.log" || true
     die "VM did not boot: ${no_boot:-vng exited $vng_rc}, see $RUN/console.log"
@@ -293,4 +324,4 @@ if [ "$(cat "$RUN/result" 2>/dev/null)" != 0 ]; then
     [ "$vng_rc" -ne 124 ] || die "the VM run timed out after $TIMEOUT s"
     die "the systemd checks failed (see above and $RUN)"
 fi
-echo "== vm-systemd-test: passed"
+echo "== vm-systemd-test: passed on $REL"

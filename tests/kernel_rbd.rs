@@ -371,17 +371,6 @@ fn nbd_over_rbd_kill_9_and_restart_reconnects_the_device() {
     kill_9_and_restart_over_rbd("nbd", "reconnected ");
 }
 
-/// Whether the running kernel's release is at least `major.minor`.
-fn kernel_at_least(major: u32, minor: u32) -> bool {
-    let rel = fs::read_to_string("/proc/sys/kernel/osrelease").expect("osrelease");
-    let mut parts = rel
-        .trim()
-        .split(|c: char| !c.is_ascii_digit())
-        .map(|p| p.parse::<u32>().unwrap_or(0));
-    let have = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
-    have >= (major, minor)
-}
-
 /// An `rbd resize` by another client (a grow) reaches the ublk device over
 /// the image through the daemon's update watch: on a kernel with ublk's
 /// `UPDATE_SIZE` (6.14 and later) `/dev/ublkbN` takes the new size and a
