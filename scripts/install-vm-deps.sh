@@ -98,7 +98,7 @@ install_newest_kernel() {
     echo "deb http://deb.debian.org/debian $NEWEST_SUITE main" >"$KAPT/sources.list"
     : >"$KAPT/preferences"
     say "looking for the newest kernel in $NEWEST_SUITE (apt lists in $KAPT)"
-    if ! apt_get "${KAPT_OPTS[@]}" update; then
+    if ! apt_get "${KAPT_OPTS[@]}" update --error-on=any; then
         say "cannot read the package lists of $NEWEST_SUITE (network? deb.debian.org)"
         return 1
     fi
@@ -194,10 +194,13 @@ newest_kernel_step() {
     mkdir -p "$VM_KERNELS_DIR"
     local rc=0
     (
-        flock -w "${LOOPD_APT_WAIT:-600}" 9 || {
-            say "another install holds $VM_KERNELS_DIR/.lock"
-            exit 1
-        }
+        if ! flock -n 9; then
+            say "waiting for another install (it holds $VM_KERNELS_DIR/.lock)"
+            flock -w "${LOOPD_APT_WAIT:-600}" 9 || {
+                say "another install still holds $VM_KERNELS_DIR/.lock"
+                exit 1
+            }
+        fi
         install_newest_kernel
     ) 9>"$VM_KERNELS_DIR/.lock" || rc=$?
     if [ "$rc" -ne 0 ]; then
