@@ -12,10 +12,12 @@
 # and `newest` (the newest kernel of trixie-backports, which
 # scripts/install-vm-deps.sh chose and unpacked into /opt/loopd-vm-kernels).
 # Needs what scripts/install-test-deps.sh installs (those kernels,
-# qemu-system-x86, virtme-ng in /opt/loopd-vng). Results (per kernel: one log
-# and one exit status per binary, the guest's and the console's output) go to
-# target/vm-test/RELEASE/. Exits non-zero if a VM did not boot, if any suite
-# failed under any kernel, or if a suite wrote no result.
+# qemu-system-x86, virtme-ng in /opt/loopd-vng). Results (per kernel: one log,
+# one exit status and the seconds per binary, the guest's and the console's
+# output) go to target/vm-test/RELEASE/ (RELEASE-FEATURES/ with
+# LOOPD_VM_FEATURES). Exits non-zero if a VM did not boot, if any suite failed
+# under any kernel, or if a suite wrote no result. The VMs of the kernels run
+# side by side (LOOPD_VM_PARALLEL=0: one after the other).
 # Environment: LOOPD_VM_KERNELS (the matrix: names or vmlinuz paths, default
 # "6.12 newest"), LOOPD_VM_KERNEL (one kernel, a name or a vmlinuz; overrides
 # the matrix), LOOPD_VNG_VENV (virtme-ng's venv, default /opt/loopd-vng),
@@ -131,7 +133,8 @@ declare -a run_dir=() rel_of=() vm_pid=() vm_t0=() vm_end=() vm_rc=() no_boot=()
 start_vm() {
     local i=$1 kernel=${kernels[$1]} rel RUN GUEST s
     rel=$(vm_kernel_release "$kernel")
-    RUN=$OUT/$rel
+    # (A run with extra features, e.g. the memory backend's, keeps its own.)
+    RUN=$OUT/$rel${LOOPD_VM_FEATURES:+-${LOOPD_VM_FEATURES//,/-}}
     rel_of[$i]=$rel
     run_dir[$i]=$RUN
     rm -rf "$RUN"
