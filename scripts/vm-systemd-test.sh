@@ -21,7 +21,8 @@
 #   LOOPD_VM_KERNEL=newest scripts/vm-systemd-test.sh  # under one
 #
 # Runs under each kernel of scripts/vm-test.sh's matrix (6.12 and the newest,
-# scripts/vm-kernels.sh), one VM boot each. Needs what
+# scripts/vm-kernels.sh), one VM boot each, side by side (LOOPD_VM_PARALLEL=0:
+# one after the other); the report names the kernel of each result. Needs what
 # scripts/install-test-deps.sh installs, and root. Logs go to
 # target/vm-systemd-test/RELEASE/. Environment as scripts/vm-test.sh:
 # LOOPD_VM_KERNELS, LOOPD_VM_KERNEL (one kernel: a name or a vmlinuz),
@@ -51,14 +52,41 @@ die() {
 if [ -z "${LOOPD_VM_KERNEL:-}" ]; then
     read -r -a kernel_names <<<"${LOOPD_VM_KERNELS:-6.12 newest}"
     [ "${#kernel_names[@]}" -gt 0 ] || die "LOOPD_VM_KERNELS names no kernel"
+    # Side by side (LOOPD_VM_PARALLEL=0: one after the other), each one's
+    # output into a file, shown in order when all are done.
+    mkdir -p "$OUT"
+    cargo build --release
+    declare -a pids=() t0s=() outs=()
+    for i in "${!kernel_names[@]}"; do
+        outs[$i]=$OUT/${kernel_names[$i]//\//_}.out
+        t0s[$i]=$(date +%s)
+        (
+            rc=0
+            LOOPD_VM_KERNEL=${kernel_names[$i]} "$ROOT/scripts/vm-systemd-test.sh" >"${outs[$i]}" 2>&1 || rc=$?
+            date +%s >"${outs[$i]}.end"
+            exit "$rc"
+        ) &
+        pids[$i]=$!
+        if [ "${LOOPD_VM_PARALLEL:-1}" != 1 ]; then
+            wait "${pids[$i]}" && pids[$i]=ok || pids[$i]=failed
+        fi
+    done
     failed=()
     results=()
-    for n in "${kernel_names[@]}"; do
-        t0=$(date +%s)
-        if LOOPD_VM_KERNEL=$n "$0"; then
-            results+=("$n: passed ($(($(date +%s) - t0)) s)")
+    for i in "${!kernel_names[@]}"; do
+        n=${kernel_names[$i]}
+        case ${pids[$i]} in
+        ok) rc=0 ;;
+        failed) rc=1 ;;
+        *) wait "${pids[$i]}" && rc=0 || rc=$? ;;
+        esac
+        echo "==== vm-systemd-test under $n (${outs[$i]})"
+        cat "${outs[$i]}"
+        secs=$(($(cat "${outs[$i]}.end") - t0s[i]))
+        if [ "$rc" -eq 0 ]; then
+            results+=("$n: passed in $secs s")
         else
-            results+=("$n: FAILED ($(($(date +%s) - t0)) s)")
+            results+=("$n: FAILED after $secs s")
             failed+=("$n")
         fi
     done
