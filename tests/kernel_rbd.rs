@@ -10,8 +10,8 @@
 //! kill is in `rbd export` taken while the daemon was dead. An `rbd resize`
 //! by another client reaches `/dev/ublkbN` where the kernel has UPDATE_SIZE
 //! (6.14+: the new size, and a write past the old end lands in the image;
-//! checked by hand under Debian's 7.3.4 — `LOOPD_VM_KERNEL=…/vmlinuz
-//! scripts/vm-test.sh kernel_rbd`), else the audit line says why not.
+//! checked under the newest kernel of `scripts/vm-test.sh`'s two), else the
+//! audit line says why not (6.12).
 //!
 //! Runs as root inside the VM of `scripts/vm-test.sh`. The guest has no
 //! network, so the cluster runs inside the guest: [`ceph()`] starts one per
