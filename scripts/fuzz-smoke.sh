@@ -7,7 +7,9 @@
 # libFuzzer's sanitizer flags require). Each target starts from the seeds in
 # fuzz/seeds/<target> plus whatever fuzz/corpus/<target> holds from earlier runs.
 # Exits non-zero if any target crashes; the crashing input is left in
-# fuzz/artifacts/<target>/ and its path printed by libFuzzer.
+# fuzz/artifacts/<target>/ and its path printed by libFuzzer. Runs as many
+# targets at once as there are cores (libFuzzer uses one; FUZZ_JOBS to choose),
+# each one's output shown whole, in order.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -31,24 +33,56 @@ if ! cargo "+$TOOLCHAIN" fuzz build --fuzz-dir fuzz; then
     exit 2
 fi
 
+JOBS=${FUZZ_JOBS:-$(nproc)}
+LOGS=$(mktemp -d "${TMPDIR:-/tmp}/loopd-fuzz-smoke.XXXXXX")
+trap 'rm -rf "$LOGS"' EXIT
+
+# One target, its output into $LOGS/<target>.log; exit status as cargo fuzz's.
+fuzz_one() {
+    local t=$1 seeds=()
+    mkdir -p "fuzz/corpus/$t" "fuzz/artifacts/$t"
+    [ -d "fuzz/seeds/$t" ] && seeds=("fuzz/seeds/$t")
+    # -rss_limit_mb: a target that allocates without bound fails loudly.
+    cargo "+$TOOLCHAIN" fuzz run --fuzz-dir fuzz "$t" "fuzz/corpus/$t" "${seeds[@]}" -- \
+        -max_total_time="$SECONDS_PER_TARGET" -rss_limit_mb=2048 -print_final_stats=1 \
+        >"$LOGS/$t.log" 2>&1
+}
+
 crashed=()
 broken=()
-for t in $targets; do
-    echo "== fuzz $t for ${SECONDS_PER_TARGET}s"
-    mkdir -p "fuzz/corpus/$t" "fuzz/artifacts/$t"
-    seeds=()
-    [ -d "fuzz/seeds/$t" ] && seeds=("fuzz/seeds/$t")
-    before=$(find "fuzz/artifacts/$t" -type f | wc -l)
-    # -rss_limit_mb: a target that allocates without bound fails loudly.
-    if ! cargo "+$TOOLCHAIN" fuzz run --fuzz-dir fuzz "$t" "fuzz/corpus/$t" "${seeds[@]}" -- \
-        -max_total_time="$SECONDS_PER_TARGET" -rss_limit_mb=2048 -print_final_stats=1; then
-        if [ "$(find "fuzz/artifacts/$t" -type f | wc -l)" -gt "$before" ]; then
-            crashed+=("$t")
-        else
-            broken+=("$t")
+# In batches of $JOBS: start them, wait for each, then show each one's output.
+batch=()
+run_batch() {
+    local t pid rc
+    declare -A pid_of=() before=()
+    for t in "${batch[@]}"; do
+        echo "== fuzz $t for ${SECONDS_PER_TARGET}s"
+        mkdir -p "fuzz/artifacts/$t"
+        before[$t]=$(find "fuzz/artifacts/$t" -type f | wc -l)
+        fuzz_one "$t" &
+        pid_of[$t]=$!
+    done
+    for t in "${batch[@]}"; do
+        pid=${pid_of[$t]}
+        rc=0
+        wait "$pid" || rc=$?
+        echo "---- fuzz $t (exit $rc)"
+        cat "$LOGS/$t.log"
+        if [ "$rc" -ne 0 ]; then
+            if [ "$(find "fuzz/artifacts/$t" -type f | wc -l)" -gt "${before[$t]}" ]; then
+                crashed+=("$t")
+            else
+                broken+=("$t")
+            fi
         fi
-    fi
+    done
+    batch=()
+}
+for t in $targets; do
+    batch+=("$t")
+    [ "${#batch[@]}" -lt "$JOBS" ] || run_batch
 done
+[ "${#batch[@]}" -eq 0 ] || run_batch
 
 if [ "${#crashed[@]}" -ne 0 ]; then
     echo "fuzz-smoke: CRASHED: ${crashed[*]} (inputs in fuzz/artifacts/<target>/;" \

@@ -51,6 +51,24 @@ pub fn require_root() {
     }
 }
 
+/// The running kernel's release (`uname -r`), e.g. `6.12.95+deb12-amd64`.
+/// `scripts/vm-test.sh` runs every suite under two kernels (6.12 and the
+/// newest of Debian's backports); a test whose kernel behaviour differs
+/// between them asks [`kernel_at_least`] and checks what that kernel does.
+pub fn kernel_release() -> String {
+    sysfs("/proc/sys/kernel/osrelease").expect("/proc/sys/kernel/osrelease")
+}
+
+/// Whether the running kernel's release is at least `major.minor`.
+pub fn kernel_at_least(major: u32, minor: u32) -> bool {
+    let rel = kernel_release();
+    let mut parts = rel
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|p| p.parse::<u32>().unwrap_or(0));
+    let have = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    have >= (major, minor)
+}
+
 /// Reads a sysfs attribute, trimmed; `None` if it does not exist.
 pub fn sysfs(path: impl AsRef<Path>) -> Option<String> {
     fs::read_to_string(path).ok().map(|s| s.trim().to_string())
