@@ -14,6 +14,10 @@
 //! escapes the same characters but leaves backslashes alone, so text that was
 //! already quoted passes unchanged.
 //!
+//! [`error_chain`] and [`join_causes`] are the one rule for printing an
+//! error with its causes: `outer: cause: cause`, each cause once (a cause
+//! whose text the line already holds is left out).
+//!
 //! Pure, allocation only when something must be escaped; imports nothing of
 //! loopd, so every layer may use it.
 
@@ -207,6 +211,32 @@ pub fn untrusted(s: &str) -> String {
     clip(s.as_bytes(), SHOWN)
 }
 
+/// An error and its causes on one line, `outer: cause: cause` (see
+/// [`join_causes`]): how loopd prints every error chain — the CLI's error
+/// line, a control reply's message, a log line.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    join_causes(std::iter::successors(Some(e), |e| e.source()).map(|e| e.to_string()))
+}
+
+/// Join an error's texts, outermost first, with `: `, each cause once: a
+/// cause whose text the line already holds (an error that writes its
+/// source into its own text, as `io::Error`'s wrappers and some libraries
+/// do) adds nothing and is left out, and so is an empty one.
+pub fn join_causes<I: IntoIterator<Item = String>>(causes: I) -> String {
+    let mut line = String::new();
+    for c in causes {
+        let c = c.trim();
+        if c.is_empty() || line.contains(c) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(c);
+    }
+    line
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -369,5 +399,20 @@ mod tests {
         fn short_utf8_round_trips_through_the_escapes(s in "[a-zA-Z0-9 ._/-]{0,64}") {
             prop_assert_eq!(clip(s.as_bytes(), 64), format!("\"{s}\""));
         }
+    }
+
+    #[test]
+    fn each_cause_is_printed_once() {
+        let io = std::io::Error::from(std::io::ErrorKind::AddrInUse);
+        let twice = format!("cannot listen: {io}");
+        assert_eq!(
+            join_causes([twice.clone(), io.to_string()]),
+            twice,
+            "a cause the text holds is left out"
+        );
+        assert_eq!(
+            join_causes(["a".to_owned(), String::new(), "b".into(), "b".into()]),
+            "a: b"
+        );
     }
 }

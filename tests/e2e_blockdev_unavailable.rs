@@ -102,3 +102,98 @@ fn restored_device_keeps_its_record_when_the_block_device_cannot_be_made() {
         "served over NBD: {out}"
     );
 }
+
+/// The failed attach `args` (with `--create 4M` of a new image) exits with
+/// `code`, leaves no device, and leaves no image: it created one, and a failed
+/// attach leaves no trace.
+fn refused_create_leaves_no_image(srv: &Server, args: &[&str], code: &str) {
+    let t = tempfile::tempdir().expect("tempdir");
+    let img = t.path().join("new.img");
+    let mut a = vec!["attach", img.to_str().expect("utf-8"), "--create", "4M"];
+    a.extend_from_slice(args);
+    let out = srv.ctl_err(&a, code);
+    assert!(
+        !img.exists(),
+        "loopd {}: the image it created is removed again: {out}",
+        a.join(" ")
+    );
+    assert!(
+        srv.ctl_json(&["list"]).arr().is_empty(),
+        "no device is left: {out}"
+    );
+}
+
+/// `attach --create SIZE --blockdev ublk|nbd` whose block device cannot be
+/// made removes the image it created: on every host through options the
+/// block device refuses once the device is published (`--queue-depth 0`,
+/// `--connections 0`), and where the driver is missing (as on this project's
+/// CI machines) through the missing module.
+#[test]
+fn a_failed_blockdev_attach_removes_the_image_it_created() {
+    let srv = Server::daemon().start();
+    refused_create_leaves_no_image(
+        &srv,
+        &["--blockdev", "ublk", "--queue-depth", "0"],
+        "invalid",
+    );
+    refused_create_leaves_no_image(
+        &srv,
+        &["--blockdev", "nbd", "--connections", "0"],
+        "invalid",
+    );
+    if !std::path::Path::new("/dev/ublk-control").exists() {
+        refused_create_leaves_no_image(&srv, &["--blockdev", "ublk"], "unavailable");
+    }
+    let nbd_installed = std::path::Path::new("/sys/module/nbd").exists()
+        || std::process::Command::new("modinfo")
+            .arg("nbd")
+            .output()
+            .is_ok_and(|o| o.status.success());
+    if !nbd_installed {
+        refused_create_leaves_no_image(&srv, &["--blockdev", "nbd"], "unavailable");
+    }
+    // An image that was there before stays, whatever the failure.
+    let t = tempfile::tempdir().expect("tempdir");
+    let img = t.path().join("old.img");
+    create_filled_image(&img, 4 << 20, 0x33);
+    srv.ctl_err(
+        &[
+            "attach",
+            img.to_str().expect("utf-8"),
+            "--create",
+            "4M",
+            "--blockdev",
+            "ublk",
+            "--queue-depth",
+            "0",
+        ],
+        "invalid",
+    );
+    assert_eq!(
+        std::fs::metadata(&img).expect("the old image stays").len(),
+        4 << 20
+    );
+}
+
+/// `serve IMAGE --create SIZE --blockdev ublk` that cannot make its block
+/// device exits with the class of that failure and leaves no image.
+#[test]
+fn a_failed_serve_with_a_blockdev_removes_the_image_it_created() {
+    let t = tempfile::tempdir().expect("tempdir");
+    let img = t.path().join("new.img");
+    let sock = t.path().join("s.sock");
+    let out = std::process::Command::new(loopd_bin())
+        .arg("serve")
+        .arg(&img)
+        .args(["--create", "4M", "--blockdev", "ublk", "--queue-depth", "0"])
+        .arg("--socket")
+        .arg(&sock)
+        .arg("--state")
+        .arg(t.path().join("st"))
+        .output()
+        .expect("run loopd serve");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(7), "invalid (7): {stderr}");
+    assert!(stderr.contains("(invalid)"), "{stderr}");
+    assert!(!img.exists(), "the image it created is removed: {stderr}");
+}

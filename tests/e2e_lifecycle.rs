@@ -199,6 +199,53 @@ fn create_sparse_image_option() {
     assert_file_pattern(&existing, 0, MIB, 21, "existing image content");
 }
 
+/// `--create` of a size that is not a whole number of blocks is refused
+/// (`invalid`, naming the sizes that would do) and creates nothing; `--create`
+/// of an image that exists says it kept that file and serves its size.
+#[test]
+fn create_refuses_part_blocks_and_says_when_it_kept_a_file() {
+    let dir = tempdir();
+    let srv = Server::daemon().start();
+    let img = dir.path().join("tiny.img");
+    let out = srv.ctl_err(
+        &["attach", img.to_str().unwrap(), "--create", "100"],
+        "invalid",
+    );
+    assert!(
+        out.stderr.contains("not a whole number of 512-byte blocks")
+            && out.stderr.contains("give 512"),
+        "the refusal says why and what to give: {out}"
+    );
+    assert!(!img.exists(), "nothing created: {out}");
+    // `serve` says the same, with the same class.
+    let sock = dir.path().join("s.sock");
+    let served = loopd_run([
+        "serve",
+        img.to_str().unwrap(),
+        "--create",
+        "100",
+        "--socket",
+        sock.to_str().unwrap(),
+        "--state",
+        dir.path().join("st").to_str().unwrap(),
+    ]);
+    assert_eq!(served.status.code(), Some(7), "invalid (7): {served}");
+    assert!(served.stderr.contains("512-byte blocks"), "{served}");
+    assert!(!img.exists(), "nothing created: {served}");
+
+    let existing = dir.path().join("old.img");
+    create_pattern_image(&existing, MIB, 7);
+    let out = srv.ctl_ok(&["attach", existing.to_str().unwrap(), "--create", "1G"]);
+    assert!(
+        out.stderr.contains("exists: kept as it is")
+            && out.stderr.contains(&format!("serves its {MIB} bytes")),
+        "the attach says it kept the file and serves its size: {out}"
+    );
+    assert_eq!(file_len(&existing), MIB, "the file is as it was");
+    let j = srv.ctl_json(&["status", "old"]);
+    assert_eq!(j.at("size").u64(), MIB, "{j:?}");
+}
+
 /// Without --create a missing image is an error (and nothing is created).
 #[test]
 fn missing_image_without_create_fails() {

@@ -59,6 +59,9 @@ pub fn print_device(v: &Value, json: bool) -> Result<()> {
             s(v, "image")
         );
     }
+    if let Some(n) = v["note"].as_str() {
+        eprintln!("loopd: note: {}", esc(n));
+    }
     println!("{}", s(v, "name"));
     if let Some(b) = v["blockdev"].as_str() {
         println!("{}", esc(b));

@@ -1,8 +1,10 @@
 //! `loopd serve`: the server's options and its start-up (state, IMAGE, config,
-//! restore), then the server loop until SIGTERM/SIGINT.
+//! restore), then the server loop until SIGTERM/SIGINT. A start-up failure is
+//! classed as the control path classes the same failure ([`super::exit`]):
+//! checks of its own use [`Classed`].
 
 use super::args::DeviceArgs;
-use super::exit::DaemonError;
+use super::exit::{Classed, DaemonError};
 use super::log;
 use super::syslog::Syslog;
 use anyhow::{Context, Result, bail};
@@ -45,7 +47,8 @@ pub struct ServeArgs {
     /// Also (or only) listen on TCP: HOST:PORT, HOST (NBD's port 10809), :PORT
     /// (every IPv4 address), [IPV6]:PORT. Repeatable. Without --tls require any
     /// host that reaches the address can use the devices, so loopd warns unless
-    /// it is a loopback address.
+    /// it is a loopback address. For an address of every interface (0.0.0.0,
+    /// [::]) the printed URIs name loopback, and a line says where it binds.
     #[arg(long, value_name = "HOST:PORT", value_parser = parse_listen)]
     listen: Vec<String>,
     /// TLS for NBD clients (STARTTLS), as nbdkit's --tls: `off`; `on` offers it
@@ -111,7 +114,8 @@ pub struct ServeArgs {
     control: Option<PathBuf>,
     /// Serve Prometheus metrics (GET /metrics) on HOST:PORT, or on a Unix
     /// socket at PATH (any value with a `/`, e.g. ./metrics.sock); see
-    /// docs/metrics.md.
+    /// docs/metrics.md. Its URL is printed at start with the endpoints; loopd
+    /// warns unless HOST is a loopback address (metrics have no authentication).
     #[arg(long, value_name = "ADDR|PATH")]
     metrics: Option<String>,
     /// Mode of the metrics Unix socket, in octal.
@@ -275,7 +279,7 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     }
     let r = start(a, act, Arc::clone(&notifier), Rc::clone(&ready_pipe), late);
     if let Err(e) = &r {
-        let msg = format!("{e:#}");
+        let msg = super::exit::message(e);
         // `systemctl status` shows it beside the exit code.
         notifier.send(&format!("STATUS=failed: {}", msg.replace('\n', " ")));
         if let Some(p) = ready_pipe.borrow_mut().as_mut() {
@@ -408,16 +412,28 @@ fn start(
     late: Option<LateSink>,
 ) -> Result<()> {
     if !(a.handshake_timeout > 0.0 && a.handshake_timeout <= 3600.0) {
-        bail!("--handshake-timeout must be more than 0 and at most 3600 seconds");
+        bail!(Classed::new(
+            "usage",
+            "--handshake-timeout must be more than 0 and at most 3600 seconds"
+        ));
     }
     if a.max_connections == 0 {
-        bail!("--max-connections must be at least 1");
+        bail!(Classed::new(
+            "usage",
+            "--max-connections must be at least 1"
+        ));
     }
     if a.max_connections_per_peer == Some(0) {
-        bail!("--max-connections-per-peer must be at least 1");
+        bail!(Classed::new(
+            "usage",
+            "--max-connections-per-peer must be at least 1"
+        ));
     }
     if !(0.0..=86_400.0).contains(&a.reply_timeout) {
-        bail!("--reply-timeout must be from 0 to 86400 seconds");
+        bail!(Classed::new(
+            "usage",
+            "--reply-timeout must be from 0 to 86400 seconds"
+        ));
     }
     let opts0 = ServeOptions {
         socket: a.socket.clone(),
@@ -452,13 +468,17 @@ fn start(
         metrics_mode: a.metrics_mode,
     };
     if !act.nbd.is_empty() && (a.socket.is_some() || !a.listen.is_empty()) {
-        bail!(
+        bail!(Classed::new(
+            "usage",
             "NBD sockets were passed by socket activation (LISTEN_FDS); drop --socket and \
              --listen, or name the activated sockets `control` only"
-        );
+        ));
     }
     if act.control.is_some() && a.control.is_some() {
-        bail!("the control socket was passed by socket activation (LISTEN_FDS); drop --control");
+        bail!(Classed::new(
+            "usage",
+            "the control socket was passed by socket activation (LISTEN_FDS); drop --control"
+        ));
     }
     let (nbd, control, state) = paths(&a, &act);
     if a.state.is_none() {
@@ -476,11 +496,14 @@ fn start(
                 .as_ref()
                 .filter(|_| a.socket.is_none() && act.nbd.is_empty())
             {
-                bail!(
-                    "{} is in use by another server (pid {pid}); pass --socket PATH (and \
-                     --control/--state) to run a second one",
-                    sock.display()
-                );
+                bail!(Classed::new(
+                    "busy",
+                    format!(
+                        "{} is in use by another server (pid {pid}); pass --socket PATH (and \
+                         --control/--state) to run a second one",
+                        sock.display()
+                    )
+                ));
             }
         }
         return Err(e.into());

@@ -12,7 +12,7 @@ pub enum ClientError {
         "cannot connect to the control socket {0} (is `loopd serve` running? set --control or LOOPD_CONTROL)"
     )]
     Connect(PathBuf, #[source] std::io::Error),
-    #[error("control socket {0}: {1}")]
+    #[error("control socket {0}")]
     Io(PathBuf, #[source] std::io::Error),
     #[error("the daemon closed the control connection without replying")]
     NoReply,

@@ -101,8 +101,10 @@ impl Daemon {
         } else {
             Source::Static
         };
+        let asked = spec.create;
         let info = self.attach_inner(spec, source, Tuning::default(), false)?;
-        self.after_publish(info, source)
+        let info = self.after_publish(info, source)?;
+        Ok(self.create_note(asked, info))
     }
 
     /// Attach many devices from the control socket with one durable write:
@@ -236,10 +238,12 @@ impl Daemon {
     /// Attach the device `loopd serve IMAGE` names: it is the default export (so
     /// its name may be empty) and may carry benchmark switches.
     pub fn attach_default(&self, spec: DeviceSpec, tuning: Tuning) -> Result<DeviceInfo, CtlError> {
+        let asked = spec.create;
         let info = self.attach_inner(spec, Source::Static, tuning, true)?;
         self.set_default(&info.name);
         self.start_blockdev_or_undo(&info.name)?;
-        Ok(self.export(&info.name).map_or(info, |e| self.info(&e)))
+        let info = self.export(&info.name).map_or(info, |e| self.info(&e));
+        Ok(self.create_note(asked, info))
     }
 
     /// One attach: open, claim and stage, wait until durable, publish.
@@ -511,7 +515,41 @@ impl Daemon {
         self.start_blockdev_of(&e).inspect_err(|_| {
             if let Err(d) = self.detach_export(&e, true) {
                 tracing::warn!("device {name:?}: undoing the attach failed: {d}");
+                return;
+            }
+            // A failed attach leaves no trace: the image it created goes too
+            // (unless another device serves that file meanwhile).
+            let (dev, _) = e.current();
+            let in_use = self.all().iter().any(|o| o.current().0.path == dev.path);
+            if dev.created() && !in_use {
+                if let Err(r) = std::fs::remove_file(&dev.path) {
+                    tracing::warn!(
+                        "device {name:?}: cannot remove the image {} it created: {r}",
+                        quoted_path(&dev.path)
+                    );
+                }
             }
         })
+    }
+
+    /// The note an attach with `create` gets when the image was there
+    /// already: the existing file is kept and served at its own size.
+    fn create_note(&self, asked: Option<u64>, mut info: DeviceInfo) -> DeviceInfo {
+        let Some(asked) = asked else { return info };
+        let Some(e) = self.export(&info.name) else {
+            return info;
+        };
+        let (dev, _) = e.current();
+        if !dev.created() {
+            let note = format!(
+                "{} exists: kept as it is (--create {asked} creates only a missing image); \
+                 the device serves its {} bytes",
+                quoted_path(&dev.path),
+                info.size
+            );
+            tracing::info!("device {:?}: {note}", info.name);
+            info.note = Some(note);
+        }
+        info
     }
 }

@@ -212,7 +212,7 @@ pub fn image_resize_line(
 pub fn reload_line(by: &str, report: Result<&ReloadReport, &CtlError>) -> String {
     let outcome = match report {
         Ok(r) => reload_outcome(&serde_json::to_value(r).unwrap_or(Value::Null)),
-        Err(e) => format!("failed: {e}"),
+        Err(e) => format!("failed: {}", crate::text::error_chain(e)),
     };
     format!("audit: reload by {by}: {outcome}")
 }

@@ -67,9 +67,12 @@ pub enum CtlError {
         #[source]
         source: BlockdevError,
     },
+    /// `reload`: the config file cannot be read or parsed.
+    #[error("config not reloaded, nothing changed")]
+    Config(#[source] super::config::ConfigError),
     #[error("TLS is off: start the server with --tls on|require --tls-certs DIR")]
     TlsOff,
-    #[error("TLS certificates not reloaded (the old ones stay in use): {0}")]
+    #[error("TLS certificates not reloaded (the old ones stay in use)")]
     Tls(#[source] crate::tls::TlsError),
 }
 
@@ -85,6 +88,10 @@ impl CtlError {
             CtlError::Invalid(_) => ErrorCode::Invalid,
             CtlError::ShuttingDown => ErrorCode::ShuttingDown,
             CtlError::TlsOff => ErrorCode::Invalid,
+            CtlError::Config(c) => match c {
+                super::config::ConfigError::Parse(..) => ErrorCode::Invalid,
+                super::config::ConfigError::Read(..) => ErrorCode::Io,
+            },
             CtlError::Tls(_) => ErrorCode::Io,
             CtlError::State { .. } => ErrorCode::Io,
             CtlError::Blockdev { source, .. } => match source {
@@ -155,17 +162,12 @@ impl CtlError {
         }
     }
 
+    /// The reply's error: the code, and the message with its causes, each
+    /// once ([`crate::text::error_chain`]).
     pub fn body(&self) -> ErrorBody {
-        let mut message = self.to_string();
-        let mut src = std::error::Error::source(self);
-        while let Some(s) = src {
-            message.push_str(": ");
-            message.push_str(&s.to_string());
-            src = s.source();
-        }
         ErrorBody {
             code: self.code(),
-            message,
+            message: crate::text::error_chain(self),
         }
     }
 }

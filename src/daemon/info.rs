@@ -38,6 +38,10 @@ pub struct DeviceInfo {
     pub direct: bool,
     pub image: PathBuf,
     pub name: String,
+    /// Something the user should know about this attach (an existing image
+    /// kept in spite of `create`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
     pub offset: u64,
     /// Its partition devices, as the kernel has them now.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -69,6 +73,7 @@ impl DeviceInfo {
         let spec = e.spec();
         DeviceInfo {
             name: e.name.clone(),
+            note: None,
             image: d.path.clone(),
             size: d.size,
             offset: d.offset,
@@ -94,6 +99,7 @@ impl DeviceInfo {
     pub fn missing(name: &str, spec: &DeviceSpec, reason: &str) -> DeviceInfo {
         DeviceInfo {
             name: name.to_owned(),
+            note: None,
             image: spec.image.clone(),
             size: 0,
             offset: spec.offset,
@@ -242,6 +248,7 @@ mod tests {
             direct: true,
             image: "/img".into(),
             name: "d".into(),
+            note: Some("kept".into()),
             offset: 512,
             partitions: vec!["/dev/ublkb0p1".into()],
             read_only: false,
@@ -256,6 +263,7 @@ mod tests {
         };
         let bare = DeviceInfo {
             blockdev: None,
+            note: None,
             partitions: Vec::new(),
             reason: None,
             size_limit: None,

@@ -70,13 +70,30 @@ pub fn name_of(spec: &DeviceSpec) -> String {
     }
 }
 
-/// `create`'s size must fit the file system's `off_t`.
+/// `create`'s size must fit the file system's `off_t` and be a whole number
+/// of blocks (the block size asked, else 512): a device serves whole blocks
+/// only, so `create 100` would make a file the device cannot show as it is.
+/// Refused rather than rounded, naming the sizes that would do.
 pub(super) fn check_create(spec: &DeviceSpec) -> Result<(), String> {
+    let block = u64::from(spec.block_size.unwrap_or(512).max(1));
     match spec.create {
         Some(n) if i64::try_from(n).is_err() => Err(format!(
             "create size {n} is out of range: at most {} bytes (2^63-1)",
             i64::MAX
         )),
+        Some(n) if n % block != 0 => {
+            let down = n / block * block;
+            let up = down.saturating_add(block);
+            let below = if down > 0 {
+                format!("{down} or ")
+            } else {
+                String::new()
+            };
+            Err(format!(
+                "create size {n} bytes is not a whole number of {block}-byte blocks: \
+                 give {below}{up} (or a size with K/M/G/T)"
+            ))
+        }
         _ => Ok(()),
     }
 }
@@ -149,11 +166,28 @@ mod tests {
     fn a_create_size_must_fit_off_t() {
         let mut s = spec("/x");
         assert!(check_create(&s).is_ok());
-        s.create = Some(i64::MAX as u64);
+        s.create = Some(i64::MAX as u64 / 4096 * 4096);
         assert!(check_create(&s).is_ok());
         s.create = Some(i64::MAX as u64 + 1);
         let e = check_create(&s).expect_err("past off_t");
         assert!(e.contains("out of range"), "{e}");
+    }
+
+    #[test]
+    fn a_create_size_is_whole_blocks() {
+        let mut s = spec("/x");
+        s.create = Some(100);
+        let e = check_create(&s).expect_err("100 bytes");
+        assert!(e.contains("not a whole number of 512-byte blocks"), "{e}");
+        assert!(e.contains("give 512"), "{e}");
+        s.create = Some(1000);
+        let e = check_create(&s).expect_err("1000 bytes");
+        assert!(e.contains("give 512 or 1024"), "{e}");
+        s.block_size = Some(4096);
+        s.create = Some(1 << 20);
+        assert!(check_create(&s).is_ok());
+        s.create = Some(512);
+        assert!(check_create(&s).is_err());
     }
 
     #[test]

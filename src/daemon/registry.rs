@@ -156,7 +156,10 @@ impl Daemon {
             return Err(CtlError::TlsOff);
         };
         t.reload().map_err(|e| {
-            tracing::error!("TLS certificates not reloaded (the old ones stay in use): {e}");
+            tracing::error!(
+                "TLS certificates not reloaded (the old ones stay in use): {}",
+                crate::text::error_chain(&e)
+            );
             CtlError::Tls(e)
         })
     }

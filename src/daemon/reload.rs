@@ -44,7 +44,7 @@ impl Daemon {
             Ok(()) => "reloaded".to_owned(),
             Err(CtlError::TlsOff) => "off".to_owned(),
             // Logged by reload_tls.
-            Err(e) => e.to_string(),
+            Err(e) => crate::text::error_chain(&e),
         };
         let path = self
             .config
@@ -55,9 +55,9 @@ impl Daemon {
             None => ReloadReport::default(),
             Some(p) => {
                 let specs = config::read(&p).map_err(|e| {
-                    let msg = format!("{e}; nothing changed");
-                    tracing::error!("reload: {msg}");
-                    CtlError::Invalid(msg)
+                    let e = CtlError::Config(e);
+                    tracing::error!("reload: {}", crate::text::error_chain(&e));
+                    e
                 })?;
                 let mut r = self.reload_config(specs);
                 r.config = Some(p);

@@ -65,6 +65,30 @@ fn device_room() -> Option<(usize, u64)> {
     Some((usize::try_from(room).unwrap_or(usize::MAX), limit))
 }
 
+/// Why a recorded device is missing, as shown beside its image (`list`'s
+/// row, `status`, the JSON's `image`): what went wrong with the file, each
+/// cause once, without naming the image again — not "cannot attach IMAGE:
+/// cannot open IMAGE: …" but "cannot open: No such file or directory".
+pub(super) fn missing_reason(e: &CtlError, image: &std::path::Path) -> String {
+    let chain = match e {
+        // The attach is a restore's: what failed is the device's open.
+        CtlError::Device { source, .. } => crate::text::error_chain(source),
+        other => other.body().message,
+    };
+    let q = quoted_path(image).to_string();
+    let plain = image.display().to_string();
+    let mut r = chain;
+    for p in [&q, &plain] {
+        r = r
+            .replace(&format!(" {p}:"), ":")
+            .replace(&format!(" {p}"), "");
+        if let Some(rest) = r.strip_prefix(&format!("{p}: ")) {
+            r = rest.to_owned();
+        }
+    }
+    r
+}
+
 /// The reason a device left out for want of descriptors is missing.
 fn no_room(limit: u64) -> String {
     format!(
@@ -156,19 +180,20 @@ impl Daemon {
 
     /// Attach one recorded device at start; `false`: it is missing (logged).
     fn restore_one(&self, name: &str, spec: DeviceSpec) -> bool {
+        let image = spec.image.clone();
         match self.attach_inner(spec, Source::Restoring, Tuning::default(), false) {
             Ok(_) => {
                 tracing::debug!("restored device {name:?}");
                 true
             }
             Err(e) => {
-                let reason = e.body().message;
                 tracing::warn!(
-                    "device {name:?} is missing: {reason}; it stays in the state file and is \
+                    "device {name:?} is missing: {}; it stays in the state file and is \
                      retried every {}s and on `loopd attach` of that name",
+                    e.body().message,
                     RETRY_INTERVAL.as_secs()
                 );
-                self.set_missing_reason(name, reason);
+                self.set_missing_reason(name, missing_reason(&e, &image));
                 false
             }
         }
@@ -220,13 +245,40 @@ impl Daemon {
                 }
                 Err(CtlError::NameTaken(_)) => {}
                 Err(e) => {
-                    let reason = e.body().message;
+                    let reason = missing_reason(&e, &x.spec.image);
                     if reason != x.reason {
-                        tracing::warn!("device {name:?} is still missing: {reason}");
+                        tracing::warn!("device {name:?} is still missing: {}", e.body().message);
                         self.set_missing_reason(&name, reason);
                     }
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::DeviceError;
+    use std::path::{Path, PathBuf};
+
+    #[test]
+    fn a_missing_reason_names_its_image_not_at_all() {
+        let image = Path::new("/images/gone disk.img");
+        let e = CtlError::Device {
+            msg: format!("cannot attach {}", quoted_path(image)),
+            source: DeviceError::Open {
+                path: PathBuf::from(image),
+                source: std::io::Error::from_raw_os_error(libc::ENOENT),
+            },
+        };
+        let r = missing_reason(&e, image);
+        assert!(
+            r.starts_with("cannot open: No such file or directory"),
+            "{r}"
+        );
+        assert!(!r.contains("gone disk"), "{r}");
+        let other = CtlError::Busy("the name is taken".into());
+        assert_eq!(missing_reason(&other, image), "the name is taken");
     }
 }

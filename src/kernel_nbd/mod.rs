@@ -164,7 +164,7 @@ pub enum KernelNbdError {
         errno: io::Error,
         message: Option<String>,
     },
-    #[error("{op}: {source}")]
+    #[error("{op}")]
     Socket {
         op: &'static str,
         #[source]

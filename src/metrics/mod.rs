@@ -13,7 +13,7 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum MetricsError {
-    #[error("--metrics {0}: cannot listen: {1}")]
+    #[error("--metrics {0}: cannot listen")]
     BindTcp(String, #[source] std::io::Error),
     #[error("cannot start the metrics thread")]
     Spawn(#[source] std::io::Error),

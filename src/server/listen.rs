@@ -366,6 +366,44 @@ pub fn exposure_warning(a: std::net::SocketAddr, tls_required: bool) -> Option<S
     })
 }
 
+/// The warning for a metrics listener other hosts may reach (any address but
+/// loopback), or `None`: the metrics name every device and count its I/O,
+/// with no authentication.
+pub fn metrics_exposure_warning(a: std::net::SocketAddr) -> Option<String> {
+    (!a.ip().is_loopback()).then(|| {
+        format!(
+            "--metrics on {a}: any host that can reach it can read the metrics (every \
+             device's name and I/O counters; there is no authentication); listen on \
+             127.0.0.1 or a Unix socket, or firewall it"
+        )
+    })
+}
+
+/// The address a client on this host connects to for a listener bound to
+/// `a`: `a` itself, but loopback for an unspecified address (`0.0.0.0`,
+/// `[::]`), which names no host a client can reach.
+pub fn client_addr(a: std::net::SocketAddr) -> std::net::SocketAddr {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    match a.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => (Ipv4Addr::LOCALHOST, a.port()).into(),
+        IpAddr::V6(ip) if ip.is_unspecified() => (Ipv6Addr::LOCALHOST, a.port()).into(),
+        _ => a,
+    }
+}
+
+/// The line that says where a listener whose URIs name loopback is really
+/// bound (an unspecified address), or `None`.
+pub fn bind_note(a: std::net::SocketAddr) -> Option<String> {
+    let every = if a.is_ipv4() { "IPv4" } else { "IPv6" };
+    a.ip().is_unspecified().then(|| {
+        format!(
+            "listening on {} (every {every} address; the URIs name loopback: from another \
+             host, put this host's name or address in their place)",
+            uri_host(&a)
+        )
+    })
+}
+
 /// `HOST:PORT` of a listener, as it goes in a URI.
 pub fn uri_host(addr: &std::net::SocketAddr) -> String {
     match addr {
@@ -471,5 +509,40 @@ mod tests {
             0o700
         };
         assert_eq!(m, want);
+    }
+
+    #[test]
+    fn unspecified_addresses_print_loopback_uris_and_say_where_they_bind() {
+        let any4: std::net::SocketAddr = "0.0.0.0:10809".parse().unwrap();
+        let any6: std::net::SocketAddr = "[::]:10809".parse().unwrap();
+        let one: std::net::SocketAddr = "192.0.2.7:10809".parse().unwrap();
+        assert_eq!(uri_host(&client_addr(any4)), "127.0.0.1:10809");
+        assert_eq!(uri_host(&client_addr(any6)), "[::1]:10809");
+        assert_eq!(client_addr(one), one);
+        let n = bind_note(any4).expect("a note for 0.0.0.0");
+        assert!(
+            n.starts_with("listening on 0.0.0.0:10809 (every IPv4 address"),
+            "{n}"
+        );
+        assert!(bind_note(any6).expect("[::]").contains("[::]:10809"));
+        assert_eq!(bind_note(one), None);
+    }
+
+    #[test]
+    fn metrics_other_hosts_reach_are_warned_about() {
+        let w = metrics_exposure_warning("0.0.0.0:9100".parse().unwrap()).expect("warned");
+        assert!(
+            w.contains("--metrics on 0.0.0.0:9100") && w.contains("127.0.0.1"),
+            "{w}"
+        );
+        assert!(metrics_exposure_warning("[::]:9100".parse().unwrap()).is_some());
+        assert_eq!(
+            metrics_exposure_warning("127.0.0.1:9100".parse().unwrap()),
+            None
+        );
+        assert_eq!(
+            metrics_exposure_warning("[::1]:9100".parse().unwrap()),
+            None
+        );
     }
 }

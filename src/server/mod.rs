@@ -67,9 +67,11 @@ pub enum ServerError {
     Control(#[from] ControlError),
     #[error("waiting for connections failed")]
     Poll(#[source] std::io::Error),
-    #[error("{0}")]
-    Blockdev(String),
-    #[error("TLS: {0}")]
+    /// The block device of `serve IMAGE --blockdev` (its class is the
+    /// control path's: a missing module is `unavailable`).
+    #[error(transparent)]
+    Blockdev(Box<crate::daemon::CtlError>),
+    #[error("TLS")]
     Tls(#[from] TlsError),
     #[error(transparent)]
     Metrics(#[from] crate::metrics::MetricsError),
@@ -197,6 +199,9 @@ pub struct Bound {
     endpoints: Endpoints,
     tls: Option<Arc<TlsContext>>,
     metrics: Option<metrics::http::Listener>,
+    /// The lines printed after the URIs, before `control:` (TCP bind
+    /// addresses a client cannot use as they are, the metrics URL).
+    notes: Vec<String>,
     files: SocketFiles,
 }
 
@@ -229,12 +234,13 @@ pub fn bind(opts: &ServeOptions, act: Activated) -> Result<Bound, ServerError> {
     let mut listeners = Vec::new();
     let mut tcp = Vec::new();
     let mut unix = None;
+    let mut notes = Vec::new();
     let activated_nbd = act.nbd.len();
     if !act.nbd.is_empty() {
         for s in act.nbd {
             match s {
                 NbdSocket::Unix(l, p) => {
-                    unix = unix.or(p);
+                    unix = unix.or(p.map(|p| absolute(&p)));
                     listeners.push(Listener::Unix(l));
                 }
                 NbdSocket::Tcp(l) => {
@@ -242,7 +248,8 @@ pub fn bind(opts: &ServeOptions, act: Activated) -> Result<Bound, ServerError> {
                         if let Some(w) = listen::exposure_warning(a, opts.tls == TlsMode::Require) {
                             tracing::warn!("{w}");
                         }
-                        tcp.push(listen::uri_host(&a));
+                        tcp.push(listen::uri_host(&listen::client_addr(a)));
+                        notes.extend(listen::bind_note(a));
                     }
                     listeners.push(Listener::Tcp(l));
                 }
@@ -261,12 +268,13 @@ pub fn bind(opts: &ServeOptions, act: Activated) -> Result<Bound, ServerError> {
             let (l, o) = listen::bind_unix(p, opts.socket_mode, group, listen::Hint::Socket)?;
             files.0.push(o);
             listeners.push(Listener::Unix(l));
-            unix = Some(p.clone());
+            unix = Some(absolute(p));
         }
         for addr in &opts.listen {
             let l = listen::bind_tcp(addr, opts.tls == TlsMode::Require)?;
             if let Ok(a) = l.local_addr() {
-                tcp.push(listen::uri_host(&a));
+                tcp.push(listen::uri_host(&listen::client_addr(a)));
+                notes.extend(listen::bind_note(a));
             }
             listeners.push(Listener::Tcp(l));
         }
@@ -281,7 +289,7 @@ pub fn bind(opts: &ServeOptions, act: Activated) -> Result<Bound, ServerError> {
             }
             let (l, o) = listen::bind_unix(p, CONTROL_SOCKET_MODE, None, listen::Hint::Control)?;
             files.0.push(o);
-            Some((l, Some(p.clone())))
+            Some((l, Some(absolute(p))))
         }
         (None, None) => None,
     };
@@ -290,11 +298,31 @@ pub fn bind(opts: &ServeOptions, act: Activated) -> Result<Bound, ServerError> {
             let p = PathBuf::from(a);
             let (l, o) = listen::bind_unix(&p, opts.metrics_mode, None, listen::Hint::Metrics)?;
             files.0.push(o);
+            notes.push(format!(
+                "metrics: http://localhost/metrics --unix-socket {}",
+                absolute(&p).display()
+            ));
             Some(metrics::http::Listener::Unix(l))
         }
-        Some(a) => Some(metrics::http::Listener::Tcp(
-            TcpListener::bind(a).map_err(|e| MetricsError::BindTcp(a.clone(), e))?,
-        )),
+        Some(a) => {
+            let l = TcpListener::bind(a).map_err(|e| MetricsError::BindTcp(a.clone(), e))?;
+            if let Ok(bound) = l.local_addr() {
+                if let Some(w) = listen::metrics_exposure_warning(bound) {
+                    tracing::warn!("{w}");
+                }
+                let host = listen::uri_host(&listen::client_addr(bound));
+                let every = if bound.ip().is_unspecified() {
+                    format!(
+                        " (listening on {}, every address)",
+                        listen::uri_host(&bound)
+                    )
+                } else {
+                    String::new()
+                };
+                notes.push(format!("metrics: http://{host}/metrics{every}"));
+            }
+            Some(metrics::http::Listener::Tcp(l))
+        }
         None => None,
     };
     // A deep backlog for the metrics endpoint too (see BACKLOG).
@@ -333,8 +361,16 @@ pub fn bind(opts: &ServeOptions, act: Activated) -> Result<Bound, ServerError> {
         },
         tls,
         metrics,
+        notes,
         files,
     })
+}
+
+/// `p` made absolute against the current directory, for the paths loopd
+/// prints (URIs, `control:`): they must work from any directory. (Lexical,
+/// as `std::path::absolute`; `p` as it is if the current directory is gone.)
+fn absolute(p: &std::path::Path) -> PathBuf {
+    std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf())
 }
 
 /// Called once when the server is ready.
@@ -393,6 +429,7 @@ pub fn run(
         endpoints,
         tls,
         metrics,
+        notes,
         files,
     } = bound;
     daemon.set_endpoints(endpoints);
@@ -460,16 +497,16 @@ pub fn run(
         match r {
             Ok(path) => println!("{}", path.display()),
             Err(e) if default.as_deref() == Some(name.as_str()) => {
-                failed = Some(e.body().message);
+                failed = Some(e);
             }
             Err(e) => tracing::error!("{}", e.body().message),
         }
     }
-    if let Some(msg) = failed {
+    if let Some(e) = failed {
         let closed = stop(&daemon, &reactors);
         let_go(&daemon, closed);
         drop(files);
-        return Err(ServerError::Blockdev(msg));
+        return Err(ServerError::Blockdev(Box::new(e)));
     }
     daemon.run_janitor();
     daemon.run_follower();
@@ -485,6 +522,9 @@ pub fn run(
         .unwrap_or_default();
     for uri in daemon.endpoints().uris(&name) {
         println!("{uri}");
+    }
+    for n in &notes {
+        println!("{n}");
     }
     if let Some(c) = &control {
         println!("control: {}", c.display());

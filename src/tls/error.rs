@@ -12,7 +12,7 @@ pub enum TlsError {
     #[error("{}: missing{why}", path.display())]
     Missing { path: PathBuf, why: &'static str },
     /// A file could not be read (permissions, a directory, ...).
-    #[error("{}: {source}", path.display())]
+    #[error("cannot read {}", path.display())]
     Read {
         path: PathBuf,
         #[source]
@@ -25,7 +25,7 @@ pub enum TlsError {
     #[error("{} does not match {}", cert.display(), key.display())]
     KeyMismatch { cert: PathBuf, key: PathBuf },
     /// rustls refused the configuration for another reason.
-    #[error("{}: {source}", dir.display())]
+    #[error("{}: the TLS configuration is refused", dir.display())]
     Config {
         dir: PathBuf,
         #[source]

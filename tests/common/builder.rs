@@ -36,6 +36,8 @@ pub struct ServerBuilder {
     envs: Vec<(OsString, OsString)>,
     /// How long it may take to be ready (default [`READY_TIMEOUT`]).
     ready_timeout: Duration,
+    /// The server's current directory (default: the test's).
+    cwd: Option<PathBuf>,
 }
 
 /// What a server process starts with, set between fork and exec.
@@ -159,6 +161,13 @@ impl ServerBuilder {
         self
     }
 
+    /// Run the server in `dir` (relative paths in its arguments are then
+    /// relative to `dir`).
+    pub fn current_dir(mut self, dir: &Path) -> Self {
+        self.cwd = Some(dir.to_path_buf());
+        self
+    }
+
     /// Listen on TCP only (no --socket).
     pub fn tcp_only(mut self) -> Self {
         self.tcp = true;
@@ -244,6 +253,9 @@ impl ServerBuilder {
             cmd.arg("--state").arg(ctl.with_extension("state"));
         }
         cmd.envs(self.envs.iter().map(|(k, v)| (k, v)));
+        if let Some(d) = &self.cwd {
+            cmd.current_dir(d);
+        }
         cmd.env("PATH", tool_path_env())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -372,6 +384,7 @@ impl Server {
             default_state: false,
             envs: Vec::new(),
             ready_timeout: READY_TIMEOUT,
+            cwd: None,
         }
     }
 
@@ -391,6 +404,7 @@ impl Server {
             default_state: false,
             envs: Vec::new(),
             ready_timeout: READY_TIMEOUT,
+            cwd: None,
         }
     }
 
