@@ -70,23 +70,23 @@ fn device_room() -> Option<(usize, u64)> {
 /// cause once, without naming the image again — not "cannot attach IMAGE:
 /// cannot open IMAGE: …" but "cannot open: No such file or directory".
 pub(super) fn missing_reason(e: &CtlError, image: &std::path::Path) -> String {
-    let chain = match e {
-        // The attach is a restore's: what failed is the device's open.
-        CtlError::Device { source, .. } => crate::text::error_chain(source),
-        other => other.body().message,
+    // The attach is a restore's: what failed is the device's open.
+    let first: &(dyn std::error::Error + 'static) = match e {
+        CtlError::Device { source, .. } => source,
+        other => other,
     };
-    let q = quoted_path(image).to_string();
-    let plain = image.display().to_string();
-    let mut r = chain;
-    for p in [&q, &plain] {
-        r = r
-            .replace(&format!(" {p}:"), ":")
-            .replace(&format!(" {p}"), "");
-        if let Some(rest) = r.strip_prefix(&format!("{p}: ")) {
-            r = rest.to_owned();
+    let q = format!(" {}", quoted_path(image));
+    let plain = format!(" {}", image.display());
+    // A cause that ends naming the image ("cannot open IMAGE") says it
+    // without; a sentence that needs it (what to attach again) keeps it.
+    let causes = std::iter::successors(Some(first), |c| c.source()).map(|c| {
+        let t = c.to_string();
+        match t.strip_suffix(&q).or_else(|| t.strip_suffix(&plain)) {
+            Some(short) => short.to_owned(),
+            None => t,
         }
-    }
-    r
+    });
+    crate::text::join_causes(causes)
 }
 
 /// The reason a device left out for want of descriptors is missing.

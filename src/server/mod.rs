@@ -220,7 +220,10 @@ impl Drop for SocketFiles {
 
 /// Read the certificates and bind every socket: the activated ones `act`, else
 /// `--socket` (or the default path) and `--listen`, and the control socket.
-/// Starts no thread; on error, removes the socket files it bound.
+/// Starts no thread; on error, removes the socket files it bound. What it
+/// keeps for printing works from any directory and any host: socket paths
+/// absolute, a listener on every address (`0.0.0.0`, `[::]`) as a loopback
+/// URI plus a line naming the bind address, and the metrics URL.
 pub fn bind(opts: &ServeOptions, act: Activated) -> Result<Bound, ServerError> {
     raise_open_file_limit();
     // Certificates are read before anything is bound: a bad one stops here.
