@@ -642,7 +642,9 @@ fn socket_clash_names_the_option() {
     a.stop();
 }
 
-/// `--listen :PORT` listens on every address, so 127.0.0.1 reaches it.
+/// `--listen :PORT` listens on every address, so 127.0.0.1 reaches it; the
+/// URI it prints is that loopback one (a client can use it, 0.0.0.0 names no
+/// host), and a line says where it binds (issue 27).
 #[test]
 fn listen_colon_port_reaches_loopback() {
     let dir = tempdir();
@@ -660,8 +662,13 @@ fn listen_colon_port_reaches_loopback() {
         .arg(dir.path().join("l.state"));
     let mut p = Proc::spawn(c);
     let uri = p.wait_line("nbd://");
-    assert_eq!(uri, format!("nbd://0.0.0.0:{port}/l"));
-    assert_eq!(nbd_size(&format!("nbd://127.0.0.1:{port}/")), MIB);
+    assert_eq!(uri, format!("nbd://127.0.0.1:{port}/l"));
+    let bound = p.wait_line("listening on");
+    assert!(
+        bound.starts_with(&format!("listening on 0.0.0.0:{port} (every IPv4 address")),
+        "{bound}"
+    );
+    assert_eq!(nbd_size(&uri), MIB);
     p.stop();
 }
 

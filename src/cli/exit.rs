@@ -22,6 +22,7 @@ use loopd::daemon::config::ConfigError;
 use loopd::daemon::state::StateError;
 use loopd::kernel_loop::KernelLoopError;
 use loopd::metrics::MetricsError;
+use loopd::reactor::ReactorError;
 use loopd::server::ServerError;
 use loopd::server::activation::ActivationError;
 use loopd::server::listen::ListenError;
@@ -188,6 +189,8 @@ fn server_class(cause: &(dyn std::error::Error + 'static)) -> Option<&'static st
             ServerError::Metrics(m) => server_class(m),
             // As `reload-tls` classes them.
             ServerError::Tls(_) => Some("io"),
+            // io_uring disabled (`kernel.io_uring_disabled`) or refused.
+            ServerError::Reactor(ReactorError::Ring(_)) => Some("unavailable"),
             ServerError::Reactor(_)
             | ServerError::Control(_)
             | ServerError::Signals(_)
