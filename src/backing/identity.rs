@@ -355,6 +355,26 @@ impl Pinned {
         )
     }
 
+    /// As [`Pinned::open`], with the new descriptor's `statx` (see
+    /// [`reopen_statx`]).
+    pub fn open_statx(
+        &self,
+        read_only: bool,
+        direct: bool,
+    ) -> std::io::Result<(File, rustix::fs::Statx)> {
+        reopen_statx(
+            &self.fd,
+            (self.identity.dev, self.identity.ino),
+            read_only,
+            direct,
+        )
+    }
+
+    /// The device and inode the pin names.
+    pub fn key(&self) -> (u64, u64) {
+        (self.identity.dev, self.identity.ino)
+    }
+
     /// As [`Pinned::open`], with the error naming the image.
     pub fn open_err(&self, e: std::io::Error) -> IdentityError {
         IdentityError::Reopen {
@@ -451,6 +471,18 @@ pub fn reopen_as(
     read_only: bool,
     direct: bool,
 ) -> std::io::Result<File> {
+    reopen_statx(fd, dev_ino, read_only, direct).map(|(f, _)| f)
+}
+
+/// As [`reopen_as`], returning also the new descriptor's `statx` (basic
+/// facts and, where the kernel tells, the direct-I/O alignment: what an
+/// attach would otherwise ask for in two more calls).
+pub fn reopen_statx(
+    fd: &impl AsFd,
+    dev_ino: (u64, u64),
+    read_only: bool,
+    direct: bool,
+) -> std::io::Result<(File, rustix::fs::Statx)> {
     let mut o = std::fs::OpenOptions::new();
     o.read(true).write(!read_only);
     let mut flags = libc::O_CLOEXEC | libc::O_NOCTTY;
@@ -459,13 +491,19 @@ pub fn reopen_as(
     }
     o.custom_flags(flags);
     let f = o.open(proc_fd(fd))?;
-    let b = rustix::fs::fstat(&f)?;
-    if dev_ino != (b.st_dev, b.st_ino) {
+    let st = rustix::fs::statx(
+        &f,
+        "",
+        rustix::fs::AtFlags::EMPTY_PATH,
+        rustix::fs::StatxFlags::BASIC_STATS | rustix::fs::StatxFlags::DIOALIGN,
+    )?;
+    let dev = rustix::fs::makedev(st.stx_dev_major, st.stx_dev_minor);
+    if dev_ino != (dev, st.stx_ino) {
         return Err(std::io::Error::other(
             "the descriptor reopened a different file",
         ));
     }
-    Ok(f)
+    Ok((f, st))
 }
 
 fn proc_fd(fd: &impl AsFd) -> String {
