@@ -222,13 +222,13 @@ impl Entry {
                 };
                 for (first, len) in runs(todo) {
                     let byte = base + i64::from(first);
-                    ofd(&self.fd, libc::F_OFD_SETLK, ty, byte, len).map_err(|source| {
-                        LockError::Fcntl {
+                    ofd(&self.fd, libc::F_OFD_SETLK, ty, byte, i64::from(len)).map_err(
+                        |source| LockError::Fcntl {
                             path: self.path.clone(),
                             byte,
                             source,
-                        }
-                    })?;
+                        },
+                    )?;
                     let bits = run_bits(first, len);
                     let slot = if shared_half {
                         &mut self.applied.1
@@ -261,14 +261,14 @@ impl Entry {
     fn locked_by_others(&self, base: i64, bits: u8) -> Result<u8, LockError> {
         let mut found = 0u8;
         for (first, len) in runs(bits) {
-            if !self.any_locked(base + i64::from(first), len)? {
+            if !self.any_locked(base + i64::from(first), i64::from(len))? {
                 continue;
             }
             if len == 1 {
                 found |= run_bits(first, 1);
                 continue;
             }
-            for i in first..first + len as u8 {
+            for i in first..first + len {
                 if self.any_locked(base + i64::from(i), 1)? {
                     found |= 1 << i;
                 }
@@ -299,7 +299,7 @@ impl Drop for Entry {
 
 /// The runs of adjacent set bits of `bits` (permission bits 0..4): (first
 /// bit, length).
-fn runs(bits: u8) -> impl Iterator<Item = (u8, i64)> {
+fn runs(bits: u8) -> impl Iterator<Item = (u8, u8)> {
     let mut i = 0u8;
     std::iter::from_fn(move || {
         while i < 8 && bits & (1 << i) == 0 {
@@ -312,14 +312,14 @@ fn runs(bits: u8) -> impl Iterator<Item = (u8, i64)> {
         while i < 8 && bits & (1 << i) != 0 {
             i += 1;
         }
-        Some((first, i64::from(i - first)))
+        Some((first, i - first))
     })
 }
 
 /// The bits of the run `first..first + len`.
-fn run_bits(first: u8, len: i64) -> u8 {
+fn run_bits(first: u8, len: u8) -> u8 {
     let ones = (1u16 << len) - 1;
-    ((ones << first) & 0xff) as u8
+    u8::try_from((ones << first) & 0xff).unwrap_or(0)
 }
 
 /// One `fcntl` OFD lock call on the `len` bytes from `byte`.

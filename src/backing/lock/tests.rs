@@ -200,7 +200,7 @@ fn runs_cover_exactly_the_bits_in_adjacent_pieces() {
             assert!(last_end.is_none_or(|e: u8| first > e), "{bits:#b}");
             assert_eq!(back & run_bits(first, len), 0, "{bits:#b}");
             back |= run_bits(first, len);
-            last_end = Some(first + len as u8);
+            last_end = Some(first + len);
         }
         assert_eq!(back, bits);
     }
