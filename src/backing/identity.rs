@@ -52,7 +52,7 @@ use rustix::io::Errno;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::OnceLock;
 use thiserror::Error;
@@ -483,14 +483,16 @@ pub fn reopen_statx(
     read_only: bool,
     direct: bool,
 ) -> std::io::Result<(File, rustix::fs::Statx)> {
-    let mut o = std::fs::OpenOptions::new();
-    o.read(true).write(!read_only);
-    let mut flags = libc::O_CLOEXEC | libc::O_NOCTTY;
+    let mut flags = OFlags::CLOEXEC | OFlags::NOCTTY;
+    flags |= if read_only {
+        OFlags::RDONLY
+    } else {
+        OFlags::RDWR
+    };
     if direct {
-        flags |= libc::O_DIRECT;
+        flags |= OFlags::DIRECT;
     }
-    o.custom_flags(flags);
-    let f = o.open(proc_fd(fd))?;
+    let f = File::from(open_through(fd, flags)?);
     let st = rustix::fs::statx(
         &f,
         "",
@@ -504,6 +506,31 @@ pub fn reopen_statx(
         ));
     }
     Ok((f, st))
+}
+
+/// Open what `fd` refers to anew (a new open file description) with
+/// `flags`, through its `/proc/self/fd` entry: looked up in a kept descriptor
+/// of that directory (one path component, not four), or by the whole path in
+/// a process other than the one that opened the directory (after a `fork`,
+/// `self` there would be the parent).
+fn open_through(fd: &impl AsFd, flags: OFlags) -> std::io::Result<OwnedFd> {
+    static DIR: OnceLock<Option<(u32, OwnedFd)>> = OnceLock::new();
+    let kept = DIR.get_or_init(|| {
+        rustix::fs::open(
+            "/proc/self/fd",
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .ok()
+        .map(|dir| (std::process::id(), dir))
+    });
+    let n = fd.as_fd().as_raw_fd().to_string();
+    match kept {
+        Some((pid, dir)) if *pid == std::process::id() => {
+            Ok(rustix::fs::openat(dir, n, flags, Mode::empty())?)
+        }
+        _ => Ok(rustix::fs::open(proc_fd(fd), flags, Mode::empty())?),
+    }
 }
 
 fn proc_fd(fd: &impl AsFd) -> String {
