@@ -40,6 +40,22 @@ impl QemuNbd {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+        // qemu-nbd listens before it opens (and locks) the image: it is
+        // locked once a client's handshake gets the export's size.
+        let uri = format!("nbd+unix:///?socket={}", sock.display());
+        loop {
+            if run_status("nbdinfo", ["--size", uri.as_str()]).success() {
+                break;
+            }
+            if let Ok(Some(st)) = child.try_wait() {
+                panic!("qemu-nbd exited early ({st})");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "qemu-nbd did not serve its export"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
         QemuNbd { child, _dir: dir }
     }
 }

@@ -458,7 +458,7 @@ fn default_state_is_in_var_lib() {
     let ctl = dir.path().join(format!("{stem}.ctl"));
     let state = PathBuf::from(format!("/var/lib/loopd/{stem}.state"));
     let lock = PathBuf::from(format!("/var/lib/loopd/{stem}.state.lock"));
-    let _c = Cleanup(vec![state.clone(), lock]);
+    let _c = Cleanup::new(vec![state.clone(), lock]);
     let img = dir.path().join("v.img");
     create_sparse_image(&img, MIB);
     let mut srv = Server::daemon()
@@ -489,7 +489,7 @@ fn old_default_state_location_is_pointed_out() {
     let old = ctl.with_extension("state");
     let lock = PathBuf::from(format!("/var/lib/loopd/{stem}.state.lock"));
     let new = PathBuf::from(format!("/var/lib/loopd/{stem}.state"));
-    let _c = Cleanup(vec![new.clone(), lock]);
+    let _c = Cleanup::new(vec![new.clone(), lock]);
     std::fs::write(&old, "{\"loopd_state\":1}\n").unwrap();
     let mut srv = Server::daemon()
         .default_state()
@@ -520,13 +520,32 @@ fn old_default_state_location_is_pointed_out() {
 }
 
 /// Files under /var/lib/loopd that a test made, removed on drop (also when
-/// the test fails).
+/// the test fails), and the directory itself if it was not there before this
+/// test binary's first daemon made it (and nobody's files are left in it).
 struct Cleanup(Vec<PathBuf>);
+
+impl Cleanup {
+    fn new(files: Vec<PathBuf>) -> Cleanup {
+        var_lib_loopd_was_there();
+        Cleanup(files)
+    }
+}
+
+/// Whether /var/lib/loopd existed before the tests here: asked by every
+/// test that may make it, before it starts its daemon.
+fn var_lib_loopd_was_there() -> bool {
+    static THERE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *THERE.get_or_init(|| Path::new("/var/lib/loopd").exists())
+}
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
         for p in &self.0 {
             let _ = std::fs::remove_file(p);
+        }
+        if !var_lib_loopd_was_there() {
+            // Fails (and is left) while another test's files are still there.
+            let _ = std::fs::remove_dir("/var/lib/loopd");
         }
     }
 }

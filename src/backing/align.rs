@@ -5,7 +5,7 @@
 //! kernel or filesystem does not report it, fall back to the logical block size of
 //! the filesystem's block device (sysfs), then 512.
 
-use rustix::fs::{AtFlags, StatxFlags, statx};
+use rustix::fs::{AtFlags, Statx, StatxFlags, statx};
 use std::fs::File;
 use std::path::Path;
 
@@ -30,24 +30,37 @@ pub fn probe(file: &File) -> DioAlign {
         AtFlags::EMPTY_PATH,
         StatxFlags::DIOALIGN | StatxFlags::BASIC_STATS,
     ) {
-        Ok(st) if st.stx_mask & StatxFlags::DIOALIGN.bits() != 0 => {
-            if st.stx_dio_offset_align == 0 {
-                DioAlign {
-                    offset: 512,
-                    mem: 512,
-                    supported: false,
-                    source: "statx (direct I/O unsupported)",
-                }
-            } else {
-                DioAlign {
-                    offset: st.stx_dio_offset_align,
-                    mem: st.stx_dio_mem_align.max(1),
-                    supported: true,
-                    source: "statx STATX_DIOALIGN",
-                }
+        Ok(st) => of_statx(&st),
+        Err(_) => DioAlign {
+            offset: 512,
+            mem: 512,
+            supported: true,
+            source: "default 512",
+        },
+    }
+}
+
+/// The direct-I/O alignment a `statx` asked for `STATX_DIOALIGN` tells (or
+/// the fall-backs, where it does not).
+pub fn of_statx(st: &Statx) -> DioAlign {
+    if st.stx_mask & StatxFlags::DIOALIGN.bits() != 0 {
+        if st.stx_dio_offset_align == 0 {
+            DioAlign {
+                offset: 512,
+                mem: 512,
+                supported: false,
+                source: "statx (direct I/O unsupported)",
+            }
+        } else {
+            DioAlign {
+                offset: st.stx_dio_offset_align,
+                mem: st.stx_dio_mem_align.max(1),
+                supported: true,
+                source: "statx STATX_DIOALIGN",
             }
         }
-        Ok(st) => match device_logical_block_size(st.stx_dev_major, st.stx_dev_minor) {
+    } else {
+        match device_logical_block_size(st.stx_dev_major, st.stx_dev_minor) {
             Some(lbs) => DioAlign {
                 offset: lbs,
                 mem: lbs,
@@ -60,13 +73,7 @@ pub fn probe(file: &File) -> DioAlign {
                 supported: true,
                 source: "default 512",
             },
-        },
-        Err(_) => DioAlign {
-            offset: 512,
-            mem: 512,
-            supported: true,
-            source: "default 512",
-        },
+        }
     }
 }
 

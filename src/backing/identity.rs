@@ -52,7 +52,7 @@ use rustix::io::Errno;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::OnceLock;
 use thiserror::Error;
@@ -355,6 +355,26 @@ impl Pinned {
         )
     }
 
+    /// As [`Pinned::open`], with the new descriptor's `statx` (see
+    /// [`reopen_statx`]).
+    pub fn open_statx(
+        &self,
+        read_only: bool,
+        direct: bool,
+    ) -> std::io::Result<(File, rustix::fs::Statx)> {
+        reopen_statx(
+            &self.fd,
+            (self.identity.dev, self.identity.ino),
+            read_only,
+            direct,
+        )
+    }
+
+    /// The device and inode the pin names.
+    pub fn key(&self) -> (u64, u64) {
+        (self.identity.dev, self.identity.ino)
+    }
+
     /// As [`Pinned::open`], with the error naming the image.
     pub fn open_err(&self, e: std::io::Error) -> IdentityError {
         IdentityError::Reopen {
@@ -451,21 +471,66 @@ pub fn reopen_as(
     read_only: bool,
     direct: bool,
 ) -> std::io::Result<File> {
-    let mut o = std::fs::OpenOptions::new();
-    o.read(true).write(!read_only);
-    let mut flags = libc::O_CLOEXEC | libc::O_NOCTTY;
+    reopen_statx(fd, dev_ino, read_only, direct).map(|(f, _)| f)
+}
+
+/// As [`reopen_as`], returning also the new descriptor's `statx` (basic
+/// facts and, where the kernel tells, the direct-I/O alignment: what an
+/// attach would otherwise ask for in two more calls).
+pub fn reopen_statx(
+    fd: &impl AsFd,
+    dev_ino: (u64, u64),
+    read_only: bool,
+    direct: bool,
+) -> std::io::Result<(File, rustix::fs::Statx)> {
+    let mut flags = OFlags::CLOEXEC | OFlags::NOCTTY;
+    flags |= if read_only {
+        OFlags::RDONLY
+    } else {
+        OFlags::RDWR
+    };
     if direct {
-        flags |= libc::O_DIRECT;
+        flags |= OFlags::DIRECT;
     }
-    o.custom_flags(flags);
-    let f = o.open(proc_fd(fd))?;
-    let b = rustix::fs::fstat(&f)?;
-    if dev_ino != (b.st_dev, b.st_ino) {
+    let f = File::from(open_through(fd, flags)?);
+    let st = rustix::fs::statx(
+        &f,
+        "",
+        rustix::fs::AtFlags::EMPTY_PATH,
+        rustix::fs::StatxFlags::BASIC_STATS | rustix::fs::StatxFlags::DIOALIGN,
+    )?;
+    let dev = rustix::fs::makedev(st.stx_dev_major, st.stx_dev_minor);
+    if dev_ino != (dev, st.stx_ino) {
         return Err(std::io::Error::other(
             "the descriptor reopened a different file",
         ));
     }
-    Ok(f)
+    Ok((f, st))
+}
+
+/// Open what `fd` refers to anew (a new open file description) with
+/// `flags`, through its `/proc/self/fd` entry: looked up in a kept descriptor
+/// of that directory (one path component, not four), or by the whole path in
+/// a process other than the one that opened the directory (after a `fork`,
+/// `self` there would be the parent).
+fn open_through(fd: &impl AsFd, flags: OFlags) -> std::io::Result<OwnedFd> {
+    static DIR: OnceLock<Option<(u32, OwnedFd)>> = OnceLock::new();
+    let kept = DIR.get_or_init(|| {
+        rustix::fs::open(
+            "/proc/self/fd",
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .ok()
+        .map(|dir| (std::process::id(), dir))
+    });
+    let n = fd.as_fd().as_raw_fd().to_string();
+    match kept {
+        Some((pid, dir)) if *pid == std::process::id() => {
+            Ok(rustix::fs::openat(dir, n, flags, Mode::empty())?)
+        }
+        _ => Ok(rustix::fs::open(proc_fd(fd), flags, Mode::empty())?),
+    }
 }
 
 fn proc_fd(fd: &impl AsFd) -> String {

@@ -29,8 +29,13 @@
 //! fd holds the union of both, as QEMU does during a permission change. When the
 //! last holder of an image drops, the fd is closed and the kernel releases the
 //! bytes. Block devices are locked the same way (QEMU's host_device does too).
-//! The lock fd is opened through the first holder's descriptor
-//! (`/proc/self/fd`), never by path.
+//! The lock fd is a duplicate of the first holder's own descriptor (the same
+//! open file description: no open, no path). That description may outlive the
+//! registry's entry for a moment (the device closes its descriptor after its
+//! lock), so an entry unlocks its bytes itself when its last holder goes rather
+//! than relying on the close. Lock calls cover runs of adjacent bytes at once
+//! (a writable device: 3 tests and 3 locks, not 4 and 4); a test that finds a
+//! conflict in a run looks at its bytes one by one, to name the permission.
 //!
 //! Kernel loop devices take no lock, so they are looked for in sysfs: a new
 //! device (not `shared`) is refused while a kernel loop device backs its image
@@ -199,38 +204,38 @@ impl Entry {
     }
 
     /// Lock the bytes of `want`, then unlock those no longer needed. `applied`
-    /// follows every byte as it changes, so a failure part-way leaves it true.
+    /// follows every run of bytes as it changes, so a failure part-way leaves
+    /// it true.
     fn apply(&mut self, want: (u8, u8)) -> Result<(), LockError> {
         for unlock in [false, true] {
             for shared_half in [false, true] {
                 let base = if shared_half { SHARED_BASE } else { PERM_BASE };
-                let need = if shared_half { want.1 } else { want.0 };
-                for i in 0..4u8 {
-                    let bit = 1u8 << i;
-                    let byte = base + i64::from(i);
-                    let have = if shared_half {
-                        self.applied.1
-                    } else {
-                        self.applied.0
-                    };
-                    let ty = match (need & bit != 0, have & bit != 0) {
-                        (true, false) if !unlock => libc::F_RDLCK,
-                        (false, true) if unlock => libc::F_UNLCK,
-                        _ => continue,
-                    };
-                    ofd(&self.fd, libc::F_OFD_SETLK, ty, byte).map_err(|source| {
-                        LockError::Fcntl {
+                let (need, have) = if shared_half {
+                    (want.1, self.applied.1)
+                } else {
+                    (want.0, self.applied.0)
+                };
+                let (todo, ty) = if unlock {
+                    (have & !need, libc::F_UNLCK)
+                } else {
+                    (need & !have, libc::F_RDLCK)
+                };
+                for (first, len) in runs(todo) {
+                    let byte = base + i64::from(first);
+                    ofd(&self.fd, libc::F_OFD_SETLK, ty, byte, i64::from(len)).map_err(
+                        |source| LockError::Fcntl {
                             path: self.path.clone(),
                             byte,
                             source,
-                        }
-                    })?;
+                        },
+                    )?;
+                    let bits = run_bits(first, len);
                     let slot = if shared_half {
                         &mut self.applied.1
                     } else {
                         &mut self.applied.0
                     };
-                    *slot ^= bit;
+                    *slot ^= bits;
                 }
             }
         }
@@ -243,22 +248,37 @@ impl Entry {
         if want.shared {
             return Ok(None);
         }
-        let mut held = 0u8;
-        let mut unshared = 0u8;
-        for i in 0..4u8 {
-            let bit = 1u8 << i;
-            if want.perm() & bit != 0 && self.locked_by_others(SHARED_BASE + i64::from(i))? {
-                unshared |= bit;
-            }
-            if want.shared_perm() & bit == 0 && self.locked_by_others(PERM_BASE + i64::from(i))? {
-                held |= bit;
-            }
-        }
+        // Bytes "does not share i" for each permission i we use, and "uses i"
+        // for each permission i we do not share.
+        let unshared = self.locked_by_others(SHARED_BASE, want.perm())?;
+        let held = self.locked_by_others(PERM_BASE, perm::ALL & !want.shared_perm())?;
         Ok(conflict(want, held, unshared))
     }
 
-    fn locked_by_others(&self, byte: i64) -> Result<bool, LockError> {
-        let fl = ofd(&self.fd, libc::F_OFD_GETLK, libc::F_WRLCK, byte).map_err(|source| {
+    /// Which of the bytes `base + i` (bit i of `bits`) another description
+    /// holds: one test per run of adjacent bytes; byte by byte within a run
+    /// only where the run has a conflict.
+    fn locked_by_others(&self, base: i64, bits: u8) -> Result<u8, LockError> {
+        let mut found = 0u8;
+        for (first, len) in runs(bits) {
+            if !self.any_locked(base + i64::from(first), i64::from(len))? {
+                continue;
+            }
+            if len == 1 {
+                found |= run_bits(first, 1);
+                continue;
+            }
+            for i in first..first + len {
+                if self.any_locked(base + i64::from(i), 1)? {
+                    found |= 1 << i;
+                }
+            }
+        }
+        Ok(found)
+    }
+
+    fn any_locked(&self, byte: i64, len: i64) -> Result<bool, LockError> {
+        let fl = ofd(&self.fd, libc::F_OFD_GETLK, libc::F_WRLCK, byte, len).map_err(|source| {
             LockError::Fcntl {
                 path: self.path.clone(),
                 byte,
@@ -269,8 +289,47 @@ impl Entry {
     }
 }
 
-/// One `fcntl` OFD lock call on the single byte `byte`.
-fn ofd(fd: &File, cmd: libc::c_int, ty: libc::c_int, byte: i64) -> io::Result<libc::flock> {
+impl Drop for Entry {
+    /// Unlock every byte: the description may live on for a moment in the
+    /// device's own descriptor (see the module documentation).
+    fn drop(&mut self) {
+        let _ = self.apply((0, 0));
+    }
+}
+
+/// The runs of adjacent set bits of `bits` (permission bits 0..4): (first
+/// bit, length).
+fn runs(bits: u8) -> impl Iterator<Item = (u8, u8)> {
+    let mut i = 0u8;
+    std::iter::from_fn(move || {
+        while i < 8 && bits & (1 << i) == 0 {
+            i += 1;
+        }
+        if i >= 8 {
+            return None;
+        }
+        let first = i;
+        while i < 8 && bits & (1 << i) != 0 {
+            i += 1;
+        }
+        Some((first, i - first))
+    })
+}
+
+/// The bits of the run `first..first + len`.
+fn run_bits(first: u8, len: u8) -> u8 {
+    let ones = (1u16 << len) - 1;
+    u8::try_from((ones << first) & 0xff).unwrap_or(0)
+}
+
+/// One `fcntl` OFD lock call on the `len` bytes from `byte`.
+fn ofd(
+    fd: &File,
+    cmd: libc::c_int,
+    ty: libc::c_int,
+    byte: i64,
+    len: i64,
+) -> io::Result<libc::flock> {
     // SAFETY: `flock` is a plain C struct for which all-zero bytes is a valid value
     // (and l_pid must be 0 for OFD locks).
     let mut fl: libc::flock = unsafe { std::mem::zeroed() };
@@ -280,7 +339,7 @@ fn ofd(fd: &File, cmd: libc::c_int, ty: libc::c_int, byte: i64) -> io::Result<li
     fl.l_type = short(ty)?;
     fl.l_whence = short(libc::SEEK_SET)?;
     fl.l_start = byte;
-    fl.l_len = 1;
+    fl.l_len = len;
     // SAFETY: the fd is open for the duration of the call (borrowed from `fd`), and
     // `fl` is a valid, exclusively borrowed `flock` the kernel reads and may write.
     let r = unsafe { libc::fcntl(fd.as_raw_fd(), cmd, &mut fl as *mut libc::flock) };
@@ -324,9 +383,25 @@ impl ImageLock {
         owner: &str,
         mode: Mode,
     ) -> Result<ImageLock, LockError> {
+        let meta = file.metadata().map_err(|source| LockError::Open {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::acquire_on(path, file, (meta.dev(), meta.ino()), owner, mode)
+    }
+
+    /// As [`ImageLock::acquire`], for a `file` whose device and inode the
+    /// caller has already checked (`key`, e.g. a pinned file's identity).
+    pub fn acquire_on(
+        path: &Path,
+        file: &File,
+        key: (u64, u64),
+        owner: &str,
+        mode: Mode,
+    ) -> Result<ImageLock, LockError> {
         let start = std::time::Instant::now();
         loop {
-            match Self::try_acquire(path, file, owner, mode) {
+            match Self::try_acquire(path, file, key, owner, mode) {
                 Err((e, true)) if start.elapsed() < LOCAL_GRACE => {
                     drop(e);
                     std::thread::sleep(std::time::Duration::from_millis(2));
@@ -341,15 +416,10 @@ impl ImageLock {
     fn try_acquire(
         path: &Path,
         file: &File,
+        key: Key,
         owner: &str,
         mode: Mode,
     ) -> Result<ImageLock, (LockError, bool)> {
-        let open_err = |source| LockError::Open {
-            path: path.to_path_buf(),
-            source,
-        };
-        let meta = file.metadata().map_err(|e| (open_err(e), false))?;
-        let key = (meta.dev(), meta.ino());
         // Looked up before the registry's mutex is taken (sysfs reads that
         // other opens need not wait for); used unless this is a
         // reconfiguration, which only the registry can tell.
@@ -360,22 +430,16 @@ impl ImageLock {
         };
         let mut reg = registry();
         if let btree_map::Entry::Vacant(slot) = reg.entry(key) {
-            // A description of its own (closing it releases the bytes, whoever
-            // else still holds the device's descriptors), opened through the
-            // device's descriptor: no path lookup. Checked to be the same
-            // device and inode (the key): an error without an errno says the
-            // descriptor reopened another file.
-            let fd = super::identity::reopen_as(file, key, true, false).map_err(|e| {
-                if e.raw_os_error().is_none() {
-                    (
-                        LockError::Replaced {
-                            path: path.to_path_buf(),
-                        },
-                        false,
-                    )
-                } else {
-                    (open_err(e), false)
-                }
+            // The device's own open file description, duplicated (see the
+            // module documentation): no open, no path lookup.
+            let fd = file.try_clone().map_err(|source| {
+                (
+                    LockError::Open {
+                        path: path.to_path_buf(),
+                        source,
+                    },
+                    false,
+                )
             })?;
             slot.insert(Entry {
                 path: path.to_path_buf(),
@@ -566,7 +630,7 @@ pub fn check_kernel_attach(
         return Err(in_use(describe(Conflict::TheyUse(perm::WRITE), &who)));
     }
     let held = |byte| -> Result<bool, LockError> {
-        let fl = ofd(file, libc::F_OFD_GETLK, libc::F_WRLCK, byte).map_err(|source| {
+        let fl = ofd(file, libc::F_OFD_GETLK, libc::F_WRLCK, byte, 1).map_err(|source| {
             LockError::Fcntl {
                 path: path.to_path_buf(),
                 byte,
@@ -615,7 +679,7 @@ impl Drop for ImageLock {
         };
         e.holders.retain(|h| h.id != self.id);
         if e.holders.is_empty() {
-            // Closing the fd releases every byte.
+            // The entry unlocks its bytes as it goes (`Drop for Entry`).
             reg.remove(&self.key);
         } else {
             let want = e.union();

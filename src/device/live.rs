@@ -13,6 +13,7 @@ use crate::backing::format;
 use crate::backing::identity::{FileIdentity, Pinned};
 use crate::backing::lock::{ImageLock, Mode};
 use crate::text::quoted_path;
+use rustix::fs::Statx;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -117,22 +118,23 @@ fn valid_block_size(bs: u32) -> bool {
 /// Open the image for the device: read-write unless read-only was asked; an
 /// image the filesystem will not let us write (EROFS, EACCES, EPERM: a
 /// read-only mount, mode 0444) is opened read-only instead, with a notice, as
-/// losetup does. Returns the file and whether the device is read-only.
-fn open_plain(p: &DeviceParams, pinned: &Pinned) -> Result<(File, bool), DeviceError> {
+/// losetup does. Returns the file, its `statx` (size, type, direct-I/O
+/// alignment) and whether the device is read-only.
+fn open_plain(p: &DeviceParams, pinned: &Pinned) -> Result<(File, Statx, bool), DeviceError> {
     let err = |source| DeviceError::Open {
         path: p.path.clone(),
         source,
     };
-    match pinned.open(p.read_only, false) {
-        Ok(f) => Ok((f, p.read_only)),
+    match pinned.open_statx(p.read_only, false) {
+        Ok((f, st)) => Ok((f, st, p.read_only)),
         Err(e) if !p.read_only && crate::backing::write_protected(&e) => {
             let why = e.to_string();
-            let f = pinned.open(true, false).map_err(|_| err(e))?;
+            let (f, st) = pinned.open_statx(true, false).map_err(|_| err(e))?;
             tracing::info!(
                 "{} is write-protected ({why}): serving it read-only",
                 quoted_path(&p.path)
             );
-            Ok((f, true))
+            Ok((f, st, true))
         }
         Err(e) => Err(err(e)),
     }
@@ -271,37 +273,34 @@ impl Device {
                 });
             }
         };
-        let (plain, read_only) = open_plain(p, &pinned)?;
+        let (plain, st, read_only) = open_plain(p, &pinned)?;
         let write_protected = read_only && !p.read_only;
-        let meta = plain.metadata().map_err(|source| DeviceError::Stat {
-            path: p.path.clone(),
-            source,
-        })?;
-        let ft = meta.file_type();
-        use std::os::unix::fs::FileTypeExt;
-        let file_size = if ft.is_file() {
-            meta.len()
-        } else if ft.is_block_device() {
-            rustix::fs::seek(&plain, rustix::fs::SeekFrom::End(0)).map_err(|e| {
-                DeviceError::Stat {
+        let ft = rustix::fs::FileType::from_raw_mode(st.stx_mode.into());
+        let file_size = match ft {
+            rustix::fs::FileType::RegularFile => st.stx_size,
+            rustix::fs::FileType::BlockDevice => {
+                rustix::fs::seek(&plain, rustix::fs::SeekFrom::End(0)).map_err(|e| {
+                    DeviceError::Stat {
+                        path: p.path.clone(),
+                        source: e.into(),
+                    }
+                })?
+            }
+            _ => {
+                return Err(DeviceError::NotAFile {
                     path: p.path.clone(),
-                    source: e.into(),
-                }
-            })?
-        } else {
-            return Err(DeviceError::NotAFile {
-                path: p.path.clone(),
-            });
+                });
+            }
         };
         let mode = Mode {
             read_only,
             shared: p.shared,
         };
-        let image_lock = ImageLock::acquire(&p.path, &plain, &p.name, mode)?;
+        let image_lock = ImageLock::acquire_on(&p.path, &plain, pinned.key(), &p.name, mode)?;
         // Whether to look for a container format (after the direct
         // descriptor is open: the probe reads through it if there is one).
         let probe_format = p.format.is_none() && !created && !image_lock.is_reconfiguration();
-        let align = align::probe(&plain);
+        let align = align::of_statx(&st);
         let local_fs = on_local_disk(&plain);
         let default_bs = align.offset.clamp(512, 4096);
         let block_size = p.block_size.unwrap_or(if valid_block_size(default_bs) {

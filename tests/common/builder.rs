@@ -241,6 +241,12 @@ impl ServerBuilder {
                 a == flag || a.starts_with(&format!("{flag}="))
             })
         };
+        // No NBD socket to put it beside: the control socket goes in the
+        // test's directory, not the default /run/loopd (which would be left
+        // behind).
+        if socket.is_none() && !has("--control") {
+            cmd.arg("--control").arg(dir.path().join("nbd.ctl"));
+        }
         if !self.default_state && !has("--state") {
             let ctl = self
                 .args

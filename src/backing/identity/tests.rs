@@ -243,3 +243,24 @@ fn lexical_cleans_dots() {
         Some(PathBuf::from("/a/c"))
     );
 }
+
+#[test]
+fn a_reopen_is_a_description_of_its_own_with_the_files_facts() {
+    use std::io::{Read, Seek, SeekFrom};
+    let d = tmp();
+    let img = d.path().join("a.img");
+    std::fs::write(&img, b"0123456789").unwrap();
+    let p = Pinned::first(&img).unwrap();
+    let (mut a, st) = p.open_statx(false, false).unwrap();
+    assert_eq!(st.stx_size, 10);
+    assert_eq!(st.stx_ino, p.identity().ino);
+    let mut b = p.open(true, false).unwrap();
+    // Offsets are per description: moving one leaves the other at 0.
+    a.seek(SeekFrom::Start(6)).unwrap();
+    let mut s = String::new();
+    b.read_to_string(&mut s).unwrap();
+    assert_eq!(s, "0123456789");
+    s.clear();
+    a.read_to_string(&mut s).unwrap();
+    assert_eq!(s, "6789");
+}

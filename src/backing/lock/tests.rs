@@ -85,7 +85,7 @@ fn bytes_seen_from_outside(path: &Path) -> Vec<i64> {
     (PERM_BASE..PERM_BASE + 4)
         .chain(SHARED_BASE..SHARED_BASE + 4)
         .filter(|&b| {
-            let fl = ofd(&probe, libc::F_OFD_GETLK, libc::F_WRLCK, b).expect("getlk");
+            let fl = ofd(&probe, libc::F_OFD_GETLK, libc::F_WRLCK, b, 1).expect("getlk");
             i32::from(fl.l_type) != libc::F_UNLCK
         })
         .collect()
@@ -132,7 +132,7 @@ fn another_description_writing_is_seen_as_another_process() {
     // What a QEMU writer holds, on its own open file description.
     let other = File::open(&path).expect("open");
     for b in [100, 101, 203] {
-        ofd(&other, libc::F_OFD_SETLK, libc::F_RDLCK, b).expect("setlk");
+        ofd(&other, libc::F_OFD_SETLK, libc::F_RDLCK, b, 1).expect("setlk");
     }
     let e = ImageLock::acquire(&path, &f, "a", RW).expect_err("refused");
     assert_eq!(
@@ -183,4 +183,45 @@ fn kernel_attach_check_sees_a_writable_device() {
     assert!(check_kernel_attach(&path, &probe, false, true).is_ok());
     drop(lock);
     assert!(check_kernel_attach(&path, &probe, false, false).is_ok());
+}
+
+#[test]
+fn runs_cover_exactly_the_bits_in_adjacent_pieces() {
+    assert_eq!(runs(0).collect::<Vec<_>>(), vec![]);
+    assert_eq!(runs(0b0011).collect::<Vec<_>>(), vec![(0, 2)]);
+    assert_eq!(runs(0b1010).collect::<Vec<_>>(), vec![(1, 1), (3, 1)]);
+    assert_eq!(runs(0b1111).collect::<Vec<_>>(), vec![(0, 4)]);
+    for bits in 0..=255u8 {
+        let mut back = 0u8;
+        let mut last_end = None;
+        for (first, len) in runs(bits) {
+            assert!(len >= 1);
+            // Pieces are maximal: never adjacent to the one before.
+            assert!(last_end.is_none_or(|e: u8| first > e), "{bits:#b}");
+            assert_eq!(back & run_bits(first, len), 0, "{bits:#b}");
+            back |= run_bits(first, len);
+            last_end = Some(first + len);
+        }
+        assert_eq!(back, bits);
+    }
+}
+
+#[test]
+fn a_conflict_inside_a_run_of_bytes_names_its_own_permission() {
+    let (_d, path, f) = image();
+    // Another description does not share writing (byte 201) but uses
+    // nothing: a writer's test of bytes 200..=201 finds it in one run.
+    let other = File::open(&path).expect("open");
+    ofd(&other, libc::F_OFD_SETLK, libc::F_RDLCK, 201, 1).expect("setlk");
+    let e = ImageLock::acquire(&path, &f, "a", RW).expect_err("refused");
+    assert!(
+        e.to_string()
+            .contains("another process has the image open and does not share \"write\" access"),
+        "{e}"
+    );
+    // A reader needs only byte 200: let in.
+    let r = ImageLock::acquire(&path, &f, "b", RO).expect("a reader is let in");
+    assert_eq!(bytes_seen_from_outside(&path), vec![100, 201, 203]);
+    drop(r);
+    assert_eq!(bytes_seen_from_outside(&path), vec![201]);
 }
