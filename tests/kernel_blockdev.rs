@@ -667,3 +667,207 @@ fn ublk_partitions_exist_when_attach_returns() {
 fn nbd_partitions_exist_when_attach_returns() {
     partitions_on_return("nbd");
 }
+
+/// A ublk control command the kernel never completes: with the test hook
+/// (`LOOPD_TEST_UBLK_NO_FETCH`, feature `vm-tests`) queue 0 of device
+/// "stuck" never fetches tag 0, so START_DEV waits in the kernel forever.
+/// The attach fails once `--kernel-timeout` (5 s here) has passed, naming the
+/// command and the time; meanwhile `list` answers and a second device is
+/// attached and serves bytes; afterwards it still does, and the daemon stops
+/// cleanly.
+#[test]
+fn ublk_start_dev_the_kernel_never_completes_fails_the_attach_at_the_deadline() {
+    require_root();
+    require_module("ublk_drv");
+    let t = scratch();
+    let mut srv = Server::daemon()
+        .socket_path(&t.path().join("nbd.sock"))
+        .args([
+            OsArg::from("--state"),
+            t.path().join("loopd.state").into(),
+            "--kernel-timeout".into(),
+            "5".into(),
+        ])
+        .env("LOOPD_TEST_UBLK_NO_FETCH", "stuck")
+        .start();
+    let stuck_img = t.path().join("stuck.img");
+    create_sparse_image(&stuck_img, 16 << 20);
+    let good_img = t.path().join("good.img");
+    create_pattern_image(&good_img, 16 << 20, 7);
+
+    let control = srv.control().to_path_buf();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stuck_arg = stuck_img.clone();
+    std::thread::spawn(move || {
+        let start = Instant::now();
+        let out = loopd_ctl(
+            &control,
+            &[
+                "attach",
+                stuck_arg.to_str().expect("utf-8"),
+                "--blockdev",
+                "ublk",
+            ],
+        );
+        let _ = tx.send((out, start.elapsed()));
+    });
+    // While START_DEV of "stuck" hangs in the kernel: the daemon answers, and
+    // another device is made and serves its bytes.
+    std::thread::sleep(Duration::from_millis(500));
+    let listed = Instant::now();
+    let names = srv.device_names();
+    assert!(
+        listed.elapsed() < Duration::from_secs(2),
+        "list answered in {:?} while an attach waits for the kernel",
+        listed.elapsed()
+    );
+    assert!(!names.contains(&"good".to_string()), "{names:?}");
+    let made = Instant::now();
+    let dev = attach(&srv, "ublk", &good_img, &[]);
+    assert!(
+        rx.try_recv().is_err(),
+        "the second attach ({:?}) finished before the stuck one failed",
+        made.elapsed()
+    );
+    let check_bytes = |dev: &Path| {
+        let f = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(dev)
+            .expect("open the block device");
+        let mut got = vec![0u8; 64 << 10];
+        f.read_exact_at(&mut got, 1 << 20).expect("read");
+        assert_bytes_eq(&got, &pattern_bytes(7, 1 << 20, 64 << 10), 1 << 20, "good");
+        f.write_all_at(&[0x5a; 4096], 2 << 20).expect("write");
+        f.sync_all().expect("fsync");
+        assert_eq!(read_range(&good_img, 2 << 20, 4096), vec![0x5a; 4096]);
+    };
+    check_bytes(&dev);
+
+    let (out, took) = rx
+        .recv_timeout(Duration::from_secs(90))
+        .expect("the attach of a device whose START_DEV never completes returned");
+    assert_ctl_error(&out, "io");
+    let text = out.to_string();
+    for want in ["START_DEV", "did not answer within 5.0s"] {
+        assert!(text.contains(want), "{want:?} missing from:\n{text}");
+    }
+    assert!(
+        took >= Duration::from_secs(5) && took < Duration::from_secs(60),
+        "the attach failed after {took:?}"
+    );
+    let names = srv.device_names();
+    assert!(
+        !names.contains(&"stuck".to_string()),
+        "a failed attach leaves no device: {names:?}"
+    );
+    // The other device still serves I/O.
+    check_bytes(&dev);
+    srv.ctl_ok(&["detach", "good"]);
+    assert!(gone(&dev));
+    let stopped = Instant::now();
+    srv.stop_ok();
+    assert!(
+        stopped.elapsed() < Duration::from_secs(30),
+        "the daemon stopped in {:?}",
+        stopped.elapsed()
+    );
+}
+
+/// The kernel NBD client replaces only connections it has seen die and
+/// silently drops a socket given while the old connection lives. loopd's
+/// reconnect (a restarted daemon finds its `/dev/nbdN` by the backend
+/// identifier `loopd:NAME`) must notice: a second daemon attaching a device of
+/// the same name while the first one still serves it is refused within
+/// `--kernel-timeout`, naming the device, instead of being told
+/// "reconnected" to a device that still serves the first daemon's image; the
+/// first daemon's device keeps its bytes. Then `kill -9` of the first daemon
+/// and a restart right away (no pause) reconnects, and the device serves the
+/// right bytes again.
+#[test]
+fn nbd_reconnect_never_takes_a_device_whose_old_connection_lives() {
+    let t = scratch();
+    let a_dir = t.path().join("a");
+    let b_dir = t.path().join("b");
+    fs::create_dir_all(&a_dir).expect("mkdir a");
+    fs::create_dir_all(&b_dir).expect("mkdir b");
+    let a_img = a_dir.join("same.img");
+    create_pattern_image(&a_img, 16 << 20, 1);
+    let b_img = b_dir.join("same.img");
+    create_pattern_image(&b_img, 16 << 20, 2);
+    let mut a = daemon(&a_dir);
+    let dev = attach(&a, "nbd", &a_img, &["--connections", "2"]);
+    let read = |dev: &Path| {
+        let f = fs::File::open(dev).expect("open the block device");
+        let mut got = vec![0u8; 64 << 10];
+        f.read_exact_at(&mut got, 3 << 20).expect("read");
+        got
+    };
+    assert_bytes_eq(
+        &read(&dev),
+        &pattern_bytes(1, 3 << 20, 64 << 10),
+        3 << 20,
+        "a",
+    );
+
+    let mut b = Server::daemon()
+        .socket_path(&b_dir.join("nbd.sock"))
+        .args([
+            OsArg::from("--state"),
+            b_dir.join("loopd.state").into(),
+            "--kernel-timeout".into(),
+            "2".into(),
+        ])
+        .start();
+    let started = Instant::now();
+    let out = b.ctl(&[
+        "attach",
+        b_img.to_str().expect("utf-8"),
+        "--blockdev",
+        "nbd",
+    ]);
+    assert_ctl_error(&out, "busy");
+    let text = out.to_string();
+    for want in [
+        dev.to_str().expect("utf-8"),
+        "still has live connections",
+        "another server",
+    ] {
+        assert!(text.contains(want), "{want:?} missing from:\n{text}");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "refused after {:?}",
+        started.elapsed()
+    );
+    assert!(!b.device_names().contains(&"same".to_string()));
+    b.stop_ok();
+    // The first daemon's device still serves its own image, over both connections.
+    drop_caches();
+    assert_bytes_eq(
+        &read(&dev),
+        &pattern_bytes(1, 3 << 20, 64 << 10),
+        3 << 20,
+        "a after b",
+    );
+    a.wait_clients("same", 2, Duration::from_secs(10));
+
+    // kill -9 and an immediate restart: the new connections replace the dead ones.
+    a.kill9();
+    let a = daemon(&a_dir);
+    assert!(
+        a.stderr_text().contains("reconnected /dev/nbd"),
+        "{}",
+        a.stderr_text()
+    );
+    a.wait_clients("same", 2, Duration::from_secs(10));
+    drop_caches();
+    assert_bytes_eq(
+        &read(&dev),
+        &pattern_bytes(1, 3 << 20, 64 << 10),
+        3 << 20,
+        "a restarted",
+    );
+    a.ctl_ok(&["detach", "same"]);
+    assert!(gone(&dev));
+}
