@@ -51,9 +51,10 @@
 //! system calls on its descriptors; the sysfs look-up of kernel loop devices
 //! is done before it is taken, so concurrent opens (a batch) do not queue
 //! behind it. `acquire` waits up to
-//! [`LOCAL_GRACE`] (without the mutex) for a conflicting device of this process to
-//! be dropped, because a connection's last reference to a detached device goes
-//! a moment after `detach` has answered.
+//! [`LOCAL_GRACE`] (without the mutex) for a conflicting *detached* device of
+//! this process ([`ImageLock::retire`]) to be dropped, because a connection's
+//! last reference to a detached device goes a moment after `detach` has
+//! answered; a conflict with a live device is refused at once.
 
 use crate::text::quoted_path;
 use std::collections::{BTreeMap, btree_map};
@@ -185,6 +186,9 @@ struct Holder {
     id: u64,
     owner: String,
     mode: Mode,
+    /// Its device is detached and goes as soon as its last connection does
+    /// ([`ImageLock::retire`]): a conflict with it is waited out.
+    retiring: bool,
 }
 
 struct Entry {
@@ -374,9 +378,10 @@ impl ImageLock {
     /// Take the lock for `owner` (an export name) on the image `file` (an open fd
     /// of `path`) in `mode`, or say who is in the way.
     ///
-    /// A conflict with another device of this process is retried for up to
-    /// [`LOCAL_GRACE`]: a detached device is dropped by the reactor that served its
-    /// last connection a moment after `detach` returns.
+    /// A conflict with a detached device of this process ([`ImageLock::retire`])
+    /// is retried for up to [`LOCAL_GRACE`]: it is dropped by the reactor that
+    /// served its last connection a moment after `detach` returns. A conflict
+    /// with a live device is refused at once.
     pub fn acquire(
         path: &Path,
         file: &File,
@@ -411,8 +416,8 @@ impl ImageLock {
         }
     }
 
-    /// One attempt; the error says whether the conflict was with a device of this
-    /// process.
+    /// One attempt; the error says whether the conflict was with a detached
+    /// device of this process (worth waiting for).
     fn try_acquire(
         path: &Path,
         file: &File,
@@ -483,7 +488,7 @@ impl ImageLock {
             let theirs = (h.mode.perm(), perm::ALL & !h.mode.shared_perm());
             if let Some(c) = conflict(mode, theirs.0, theirs.1) {
                 let who = format!("device {:?}", h.owner);
-                return Err((in_use(describe(c, &who)), true));
+                return Err((in_use(describe(c, &who)), h.retiring));
             }
         }
         if let Some(c) = e.test_others(mode).map_err(|err| (err, false))? {
@@ -504,6 +509,7 @@ impl ImageLock {
             id,
             owner: owner.to_owned(),
             mode,
+            retiring: false,
         });
         let want = e.union();
         if let Err(err) = e.apply(want) {
@@ -517,6 +523,28 @@ impl ImageLock {
 
     pub fn mode(&self) -> Mode {
         self.mode
+    }
+
+    /// The device is detached: it (and any older device of the same owner
+    /// still draining on this image) goes as soon as its last connection
+    /// does. An opener in its way waits up to [`LOCAL_GRACE`] for that;
+    /// one in the way of a live device is refused at once.
+    pub fn retire(&self) {
+        let mut reg = registry();
+        let Some(e) = reg.get_mut(&self.key) else {
+            return;
+        };
+        let Some(owner) = e
+            .holders
+            .iter()
+            .find(|h| h.id == self.id)
+            .map(|h| h.owner.clone())
+        else {
+            return;
+        };
+        for h in e.holders.iter_mut().filter(|h| h.owner == owner) {
+            h.retiring = true;
+        }
     }
 
     /// Whether the same owner already held this image when this lock was taken:

@@ -73,6 +73,7 @@ impl Daemon {
             return Err(err);
         }
         self.unpublish(e);
+        e.current().0.retire();
         if !e.persistent {
             // A device of `--config` or `serve rbd:…`: its lock goes with it.
             self.forget_rbd_owner(name);

@@ -519,6 +519,14 @@ impl Device {
         self.backend.sync_data()
     }
 
+    /// The device is detached: its image lock lets an attach in its way
+    /// wait for it to go (see [`ImageLock::retire`]).
+    pub fn retire(&self) {
+        if let Backend::File(f) = &self.backend {
+            f.image_lock().retire();
+        }
+    }
+
     /// Where the device's bytes are.
     pub fn backend(&self) -> &Backend {
         &self.backend

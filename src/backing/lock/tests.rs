@@ -225,3 +225,20 @@ fn a_conflict_inside_a_run_of_bytes_names_its_own_permission() {
     drop(r);
     assert_eq!(bytes_seen_from_outside(&path), vec![201]);
 }
+
+#[test]
+fn a_detached_devices_conflict_is_waited_out_and_a_live_ones_refused() {
+    let (_d, path, f) = image();
+    let live = ImageLock::acquire(&path, &f, "a", RW).expect("writer");
+    let e = ImageLock::acquire(&path, &f, "b", RW).expect_err("a live device is in the way");
+    assert!(e.to_string().contains("device \"a\""), "{e}");
+    // Detached (retired), going 30 ms later: waited for.
+    live.retire();
+    let gone = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        drop(live);
+    });
+    let _b =
+        ImageLock::acquire(&path, &f, "b", RW).expect("the detached device's lock is waited out");
+    gone.join().expect("dropper");
+}
