@@ -23,10 +23,11 @@ fn files(dir: &Path, verify_peer: bool) -> TlsFiles {
     }
 }
 
+/// The error as loopd prints it: with its causes, each once.
 fn load_err(dir: &Path, verify_peer: bool) -> String {
     match tls::load(&files(dir, verify_peer)) {
         Ok(_) => panic!("{} loaded", dir.display()),
-        Err(e) => e.to_string(),
+        Err(e) => loopd::text::error_chain(&e),
     }
 }
 
