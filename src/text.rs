@@ -237,6 +237,25 @@ pub fn join_causes<I: IntoIterator<Item = String>>(causes: I) -> String {
     line
 }
 
+/// What a printed error line repeats, if anything: a `: `-separated segment
+/// of 8 bytes or more twice (`X: Y: Y`), or a path three times — what
+/// [`error_chain`] keeps out of loopd's lines (the tests' check of every
+/// printed error).
+pub fn repeated_cause(line: &str) -> Option<String> {
+    let segs: Vec<&str> = line.split(": ").map(str::trim).collect();
+    for (i, a) in segs.iter().enumerate() {
+        if a.len() >= 8 && segs[i + 1..].contains(a) {
+            return Some(format!("{a:?} twice"));
+        }
+    }
+    for w in line.split([' ', '\'', '"', ':', '(', ')', ',', ';']) {
+        if w.starts_with('/') && w.len() > 1 && line.matches(w).count() >= 3 {
+            return Some(format!("{w} three times"));
+        }
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -251,23 +251,7 @@ pub fn assert_reply_error(r: &Json, code: &str, ctx: &str) -> String {
     msg
 }
 
-/// What a printed error line repeats, if anything: a `: `-separated segment
-/// twice (`X: Y: Y`), or a path three times. Error chains print each cause
-/// once (issue 27).
-pub fn repeated_cause(line: &str) -> Option<String> {
-    let segs: Vec<&str> = line.split(": ").map(str::trim).collect();
-    for (i, a) in segs.iter().enumerate() {
-        if a.len() >= 8 && segs[i + 1..].contains(a) {
-            return Some(format!("{a:?} twice"));
-        }
-    }
-    for w in line.split([' ', '\'', '"', ':', '(', ')', ',', ';']) {
-        if w.starts_with('/') && w.len() > 1 && line.matches(w).count() >= 3 {
-            return Some(format!("{w} three times"));
-        }
-    }
-    None
-}
+pub use loopd::text::repeated_cause;
 
 /// Asserts no `loopd: error:` line of `out` repeats a cause.
 #[track_caller]

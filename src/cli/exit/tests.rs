@@ -52,23 +52,6 @@ fn classify_finds_the_daemon_code_in_the_chain() {
     assert_eq!(classify(&c), "not_running");
 }
 
-/// A printed error line repeats nothing: no cause twice in a row
-/// (`X: Y: Y`), no segment of any length twice, no path three times.
-pub fn repeats(line: &str) -> Option<String> {
-    let segs: Vec<&str> = line.split(": ").map(str::trim).collect();
-    for (i, a) in segs.iter().enumerate() {
-        if a.len() >= 8 && segs[i + 1..].contains(a) {
-            return Some(format!("{a:?} twice"));
-        }
-    }
-    for w in line.split([' ', '\'', '"', ':', '(', ')', ',', ';']) {
-        if w.starts_with('/') && w.len() > 1 && line.matches(w).count() >= 3 {
-            return Some(format!("{w} three times"));
-        }
-    }
-    None
-}
-
 #[test]
 fn the_repeat_check_finds_the_issues_examples() {
     for bad in [
@@ -77,10 +60,10 @@ fn the_repeat_check_finds_the_issues_examples() {
          Address already in use (os error 98)",
         "'/i/x.img' (missing: cannot attach '/i/x.img': cannot open '/i/x.img': gone)",
     ] {
-        assert!(repeats(bad).is_some(), "{bad}");
+        assert!(loopd::text::repeated_cause(bad).is_some(), "{bad}");
     }
     assert_eq!(
-        repeats("cannot listen on 127.0.0.1:1: Address already in use"),
+        loopd::text::repeated_cause("cannot listen on 127.0.0.1:1: Address already in use"),
         None
     );
 }
@@ -305,7 +288,7 @@ fn every_printed_error_says_each_cause_once() {
     assert!(n > 70, "only {n} errors");
     for e in &errors {
         let (text, _) = line(e);
-        assert_eq!(repeats(&text), None, "{text}");
+        assert_eq!(loopd::text::repeated_cause(&text), None, "{text}");
         // Each cause's own text is in the line once at most.
         for c in e.chain() {
             let own = c.to_string();
