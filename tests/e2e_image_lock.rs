@@ -29,24 +29,12 @@ impl QemuNbd {
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         let mut child = c.spawn().expect("start qemu-nbd");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !sock.exists() {
-            if let Ok(Some(st)) = child.try_wait() {
-                panic!("qemu-nbd exited early ({st})");
-            }
-            assert!(
-                Instant::now() < deadline,
-                "qemu-nbd did not create its socket"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        // qemu-nbd listens before it opens (and locks) the image: it is
-        // locked once a client's handshake gets the export's size.
+        // Started once a client's handshake gets the export's size: qemu-nbd
+        // listens before it opens (and locks) the image, so its socket alone
+        // does not say the image is locked.
         let uri = format!("nbd+unix:///?socket={}", sock.display());
-        loop {
-            if run_status("nbdinfo", ["--size", uri.as_str()]).success() {
-                break;
-            }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !(sock.exists() && run_status("nbdinfo", ["--size", uri.as_str()]).success()) {
             if let Ok(Some(st)) = child.try_wait() {
                 panic!("qemu-nbd exited early ({st})");
             }
