@@ -154,6 +154,9 @@ fn serve_refuses_an_image_qemu_nbd_serves() {
         path_str(&img),
         "--socket",
         path_str(&dir.path().join("l.sock")),
+        // Not the default /var/lib/loopd (which the test would leave behind).
+        "--state",
+        path_str(&dir.path().join("l.state")),
     ]);
     assert!(!out.success(), "loopd served a written image:\n{out}");
     assert!(
