@@ -667,3 +667,109 @@ fn ublk_partitions_exist_when_attach_returns() {
 fn nbd_partitions_exist_when_attach_returns() {
     partitions_on_return("nbd");
 }
+
+/// A ublk control command the kernel never completes: with the test hook
+/// (`LOOPD_TEST_UBLK_NO_FETCH`, feature `vm-tests`) queue 0 of device
+/// "stuck" never fetches tag 0, so START_DEV waits in the kernel forever.
+/// The attach fails once `--kernel-timeout` (5 s here) has passed, naming the
+/// command and the time; meanwhile `list` answers and a second device is
+/// attached and serves bytes; afterwards it still does, and the daemon stops
+/// cleanly.
+#[test]
+fn ublk_start_dev_the_kernel_never_completes_fails_the_attach_at_the_deadline() {
+    require_root();
+    require_module("ublk_drv");
+    let t = scratch();
+    let mut srv = Server::daemon()
+        .socket_path(&t.path().join("nbd.sock"))
+        .args([
+            OsArg::from("--state"),
+            t.path().join("loopd.state").into(),
+            "--kernel-timeout".into(),
+            "5".into(),
+        ])
+        .env("LOOPD_TEST_UBLK_NO_FETCH", "stuck")
+        .start();
+    let stuck_img = t.path().join("stuck.img");
+    create_sparse_image(&stuck_img, 16 << 20);
+    let good_img = t.path().join("good.img");
+    create_pattern_image(&good_img, 16 << 20, 7);
+
+    let control = srv.control().to_path_buf();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stuck_arg = stuck_img.clone();
+    std::thread::spawn(move || {
+        let start = Instant::now();
+        let out = loopd_ctl(
+            &control,
+            &[
+                "attach",
+                stuck_arg.to_str().expect("utf-8"),
+                "--blockdev",
+                "ublk",
+            ],
+        );
+        let _ = tx.send((out, start.elapsed()));
+    });
+    // While START_DEV of "stuck" hangs in the kernel: the daemon answers, and
+    // another device is made and serves its bytes.
+    std::thread::sleep(Duration::from_millis(500));
+    let listed = Instant::now();
+    let names = srv.device_names();
+    assert!(
+        listed.elapsed() < Duration::from_secs(2),
+        "list answered in {:?} while an attach waits for the kernel",
+        listed.elapsed()
+    );
+    assert!(!names.contains(&"good".to_string()), "{names:?}");
+    let made = Instant::now();
+    let dev = attach(&srv, "ublk", &good_img, &[]);
+    assert!(
+        rx.try_recv().is_err(),
+        "the second attach ({:?}) finished before the stuck one failed",
+        made.elapsed()
+    );
+    let check_bytes = |dev: &Path| {
+        let f = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(dev)
+            .expect("open the block device");
+        let mut got = vec![0u8; 64 << 10];
+        f.read_exact_at(&mut got, 1 << 20).expect("read");
+        assert_bytes_eq(&got, &pattern_bytes(7, 1 << 20, 64 << 10), 1 << 20, "good");
+        f.write_all_at(&[0x5a; 4096], 2 << 20).expect("write");
+        f.sync_all().expect("fsync");
+        assert_eq!(read_range(&good_img, 2 << 20, 4096), vec![0x5a; 4096]);
+    };
+    check_bytes(&dev);
+
+    let (out, took) = rx
+        .recv_timeout(Duration::from_secs(90))
+        .expect("the attach of a device whose START_DEV never completes returned");
+    assert_ctl_error(&out, "io");
+    let text = out.to_string();
+    for want in ["START_DEV", "did not answer within 5.0s"] {
+        assert!(text.contains(want), "{want:?} missing from:\n{text}");
+    }
+    assert!(
+        took >= Duration::from_secs(5) && took < Duration::from_secs(60),
+        "the attach failed after {took:?}"
+    );
+    let names = srv.device_names();
+    assert!(
+        !names.contains(&"stuck".to_string()),
+        "a failed attach leaves no device: {names:?}"
+    );
+    // The other device still serves I/O.
+    check_bytes(&dev);
+    srv.ctl_ok(&["detach", "good"]);
+    assert!(gone(&dev));
+    let stopped = Instant::now();
+    srv.stop_ok();
+    assert!(
+        stopped.elapsed() < Duration::from_secs(30),
+        "the daemon stopped in {:?}",
+        stopped.elapsed()
+    );
+}

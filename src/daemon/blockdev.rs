@@ -243,10 +243,12 @@ pub fn start_ublk(
     })();
     drop(done_tx);
     if let Err(e) = made {
-        // Undo: stopping aborts the queues' fetches, and they end.
-        let _ = ctrl.stop_dev();
+        // Undo: stopping aborts the queues' fetches, and they end. On a new
+        // handle: a command past its deadline may still hold this one's ring.
+        let mut undo = UblkCtrl::open().map_or(ctrl, |c| c.for_device(info.dev_id));
+        let _ = undo.stop_dev();
         wait_gone(&done_rx);
-        let _ = ctrl.del_dev();
+        let _ = undo.del_dev();
         return Err(e);
     }
     Ok(UblkDevice {

@@ -1,8 +1,10 @@
 //! A generic-netlink socket that sends one request at a time and reads until
 //! that request is answered (its ACK or error; the data replies before it).
 //!
-//! Blocking, with a receive timeout so that a kernel that never answers is
-//! an error rather than a hang. Not shared between threads (`&mut self`).
+//! Blocking, with a receive timeout ([`reply_timeout`], the daemon's
+//! `--kernel-timeout`) so that a kernel that never answers is an error rather
+//! than a hang. The kernel runs a generic-netlink request inside `send`;
+//! the timeout bounds the wait for the answer after it. Not shared between threads (`&mut self`).
 
 use super::msg::{MsgError, Transaction};
 use rustix::net::{
@@ -10,6 +12,7 @@ use rustix::net::{
     sockopt::{Timeout, set_socket_timeout},
 };
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use thiserror::Error;
 
@@ -18,8 +21,23 @@ const NETLINK_ADD_MEMBERSHIP: libc::c_int = 1;
 const NETLINK_CAP_ACK: libc::c_int = 10;
 const NETLINK_EXT_ACK: libc::c_int = 11;
 
-/// How long one request may wait for its answer.
-const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long one request may wait for its answer unless the daemon says
+/// otherwise (`--kernel-timeout`, [`set_reply_timeout`]).
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The process's reply timeout in milliseconds.
+static REPLY_TIMEOUT_MS: AtomicU64 = AtomicU64::new(30_000);
+
+/// Set how long requests on sockets opened from now on wait for an answer.
+pub fn set_reply_timeout(d: Duration) {
+    let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1);
+    REPLY_TIMEOUT_MS.store(ms, Ordering::Relaxed);
+}
+
+/// How long a request waits for its answer.
+pub fn reply_timeout() -> Duration {
+    Duration::from_millis(REPLY_TIMEOUT_MS.load(Ordering::Relaxed))
+}
 /// Big enough for `NBD_CMD_STATUS` of thousands of devices.
 const RECV_BUF: usize = 256 * 1024;
 
@@ -37,8 +55,8 @@ pub enum SocketError {
     Join(u32, #[source] std::io::Error),
     #[error("cannot wait for the kernel's announcements")]
     Poll(#[source] std::io::Error),
-    #[error("the kernel did not answer within {}s", REPLY_TIMEOUT.as_secs())]
-    NoReply,
+    #[error("the kernel did not answer within {:.1}s", .0.as_secs_f64())]
+    NoReply(Duration),
     #[error("the kernel's reply of {0} bytes does not fit the buffer")]
     Truncated(usize),
     #[error("cannot build the request")]
@@ -102,7 +120,7 @@ impl GenlSocket {
         .map_err(|e| SocketError::Open(e.into()))?;
         bind(&fd, &netlink::SocketAddrNetlink::new(0, 0))
             .map_err(|e| SocketError::Bind(e.into()))?;
-        set_socket_timeout(&fd, Timeout::Recv, Some(REPLY_TIMEOUT))
+        set_socket_timeout(&fd, Timeout::Recv, Some(reply_timeout()))
             .map_err(|e| SocketError::Open(e.into()))?;
         set_ack_options(&fd);
         Ok(GenlSocket { fd, seq: 0 })
@@ -169,7 +187,7 @@ impl GenlSocket {
             let (got, full) = match recv(&self.fd, &mut buf[..], RecvFlags::TRUNC) {
                 Ok(r) => r,
                 Err(rustix::io::Errno::INTR) => continue,
-                Err(rustix::io::Errno::AGAIN) => return Err(SocketError::NoReply),
+                Err(rustix::io::Errno::AGAIN) => return Err(SocketError::NoReply(reply_timeout())),
                 Err(e) => return Err(SocketError::Recv(e.into())),
             };
             if full > got {
@@ -182,7 +200,7 @@ impl GenlSocket {
         match t.outcome {
             Some(Ok(())) => Ok(t.replies),
             Some(Err((errno, message))) => Err(SocketError::Kernel { errno, message }),
-            None => Err(SocketError::NoReply),
+            None => Err(SocketError::NoReply(reply_timeout())),
         }
     }
 }

@@ -16,6 +16,15 @@
 //! A command's in/out buffer is heap-owned by the call; if the ring fails while
 //! the kernel may still write it, the buffer is leaked, never freed under it.
 //!
+//! Deadlines ([`super::deadline`]): every command waits at most the handle's
+//! deadline (the daemon's `--kernel-timeout`), then is cancelled and fails
+//! with [`CtrlError::Deadline`], naming the command and the time waited. One
+//! that does not end even when cancelled leaves this handle unusable (every
+//! later command fails at once): its ring, fd and buffer go to a janitor
+//! thread, which, once the kernel answers, deletes a device that a late
+//! ADD_DEV or START_DEV made (the attach failed long before) and frees them.
+//! Undo a timed-out attach on a new handle.
+//!
 //! Kernel versions: ublk is 6.0+, user recovery 6.1+, ioctl-encoded commands
 //! (`UBLK_F_CMD_IOCTL_ENCODE`, used here) and GET_FEATURES 6.5+. `UPDATE_SIZE` is
 //! 6.14+ (not in 6.12): on an older kernel [`UblkCtrl::update_size`] fails with
@@ -28,6 +37,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 
+use super::deadline::{self, CmdBuf as Buf, CtrlRing, Undo};
 use super::sys::{
     UBLK_ATTR_FUA, UBLK_ATTR_READ_ONLY, UBLK_ATTR_ROTATIONAL, UBLK_ATTR_VOLATILE_CACHE,
     UBLK_F_CMD_IOCTL_ENCODE, UBLK_F_UPDATE_SIZE, UBLK_F_USER_RECOVERY,
@@ -151,6 +161,15 @@ pub enum CtrlError {
         last: u16,
         waited: std::time::Duration,
     },
+    /// `state`: "cancelled", or still pending (left to a janitor).
+    #[error("ublk {cmd} of device {}: the kernel did not answer within {:.1}s ({state})",
+        dev_name(*.dev_id), waited.as_secs_f64())]
+    Deadline {
+        cmd: Cmd,
+        dev_id: u32,
+        waited: std::time::Duration,
+        state: &'static str,
+    },
     #[error("no device: call add_dev first")]
     NoDevice,
     #[error("invalid ublk parameters: {0}")]
@@ -169,6 +188,7 @@ impl CtrlError {
             | CtrlError::Submit { .. }
             | CtrlError::Unsupported { .. }
             | CtrlError::StateTimeout { .. }
+            | CtrlError::Deadline { .. }
             | CtrlError::NoDevice
             | CtrlError::Params(_) => None,
         }
@@ -389,9 +409,11 @@ impl DeviceParams {
 /// /dev/ublk-control with its ring, bound to at most one device.
 pub struct UblkCtrl {
     file: File,
-    ring: IoUring<squeue::Entry128, cqueue::Entry>,
+    /// `None` once a command outlived its deadline and cancel (a janitor has it).
+    ring: Option<CtrlRing>,
     dev_id: Option<u32>,
     seq: u64,
+    deadline: std::time::Duration,
 }
 
 impl std::fmt::Debug for UblkCtrl {
@@ -399,31 +421,6 @@ impl std::fmt::Debug for UblkCtrl {
         f.debug_struct("UblkCtrl")
             .field("dev_id", &self.dev_id)
             .finish()
-    }
-}
-
-/// A command's buffer, owned until its CQE.
-enum Buf {
-    None,
-    Info(Box<UblksrvCtrlDevInfo>),
-    Params(Box<UblkParams>),
-    U64(Box<u64>),
-}
-
-impl Buf {
-    fn addr_len(&mut self) -> (u64, u16) {
-        fn of<T>(b: &mut T) -> (u64, u16) {
-            (
-                std::ptr::from_mut(b) as u64,
-                u16::try_from(size_of::<T>()).unwrap_or(u16::MAX),
-            )
-        }
-        match self {
-            Buf::None => (0, 0),
-            Buf::Info(b) => of(&mut **b),
-            Buf::Params(b) => of(&mut **b),
-            Buf::U64(b) => of(&mut **b),
-        }
     }
 }
 
@@ -459,9 +456,10 @@ impl UblkCtrl {
             .map_err(CtrlError::Ring)?;
         Ok(UblkCtrl {
             file,
-            ring,
+            ring: Some(ring),
             dev_id: None,
             seq: 0,
+            deadline: deadline::default_deadline(),
         })
     }
 
@@ -507,49 +505,68 @@ impl UblkCtrl {
             .cmd(bytes)
             .build()
             .user_data(self.seq);
+        let (seq, limit) = (self.seq, self.deadline);
+        let stuck = "an earlier command is still pending in the kernel";
+        let source = || std::io::Error::other(stuck);
+        let ring = (self.ring.as_mut()).ok_or_else(|| CtrlError::Submit {
+            cmd,
+            source: source(),
+        })?;
         // SAFETY: the SQE names the control fd (alive as long as self) and the
         // buffer in `buf`, which this function keeps until the CQE arrives, or
-        // leaks if the ring fails before that.
-        if unsafe { self.ring.submission().push(&sqe) }.is_err() {
+        // leaks (or hands to a janitor) while the kernel may still use it.
+        if unsafe { ring.submission().push(&sqe) }.is_err() {
             return Err(CtrlError::Submit {
                 cmd,
                 source: std::io::Error::other("submission queue full"),
             });
         }
-        loop {
-            match self.ring.submit_and_wait(1) {
-                Ok(_) => {}
-                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
-                Err(source) => {
-                    // The kernel may hold the buffer still: never free it.
-                    std::mem::forget(buf);
-                    return Err(CtrlError::Submit { cmd, source });
-                }
+        let (late, ended) = match deadline::wait_for(ring, seq, limit) {
+            Ok(None) => (true, deadline::cancel(ring, seq, deadline::CANCEL_GRACE)),
+            r => (false, r),
+        };
+        let res = match ended {
+            Err(source) => {
+                // The kernel may hold the buffer still: never free it.
+                std::mem::forget(buf);
+                return Err(CtrlError::Submit { cmd, source });
             }
-            let seq = self.seq;
-            let found = self.ring.completion().find(|c| c.user_data() == seq);
-            if let Some(cqe) = found {
-                let res = cqe.result();
-                if res < 0 {
-                    let errno = -res;
-                    if cmd == Cmd::UpdateSize
-                        && (errno == libc::EOPNOTSUPP || errno == libc::EINVAL)
-                    {
-                        return Err(CtrlError::Unsupported {
-                            cmd,
-                            why: "UPDATE_SIZE needs Linux >= 6.14",
-                        });
-                    }
-                    return Err(CtrlError::Command {
-                        cmd,
-                        dev_id,
-                        errno,
-                        hint: hint(cmd, errno),
-                    });
+            Ok(Some(res)) if res >= 0 || !late => res,
+            Ok(r) => {
+                if r.is_none() {
+                    let (ring, file) = (self.ring.take(), self.file.try_clone().ok());
+                    let undo = Undo::of(cmd.op(), dev_id);
+                    deadline::adopt(ring, seq, buf, file, format!("{cmd}"), undo);
                 }
-                return Ok((res, buf));
+                let state = if r.is_none() {
+                    "still pending: left to a janitor"
+                } else {
+                    "cancelled"
+                };
+                return Err(CtrlError::Deadline {
+                    cmd,
+                    dev_id,
+                    waited: limit,
+                    state,
+                });
             }
+        };
+        if res < 0 {
+            let errno = -res;
+            if cmd == Cmd::UpdateSize && (errno == libc::EOPNOTSUPP || errno == libc::EINVAL) {
+                return Err(CtrlError::Unsupported {
+                    cmd,
+                    why: "UPDATE_SIZE needs Linux >= 6.14",
+                });
+            }
+            return Err(CtrlError::Command {
+                cmd,
+                dev_id,
+                errno,
+                hint: hint(cmd, errno),
+            });
         }
+        Ok((res, buf))
     }
 
     /// The `UBLK_F_*` bits the driver supports (GET_FEATURES, 6.5+).

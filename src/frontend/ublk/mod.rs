@@ -9,8 +9,11 @@
 
 pub mod chardev;
 pub mod ctrl;
+pub mod deadline;
 pub mod io_cmd;
 pub mod iod;
 pub mod queue;
 pub mod sys;
 pub mod tags;
+#[cfg(feature = "vm-tests")]
+pub mod test_hook;

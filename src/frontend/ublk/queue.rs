@@ -136,6 +136,11 @@ impl Queue {
             if self.tags.fetch(tag).is_err() {
                 continue;
             }
+            #[cfg(feature = "vm-tests")]
+            if crate::frontend::ublk::test_hook::skip_fetch(&self.export.name, self.q_id, tag) {
+                let _ = self.tags.complete(tag, -libc::ENODEV);
+                continue;
+            }
             let slot = &self.slots[usize::from(tag)];
             let e = io_cmd::fetch(self.char.raw_fd(), self.q_id, tag, slot.addr)
                 .user_data(ud(TAG_UBLK, si, tag));
