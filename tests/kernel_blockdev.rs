@@ -773,3 +773,101 @@ fn ublk_start_dev_the_kernel_never_completes_fails_the_attach_at_the_deadline() 
         stopped.elapsed()
     );
 }
+
+/// The kernel NBD client replaces only connections it has seen die and
+/// silently drops a socket given while the old connection lives. loopd's
+/// reconnect (a restarted daemon finds its `/dev/nbdN` by the backend
+/// identifier `loopd:NAME`) must notice: a second daemon attaching a device of
+/// the same name while the first one still serves it is refused within
+/// `--kernel-timeout`, naming the device, instead of being told
+/// "reconnected" to a device that still serves the first daemon's image; the
+/// first daemon's device keeps its bytes. Then `kill -9` of the first daemon
+/// and a restart right away (no pause) reconnects, and the device serves the
+/// right bytes again.
+#[test]
+fn nbd_reconnect_never_takes_a_device_whose_old_connection_lives() {
+    let t = scratch();
+    let a_dir = t.path().join("a");
+    let b_dir = t.path().join("b");
+    fs::create_dir_all(&a_dir).expect("mkdir a");
+    fs::create_dir_all(&b_dir).expect("mkdir b");
+    let a_img = a_dir.join("same.img");
+    create_pattern_image(&a_img, 16 << 20, 1);
+    let b_img = b_dir.join("same.img");
+    create_pattern_image(&b_img, 16 << 20, 2);
+    let mut a = daemon(&a_dir);
+    let dev = attach(&a, "nbd", &a_img, &["--connections", "2"]);
+    let read = |dev: &Path| {
+        let f = fs::File::open(dev).expect("open the block device");
+        let mut got = vec![0u8; 64 << 10];
+        f.read_exact_at(&mut got, 3 << 20).expect("read");
+        got
+    };
+    assert_bytes_eq(
+        &read(&dev),
+        &pattern_bytes(1, 3 << 20, 64 << 10),
+        3 << 20,
+        "a",
+    );
+
+    let mut b = Server::daemon()
+        .socket_path(&b_dir.join("nbd.sock"))
+        .args([
+            OsArg::from("--state"),
+            b_dir.join("loopd.state").into(),
+            "--kernel-timeout".into(),
+            "2".into(),
+        ])
+        .start();
+    let started = Instant::now();
+    let out = b.ctl(&[
+        "attach",
+        b_img.to_str().expect("utf-8"),
+        "--blockdev",
+        "nbd",
+    ]);
+    assert_ctl_error(&out, "busy");
+    let text = out.to_string();
+    for want in [
+        dev.to_str().expect("utf-8"),
+        "still has live connections",
+        "another server",
+    ] {
+        assert!(text.contains(want), "{want:?} missing from:\n{text}");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "refused after {:?}",
+        started.elapsed()
+    );
+    assert!(!b.device_names().contains(&"same".to_string()));
+    b.stop_ok();
+    // The first daemon's device still serves its own image, over both connections.
+    drop_caches();
+    assert_bytes_eq(
+        &read(&dev),
+        &pattern_bytes(1, 3 << 20, 64 << 10),
+        3 << 20,
+        "a after b",
+    );
+    a.wait_clients("same", 2, Duration::from_secs(10));
+
+    // kill -9 and an immediate restart: the new connections replace the dead ones.
+    a.kill9();
+    let a = daemon(&a_dir);
+    assert!(
+        a.stderr_text().contains("reconnected /dev/nbd"),
+        "{}",
+        a.stderr_text()
+    );
+    a.wait_clients("same", 2, Duration::from_secs(10));
+    drop_caches();
+    assert_bytes_eq(
+        &read(&dev),
+        &pattern_bytes(1, 3 << 20, 64 << 10),
+        3 << 20,
+        "a restarted",
+    );
+    a.ctl_ok(&["detach", "same"]);
+    assert!(gone(&dev));
+}

@@ -35,7 +35,7 @@ use crate::frontend::ublk::sys::{
 use crate::kernel_nbd::{ConnectParams, KernelNbd, KernelNbdError, ReconfigureParams};
 use crate::reactor::handle::UblkQueueSetup;
 use crate::reactor::{ReactorHandle, Session};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::sync::{Arc, Mutex};
@@ -84,6 +84,20 @@ pub enum BlockdevError {
     NoReactors,
     #[error("{0}")]
     Unfollowable(String),
+    #[error(
+        "/dev/nbd{index} (backend {backend:?}) still has live connections after {:.1}s: the \
+         kernel took {taken} of {n} new connections (it replaces only dead ones), so another \
+         server still serves it (another loopd with a device of this name?); detach it there, \
+         or give this device another name",
+        waited.as_secs_f64()
+    )]
+    NbdLive {
+        index: u32,
+        backend: String,
+        taken: u16,
+        n: u16,
+        waited: Duration,
+    },
 }
 
 /// A live ublk device of one export.
@@ -402,7 +416,52 @@ pub fn start_nbd(
     let backend = nbd_backend(export);
     let existing = kn.find_backend(&backend)?;
     let (dev, _) = export.current();
+    let index = match existing {
+        Some(index) => {
+            reconnect_nbd(&mut kn, export, reactors, index, n, &backend)?;
+            tracing::info!(
+                "device {:?}: reconnected /dev/nbd{index} left by the previous server",
+                export.name
+            );
+            index
+        }
+        None => {
+            let (kernel_ends, _) = nbd_pairs(export, reactors, n)?;
+            let fds: Vec<_> = kernel_ends.iter().map(|f| f.as_fd()).collect();
+            // The kernel holds its own references to the sockets once this returns.
+            kn.connect(
+                &ConnectParams {
+                    index: None,
+                    size_bytes: dev.size - dev.size % u64::from(dev.block_size),
+                    block_size: dev.block_size,
+                    server_flags: transmission_flags(&dev, false),
+                    timeout: Some(NBD_TIMEOUT),
+                    dead_conn_timeout: Some(NBD_DEAD_CONN_TIMEOUT),
+                    destroy_on_disconnect: false,
+                    backend: Some(backend),
+                },
+                &fds,
+            )?
+        }
+    };
+    Ok(NbdDevice {
+        index,
+        kn: Mutex::new(kn),
+        export: Arc::clone(export),
+        conns: u32::from(n),
+    })
+}
+
+/// `n` socket pairs: each loopd end adopted by a reactor as a negotiated
+/// connection. Returns the kernel ends, and a duplicate of each loopd end by
+/// which to see whether the kernel kept its end ([`hung_up`]).
+fn nbd_pairs(
+    export: &Arc<Export>,
+    reactors: &[Arc<ReactorHandle>],
+    n: u16,
+) -> Result<(Vec<OwnedFd>, Vec<OwnedFd>), BlockdevError> {
     let mut kernel_ends = Vec::new();
+    let mut watch = Vec::new();
     // Kernel connections are the daemon's own: outside --max-connections.
     let admission = Admission::new(usize::MAX);
     for i in 0..usize::from(n) {
@@ -413,6 +472,7 @@ pub fn start_nbd(
             None,
         )
         .map_err(|e| BlockdevError::SocketPair(e.into()))?;
+        watch.push(u.try_clone().map_err(BlockdevError::SocketPair)?);
         let (Some(client), Some(permit)) = (export.join(), admission.try_admit()) else {
             return Err(BlockdevError::NoReactors);
         };
@@ -429,47 +489,80 @@ pub fn start_nbd(
         })));
         kernel_ends.push(k);
     }
-    let fds: Vec<_> = kernel_ends.iter().map(|f| f.as_fd()).collect();
-    let index = match existing {
-        Some(index) => {
-            kn.reconfigure(
-                index,
-                &ReconfigureParams {
-                    timeout: Some(NBD_TIMEOUT),
-                    dead_conn_timeout: Some(NBD_DEAD_CONN_TIMEOUT),
-                    backend: Some(backend.clone()),
-                },
-                &fds,
-            )?;
-            tracing::info!(
-                "device {:?}: reconnected /dev/nbd{index} left by the previous server",
-                export.name
-            );
-            index
-        }
-        None => kn.connect(
-            &ConnectParams {
-                index: None,
-                size_bytes: dev.size - dev.size % u64::from(dev.block_size),
-                block_size: dev.block_size,
-                server_flags: transmission_flags(&dev, false),
+    Ok((kernel_ends, watch))
+}
+
+/// Whether the other end of the socket `fd` is closed: after a netlink call
+/// returned and loopd closed its copy of the kernel end, the kernel did not
+/// keep it.
+fn hung_up(fd: &OwnedFd) -> bool {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    let mut p = [PollFd::new(fd, PollFlags::RDHUP)];
+    let now = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    matches!(poll(&mut p, Some(&now)), Ok(1))
+        && p[0].revents().intersects(PollFlags::HUP | PollFlags::RDHUP)
+}
+
+/// How often a reconnect retries sockets the kernel dropped.
+const RECONNECT_RETRY: Duration = Duration::from_millis(50);
+
+/// Hand device `index` (found by its backend identifier: the previous server
+/// died) `n` new connections. The kernel replaces only connections it has
+/// marked dead and silently drops a socket given while none is (nbd.c turns
+/// `ENOSPC` into success): a daemon restarted before the kernel saw the old
+/// one's EOF, or a second daemon with a device of the same name while the
+/// first one lives, would be told "reconnected" while the device stayed with
+/// the old connections. So each socket's loopd end is watched: a socket the
+/// kernel dropped is given again (a new pair) every [`RECONNECT_RETRY`] until
+/// all are taken, for at most the kernel deadline (`--kernel-timeout`); then
+/// the attach fails, naming the device.
+fn reconnect_nbd(
+    kn: &mut KernelNbd,
+    export: &Arc<Export>,
+    reactors: &[Arc<ReactorHandle>],
+    index: u32,
+    n: u16,
+    backend: &str,
+) -> Result<(), BlockdevError> {
+    let start = Instant::now();
+    let limit = crate::kernel_nbd::socket::reply_timeout();
+    let mut left = n;
+    loop {
+        let (kernel_ends, watch) = nbd_pairs(export, reactors, left)?;
+        let fds: Vec<_> = kernel_ends.iter().map(|f| f.as_fd()).collect();
+        kn.reconfigure(
+            index,
+            &ReconfigureParams {
                 timeout: Some(NBD_TIMEOUT),
                 dead_conn_timeout: Some(NBD_DEAD_CONN_TIMEOUT),
-                destroy_on_disconnect: false,
-                backend: Some(backend),
+                backend: Some(backend.to_owned()),
             },
             &fds,
-        )?,
-    };
-    // The kernel holds its own references to the sockets now.
-    drop(fds);
-    drop(kernel_ends);
-    Ok(NbdDevice {
-        index,
-        kn: Mutex::new(kn),
-        export: Arc::clone(export),
-        conns: u32::from(n),
-    })
+        )?;
+        drop(fds);
+        drop(kernel_ends);
+        let dropped = watch.iter().filter(|w| hung_up(w)).count();
+        if dropped == 0 {
+            return Ok(());
+        }
+        left = u16::try_from(dropped).unwrap_or(n);
+        if start.elapsed() >= limit {
+            return Err(BlockdevError::NbdLive {
+                index,
+                backend: backend.to_owned(),
+                taken: n - left,
+                n,
+                waited: limit,
+            });
+        }
+        tracing::debug!(
+            "/dev/nbd{index}: the kernel dropped {dropped} new connection(s); retrying"
+        );
+        std::thread::sleep(RECONNECT_RETRY);
+    }
 }
 
 /// A device's kernel block device, of either kind.

@@ -8,7 +8,5 @@
 
 /// Whether the queue `q_id` of device `name` skips the fetch of `tag`.
 pub fn skip_fetch(name: &str, q_id: u16, tag: u16) -> bool {
-    q_id == 0
-        && tag == 0
-        && std::env::var_os("LOOPD_TEST_UBLK_NO_FETCH").is_some_and(|v| v == name)
+    q_id == 0 && tag == 0 && std::env::var_os("LOOPD_TEST_UBLK_NO_FETCH").is_some_and(|v| v == name)
 }
