@@ -17,6 +17,13 @@
 //!
 //! Everything here runs on control threads and may block (control commands,
 //! the char device's appearance, START_DEV); the reactors never wait for it.
+//! Every kernel request is bounded by `--kernel-timeout` (ublk commands by
+//! their handle's deadline, netlink answers by the socket's): past it the
+//! attach fails, and a ublk attach is undone on a new control handle (the
+//! old one may still hold a command the kernel has not answered). A
+//! reconnect of `/dev/nbdN` checks that the kernel kept every new socket
+//! (it silently drops one while the old connection lives) and gives dropped
+//! ones again until the deadline ([`reconnect_nbd`]).
 //! A failure part-way removes what was made: no half-made device is left.
 
 use crate::blockdev::partitions::{self, PartitionError, Rescan};

@@ -10,8 +10,14 @@
 //!   other ends must speak NBD transmission (simple replies only: the kernel
 //!   client knows no structured replies) with the flags passed as
 //!   [`ConnectParams::server_flags`].
-//! - Each call blocks until the kernel answered (at most 30 s). A
-//!   [`KernelNbd`] is one netlink socket; use it from one thread at a time.
+//! - Each call blocks until the kernel answered: at most
+//!   [`socket::reply_timeout`] (the daemon's `--kernel-timeout`, 30 s by
+//!   default) for the answer, then [`socket::SocketError::NoReply`] says how
+//!   long it waited. The kernel runs the request inside the sending call,
+//!   which nothing can interrupt: a handler stuck on a lock there holds that
+//!   control thread (not the daemon: attaches run on control threads, the
+//!   reactors never call here). A [`KernelNbd`] is one netlink socket; use it
+//!   from one thread at a time.
 //! - Client flags: loopd sets neither `DISCONNECT_ON_CLOSE` (the device would
 //!   be torn down when its last opener closes it, e.g. after every `dd`) nor
 //!   by default `DESTROY_ON_DISCONNECT` (when the dead-connection timeout runs
@@ -24,8 +30,10 @@
 //!   kernel replaces only connections it has already marked dead (it notices
 //!   EOF at once and announces it, see [`LinkDeadWatcher`]); a socket given
 //!   when none is dead is dropped without an error (nbd.c turns `ENOSPC` into
-//!   success). A restarted daemon finds its device with
-//!   [`KernelNbd::find_backend`].
+//!   success): the caller must check that the kernel kept each socket (its
+//!   own end of the pair hung up means dropped) and give dropped ones again
+//!   once the old connections are dead (`daemon::blockdev` does). A
+//!   restarted daemon finds its device with [`KernelNbd::find_backend`].
 //! - The per-request timeout cuts both ways: a request slower than it makes
 //!   the kernel shut that connection down and resend the request elsewhere,
 //!   so a live daemon should watch [`LinkDeadWatcher`] and reconfigure.
