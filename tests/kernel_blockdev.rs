@@ -450,6 +450,11 @@ fn detach_refusals(kind: &str) {
     let out = srv.ctl_err(&["detach", "busy"], "busy");
     assert!(out.stderr.contains("open by sleep"), "{out}");
     srv.ctl_ok(&["detach", "busy", "--force"]);
+    assert!(
+        matches!(holder.try_wait(), Ok(None)),
+        "the forced detach returned while the opener still holds the disk (it does not wait \
+         for the opener to close it)"
+    );
     if kind == "ublk" {
         assert!(gone(&dev), "--force removes it at once");
     } else {

@@ -6,7 +6,8 @@
 //! returns once the disk exists (the kernel reads its partition table through
 //! the queues meanwhile). Removal: STOP_DEV (the disk goes away; the kernel
 //! aborts the queues' commands) → wait until every queue is gone (they hold the
-//! char device) → DEL_DEV.
+//! char device) → DEL_DEV_ASYNC (the id is freed once the last opener of the
+//! disk lets go; the daemon does not wait for that).
 //!
 //! NBD: socket pairs, one end handed to a reactor as an already negotiated
 //! connection (no handshake round trip), the other to the kernel over netlink
@@ -142,12 +143,14 @@ impl UblkDevice {
         Ok(ctrl.update_size(dev_bytes)?)
     }
 
-    /// Remove the block device: STOP_DEV, wait for the queues, DEL_DEV.
+    /// Remove the block device: STOP_DEV, wait for the queues, DEL_DEV_ASYNC.
     pub fn remove(&self) -> Result<(), BlockdevError> {
         let mut ctrl = self.ctrl.lock().unwrap_or_else(|p| p.into_inner());
         ctrl.stop_dev()?;
         wait_gone(&self.done.lock().unwrap_or_else(|p| p.into_inner()));
-        ctrl.del_dev()?;
+        // Not DEL_DEV: it waits for every opener of /dev/ublkbN, and a process
+        // holding a force-detached disk may never close it.
+        ctrl.del_dev_async()?;
         Ok(())
     }
 }

@@ -10,7 +10,8 @@
 //!   partition scan, which READ through the queues. Issue them only while the
 //!   queues are already being served by other threads (the reactors).
 //! - `DEL_DEV` waits until /dev/ublkcN is released: every fd and every
-//!   descriptor mapping of it dropped (the queues drained after STOP_DEV).
+//!   descriptor mapping of it dropped (the queues drained after STOP_DEV), and
+//!   every opener of /dev/ublkbN gone. `DEL_DEV_ASYNC` (6.9+) does not wait.
 //! - The others return promptly.
 //!
 //! A command's in/out buffer is heap-owned by the call; if the ring fails while
@@ -42,11 +43,11 @@ use super::sys::{
     UBLK_ATTR_FUA, UBLK_ATTR_READ_ONLY, UBLK_ATTR_ROTATIONAL, UBLK_ATTR_VOLATILE_CACHE,
     UBLK_F_CMD_IOCTL_ENCODE, UBLK_F_UPDATE_SIZE, UBLK_F_USER_RECOVERY,
     UBLK_F_USER_RECOVERY_REISSUE, UBLK_MAX_NR_QUEUES, UBLK_MAX_QUEUE_DEPTH, UBLK_PARAM_TYPE_BASIC,
-    UBLK_PARAM_TYPE_DISCARD, UBLK_U_CMD_ADD_DEV, UBLK_U_CMD_DEL_DEV, UBLK_U_CMD_END_USER_RECOVERY,
-    UBLK_U_CMD_GET_DEV_INFO, UBLK_U_CMD_GET_FEATURES, UBLK_U_CMD_GET_PARAMS, UBLK_U_CMD_SET_PARAMS,
-    UBLK_U_CMD_START_DEV, UBLK_U_CMD_START_USER_RECOVERY, UBLK_U_CMD_STOP_DEV,
-    UBLK_U_CMD_UPDATE_SIZE, UblkParamBasic, UblkParamDiscard, UblkParams, UblksrvCtrlCmd,
-    UblksrvCtrlDevInfo,
+    UBLK_PARAM_TYPE_DISCARD, UBLK_U_CMD_ADD_DEV, UBLK_U_CMD_DEL_DEV, UBLK_U_CMD_DEL_DEV_ASYNC,
+    UBLK_U_CMD_END_USER_RECOVERY, UBLK_U_CMD_GET_DEV_INFO, UBLK_U_CMD_GET_FEATURES,
+    UBLK_U_CMD_GET_PARAMS, UBLK_U_CMD_SET_PARAMS, UBLK_U_CMD_START_DEV,
+    UBLK_U_CMD_START_USER_RECOVERY, UBLK_U_CMD_STOP_DEV, UBLK_U_CMD_UPDATE_SIZE, UblkParamBasic,
+    UblkParamDiscard, UblkParams, UblksrvCtrlCmd, UblksrvCtrlDevInfo,
 };
 
 pub const DEFAULT_CONTROL_PATH: &str = "/dev/ublk-control";
@@ -60,6 +61,7 @@ pub enum Cmd {
     StartDev,
     StopDev,
     DelDev,
+    DelDevAsync,
     GetDevInfo,
     GetFeatures,
     StartUserRecovery,
@@ -76,6 +78,7 @@ impl Cmd {
             Cmd::StartDev => "START_DEV",
             Cmd::StopDev => "STOP_DEV",
             Cmd::DelDev => "DEL_DEV",
+            Cmd::DelDevAsync => "DEL_DEV_ASYNC",
             Cmd::GetDevInfo => "GET_DEV_INFO",
             Cmd::GetFeatures => "GET_FEATURES",
             Cmd::StartUserRecovery => "START_USER_RECOVERY",
@@ -92,6 +95,7 @@ impl Cmd {
             Cmd::StartDev => UBLK_U_CMD_START_DEV,
             Cmd::StopDev => UBLK_U_CMD_STOP_DEV,
             Cmd::DelDev => UBLK_U_CMD_DEL_DEV,
+            Cmd::DelDevAsync => UBLK_U_CMD_DEL_DEV_ASYNC,
             Cmd::GetDevInfo => UBLK_U_CMD_GET_DEV_INFO,
             Cmd::GetFeatures => UBLK_U_CMD_GET_FEATURES,
             Cmd::StartUserRecovery => UBLK_U_CMD_START_USER_RECOVERY,
@@ -643,6 +647,27 @@ impl UblkCtrl {
         self.run(Cmd::DelDev, dev, 0, Buf::None)?;
         self.dev_id = None;
         Ok(())
+    }
+
+    /// DEL_DEV_ASYNC (6.9+): deletes the device and returns at once; the
+    /// kernel frees its id once the last opener of /dev/ublkbN (a process
+    /// holding a force-detached disk) and of /dev/ublkcN lets go. DEL_DEV
+    /// would wait for that opener, which may never close. On a kernel without
+    /// it (refused with `EINVAL`/`EOPNOTSUPP`), falls back to DEL_DEV.
+    pub fn del_dev_async(&mut self) -> Result<(), CtrlError> {
+        let dev = self.dev()?;
+        match self.run(Cmd::DelDevAsync, dev, 0, Buf::None) {
+            Ok(_) => {
+                self.dev_id = None;
+                Ok(())
+            }
+            Err(CtrlError::Command { errno, .. })
+                if errno == libc::EINVAL || errno == libc::EOPNOTSUPP =>
+            {
+                self.del_dev()
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Poll GET_DEV_INFO every 10 ms until the device is in `state` (a
