@@ -5,21 +5,43 @@ set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-echo "== test dependencies"
+# Each stage's seconds, printed at the end (also when a stage fails): the
+# test command must stay within CI's time (under 60 min), and this says where
+# it goes.
+STAGE= STAGE_T0=$SECONDS STAGE_TIMES=()
+stage_done() {
+    [ -n "$STAGE" ] || return 0
+    STAGE_TIMES+=("$(printf '%6d s  %s' $((SECONDS - STAGE_T0)) "${STAGE%% (*}")")
+    STAGE=
+}
+stage() {
+    stage_done
+    STAGE=$1 STAGE_T0=$SECONDS
+    echo "== $1"
+}
+report_stages() {
+    local failed=$STAGE
+    stage_done
+    echo "== seconds per stage (${SECONDS} s in all${failed:+; stopped in: ${failed%% (*}})"
+    printf '%s\n' "${STAGE_TIMES[@]}"
+}
+trap '[ -z "$STAGE" ] || report_stages' EXIT
+
+stage "test dependencies"
 scripts/install-test-deps.sh
 
-echo "== cargo fmt"
+stage "cargo fmt"
 cargo fmt --all -- --check
 
-echo "== bench unit tests (bench/tests: the harness's parsing, statistics, report and RESULTS.md layout; ~1 s)"
+stage "bench unit tests (bench/tests: the harness's parsing, statistics, report and RESULTS.md layout; ~1 s)"
 /usr/bin/python3 -m unittest discover -s bench/tests
 
-echo "== cargo clippy"
+stage "cargo clippy"
 cargo clippy --all-targets -- -D warnings
 # vm-tests and test-backend (the memory backend) together: one run lints both.
 cargo clippy --all-targets --features vm-tests,test-backend -- -D warnings
 
-echo "== ceph test cluster (scripts/ceph-cluster.sh: ONE for the host tests below; LOOPD_TEST_CEPH_DIR)"
+stage "ceph test cluster (scripts/ceph-cluster.sh: ONE for the host tests below; LOOPD_TEST_CEPH_DIR)"
 # The RBD tests (tests/common/ceph.rs) use it instead of starting one per test
 # binary. Stopped by PID on exit (also on failure or Ctrl-C; should this script
 # be killed, the cluster's watcher stops it: --owner), and after the host tests.
@@ -29,18 +51,18 @@ stop_ceph() {
     scripts/ceph-cluster.sh stop "$CEPH_DIR" && rm -rf "$CEPH_DIR"
     CEPH_DIR=
 }
-trap stop_ceph EXIT
+trap 'stop_ceph; [ -z "$STAGE" ] || report_stages' EXIT
 trap 'exit 130' INT TERM
 ceph_t0=$(date +%s%N)
 scripts/ceph-cluster.sh start "$CEPH_DIR" --owner $$
 echo "ceph test cluster: started in $((($(date +%s%N) - ceph_t0) / 1000000)) ms in $CEPH_DIR"
 export LOOPD_TEST_CEPH_DIR=$CEPH_DIR
 
-echo "== cargo test (release)"
+stage "cargo test (release)"
 # --no-fail-fast: report failures from every test binary, not just the first.
 cargo test --release --no-fail-fast
 
-echo "== over the test-only memory backend (feature test-backend, LOOPD_TEST_BACKEND=mem)"
+stage "over the test-only memory backend (feature test-backend, LOOPD_TEST_BACKEND=mem)"
 # The backend seam's second implementation (src/backing/mem.rs): the engine
 # oracle, the backend's own tests, and NBD end-to-end suites run again with
 # every image served from memory by the backend's own thread, completing
@@ -66,10 +88,10 @@ LOOPD_TEST_BACKEND=mem cargo test --release --features test-backend --no-fail-fa
 stop_ceph
 unset LOOPD_TEST_CEPH_DIR
 
-echo "== kernel-side tests (scripts/vm-test.sh: every tests/kernel_*.rs, one VM boot per kernel: 6.12 and the newest of trixie-backports)"
+stage "kernel-side tests (scripts/vm-test.sh: every tests/kernel_*.rs, one VM boot per kernel: 6.12 and the newest of trixie-backports)"
 scripts/vm-test.sh
 
-echo "== ublk data tests over the test-only memory backend (one more VM boot, the newest kernel only, ~4 min)"
+stage "ublk data tests over the test-only memory backend (one more VM boot, the newest kernel only, ~4 min)"
 # The memory backend sits below the engine: the kernel sees the same ublk
 # frontend as with a file, and that runs under both kernels above. Under the
 # newest kernel: its ublk has what 6.12 lacks for request buffers (zero copy,
@@ -82,14 +104,15 @@ LOOPD_VM_KERNEL=newest LOOPD_VM_FEATURES=test-backend LOOPD_VM_ENV=LOOPD_TEST_BA
 # with the feature).
 cargo build --release
 
-echo "== systemd units under systemd (scripts/vm-systemd-test.sh: socket activation, reload, stop, in the VM; under both kernels)"
+stage "systemd units under systemd (scripts/vm-systemd-test.sh: socket activation, reload, stop, in the VM; under both kernels)"
 scripts/vm-systemd-test.sh
 
-echo "== fuzz smoke (every parser of untrusted bytes, ${FUZZ_SECONDS:-20}s each)"
+stage "fuzz smoke (every parser of untrusted bytes, ${FUZZ_SECONDS:-20}s each)"
 scripts/fuzz-smoke.sh "${FUZZ_SECONDS:-20}"
 
-echo "== bench smoke (bench/run --quick: every benchmark case runs; no speed is checked)"
+stage "bench smoke (bench/run --quick: every benchmark case runs; no speed is checked)"
 bench/install-deps.sh
 bench/run --quick
 
+report_stages
 echo "== all checks passed"
