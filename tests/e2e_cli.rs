@@ -300,7 +300,7 @@ fn set_rules_size_limit_none_and_cap_message() {
     let out = srv.ctl_ok(&["resize", "c"]);
     assert!(
         out.stdout
-            .contains("c: size limit 1 MiB (1048576 bytes) caps the 2 MiB (2097152 bytes) of the file after offset 0"),
+            .contains("c: size limit 1 MiB (1048576 bytes) caps the file's 2 MiB (2097152 bytes)"),
         "{out}"
     );
     let j = srv.ctl_json(&["resize", "c"]);
@@ -321,7 +321,7 @@ fn set_rules_size_limit_none_and_cap_message() {
     assert_eq!(nbd_size(&u), 2 * MIB);
     let out = srv.ctl_ok(&["set", "c", "--size-limit", "1M", "--force"]);
     assert!(
-        out.stdout.contains("caps the 2 MiB (2097152 bytes) of the file"),
+        out.stdout.contains("caps the file's 2 MiB (2097152 bytes)"),
         "{out}"
     );
     srv.ctl_ok(&["set", "c", "--read-only", "true", "--force"]);

@@ -34,8 +34,7 @@ fn the_files_size_is_read_when_shown() {
     let out = srv.ctl_ok(&["set", "c", "--read-only", "false"]);
     assert!(
         out.stdout.contains(
-            "c: size limit 1 MiB (1048576 bytes) caps the 4 MiB (4194304 bytes) of the file \
-             after offset 0 (the file is 4 MiB (4194304 bytes))"
+            "c: size limit 1 MiB (1048576 bytes) caps the file's 4 MiB (4194304 bytes)\n"
         ),
         "{out}"
     );

@@ -384,14 +384,23 @@ pub fn print_set(v: &Value, json: bool, sz: Sizes) -> Result<()> {
         }
     }
     if v["capped_by_size_limit"].as_bool().unwrap_or(false) {
-        let offset = n("offset");
-        println!(
-            "{name}: size limit {} caps the {} of the file after offset {} (the file is {})",
-            sz.said(n("size_limit")),
-            sz.said(n("file_size").saturating_sub(offset)),
-            sz.said(offset),
-            sz.said(n("file_size")),
-        );
+        // The part of the file after the offset is what the limit caps.
+        let (limit, offset, file) = (n("size_limit"), n("offset"), n("file_size"));
+        if offset == 0 {
+            println!(
+                "{name}: size limit {} caps the file's {}",
+                sz.said(limit),
+                sz.said(file)
+            );
+        } else {
+            println!(
+                "{name}: size limit {} caps the {} of the file after offset {} (the file is {})",
+                sz.said(limit),
+                sz.said(file.saturating_sub(offset)),
+                sz.said(offset),
+                sz.said(file),
+            );
+        }
     }
     Ok(())
 }
