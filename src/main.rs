@@ -321,7 +321,11 @@ fn run(cli: Cli) -> Result<()> {
                 read_only: a.read_only,
                 force: a.force,
             };
-            cli::print_set(&call(&a.ctl, &Request::Set(s))?, a.json, Sizes { bytes: a.bytes })
+            cli::print_set(
+                &call(&a.ctl, &Request::Set(s))?,
+                a.json,
+                Sizes { bytes: a.bytes },
+            )
         }
         Cmd::Resize(a) => cli::print_set(
             &call(&a.ctl, &Request::Resize { name: a.name })?,

@@ -308,11 +308,15 @@ mod tests {
 
     #[test]
     fn names_sort_as_people_count() {
-        let mut v = vec!["new10", "new2", "new1", "a", "new01", "b2c10", "b2c9", "new", "10", "9"];
+        let mut v = vec![
+            "new10", "new2", "new1", "a", "new01", "b2c10", "b2c9", "new", "10", "9",
+        ];
         v.sort_by(|a, b| natural_cmp(a, b));
         assert_eq!(
             v,
-            ["9", "10", "a", "b2c9", "b2c10", "new", "new1", "new01", "new2", "new10"]
+            [
+                "9", "10", "a", "b2c9", "b2c10", "new", "new1", "new01", "new2", "new10"
+            ]
         );
     }
 

@@ -28,7 +28,14 @@ fn the_files_size_is_read_when_shown() {
     let srv = Server::daemon().start();
     let img = dir.path().join("c.img");
     create_sparse_image(&img, 2 * MIB);
-    srv.ctl_ok(&["attach", path_str(&img), "--name", "c", "--size-limit", "1M"]);
+    srv.ctl_ok(&[
+        "attach",
+        path_str(&img),
+        "--name",
+        "c",
+        "--size-limit",
+        "1M",
+    ]);
     grow(&img, 4 * MIB);
 
     let out = srv.ctl_ok(&["set", "c", "--read-only", "false"]);
@@ -209,10 +216,7 @@ fn a_set_that_changes_nothing_says_why() {
         "{out}"
     );
     let j = srv.ctl_json(&["set", "ro", "-r", "false"]);
-    assert!(
-        j.at("note").str().contains("stays read-only"),
-        "{j:?}"
-    );
+    assert!(j.at("note").str().contains("stays read-only"), "{j:?}");
     // Any other no-op says the device is already so.
     let out = srv.ctl_ok(&["set", "ro", "--cache", "auto"]);
     assert_eq!(
@@ -229,7 +233,8 @@ fn serve_config(cfg: &Path) -> Server {
 }
 
 const BAD: &str = "[[device]]\nimage = \"a.img\"\n\n[[device]]\nname = \"c1\"\nimage = \"b.img\"\nsise_limit = \"1M\"\n";
-const WHERE: &str = "line 7, column 1, in the [[device]] table 2 (\"c1\"): unknown field `sise_limit`";
+const WHERE: &str =
+    "line 7, column 1, in the [[device]] table 2 (\"c1\"): unknown field `sise_limit`";
 
 /// A config error names the file, the line, the column and the device
 /// table, at start and on reload.
@@ -286,8 +291,9 @@ fn a_reload_says_what_changed_and_keeps_the_os_error() {
     .unwrap();
     let out = srv.ctl(&["reload"]);
     assert!(
-        out.stdout
-            .contains("changed: c1: size-limit 1 MiB (1048576 bytes) → none, cache auto → buffered\n"),
+        out.stdout.contains(
+            "changed: c1: size-limit 1 MiB (1048576 bytes) → none, cache auto → buffered\n"
+        ),
         "{out}"
     );
     let failed = out

@@ -81,7 +81,12 @@ fn print_text(v: &Value, sz: super::print::Sizes) {
         return;
     };
     println!("config: {}", super::print::esc(cfg));
-    for n in v.get("changed").and_then(Value::as_array).into_iter().flatten() {
+    for n in v
+        .get("changed")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
         if let Some(n) = n.as_str() {
             println!("changed: {}", changed_line(n, v, sz));
         }

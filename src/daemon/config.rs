@@ -75,7 +75,10 @@ fn parse_message(at: Option<&str>, msg: &str) -> String {
 /// table, which one (from 1) and its name when the file names it.
 pub fn where_in(text: &str, pos: usize) -> String {
     let pos = pos.min(text.len());
-    let pos = (0..=pos).rev().find(|&i| text.is_char_boundary(i)).unwrap_or(0);
+    let pos = (0..=pos)
+        .rev()
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap_or(0);
     let before = &text[..pos];
     let line = before.matches('\n').count() + 1;
     let start = before.rfind('\n').map_or(0, |i| i + 1);
@@ -353,7 +356,10 @@ mod tests {
             "{e}"
         );
         assert_eq!(where_in("a = 1\n", 4), "line 1, column 5");
-        assert_eq!(where_in("[[device]]\nx = é1\n", 17), "line 2, column 6, in the [[device]] table 1");
+        assert_eq!(
+            where_in("[[device]]\nx = é1\n", 17),
+            "line 2, column 6, in the [[device]] table 1"
+        );
     }
 
     #[test]

@@ -82,7 +82,12 @@ impl Daemon {
             self.apply_change(change, &old, &specs, &mut r);
         }
         // People read the names; they count `new2` before `new10`.
-        for v in [&mut r.attached, &mut r.changed, &mut r.unchanged, &mut r.kept] {
+        for v in [
+            &mut r.attached,
+            &mut r.changed,
+            &mut r.unchanged,
+            &mut r.kept,
+        ] {
             v.sort_by(|a, b| crate::text::natural_cmp(a, b));
         }
         r.changes
@@ -176,7 +181,11 @@ impl Daemon {
                     match self.set(s) {
                         Ok(_) => {
                             done = true;
-                            fields.extend(was.map(|o| config::live_fields(o, &live)).into_iter().flatten());
+                            fields.extend(
+                                was.map(|o| config::live_fields(o, &live))
+                                    .into_iter()
+                                    .flatten(),
+                            );
                         }
                         // A smaller size or read-only on with clients connected:
                         // `set` wants --force, which a reload never gives.
@@ -200,7 +209,11 @@ impl Daemon {
                     match self.set(s) {
                         Ok(_) => {
                             done = true;
-                            fields.extend(was.map(|o| config::idle_fields(o, &idle)).into_iter().flatten());
+                            fields.extend(
+                                was.map(|o| config::idle_fields(o, &idle))
+                                    .into_iter()
+                                    .flatten(),
+                            );
                         }
                         Err(CtlError::Busy(_)) => {
                             let clients = self.export(&name).map_or(0, |e| e.clients());
