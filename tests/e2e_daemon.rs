@@ -941,7 +941,11 @@ fn set_reconfigures_live() {
     assert_eq!(r.at("size_limit").u64(), 2 * MIB);
     assert_eq!(nbd_size(&u), 2 * MIB, "nbdinfo after set --size-limit 2M");
     let out = srv.ctl_ok(&["set", "cfg", "--size-limit", "6M"]);
-    assert!(out.stdout.contains("cfg: updated (size 6291456"), "{out}");
+    assert!(
+        out.stdout
+            .contains("cfg: updated (size 6 MiB (6291456 bytes), offset 0 bytes,"),
+        "{out}"
+    );
     assert_eq!(nbd_size(&u), 6 * MIB);
     // Past the end of the file: reads as zeros there.
     srv.ctl_ok(&["set", "cfg", "--size-limit", "9M"]);
