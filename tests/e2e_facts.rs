@@ -161,7 +161,7 @@ fn sizes_are_human_with_bytes_for_scripts_and_no_limit_is_one_word() {
 }
 
 /// Devices come in the order people count: new1 new2 new10, in `list`,
-/// `status` and their JSON.
+/// `status`, their JSON and the NBD export list.
 #[test]
 fn devices_are_listed_in_natural_order() {
     let dir = tempdir();
@@ -186,6 +186,17 @@ fn devices_are_listed_in_natural_order() {
     let j = srv.ctl_json(&["status"]);
     let got: Vec<&str> = j.arr().iter().map(|d| d.at("name").str()).collect();
     assert_eq!(got, want);
+    // NBD clients listing the exports (NBD_OPT_LIST) see the same order.
+    let uri = format!("nbd+unix:///?socket={}", srv.socket().display());
+    let out = run("nbdinfo", ["--list", "--json", &uri]);
+    let info = Json::parse_first_object(&out.stdout);
+    let got: Vec<&str> = info
+        .at("exports")
+        .arr()
+        .iter()
+        .map(|e| e.at("export-name").str())
+        .collect();
+    assert_eq!(got, want, "{out}");
 }
 
 /// `set -r false` on a write-protected image changes nothing, and says why.
