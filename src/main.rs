@@ -4,6 +4,7 @@ mod cli;
 
 use anyhow::Result;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use cli::print::Sizes;
 use cli::{Cache, DeviceArgs};
 use loopd::control::client;
 use loopd::control::proto::{Request, SetSpec};
@@ -143,6 +144,9 @@ struct ListArgs {
     /// Print JSON instead of a table.
     #[arg(long, short = 'J')]
     json: bool,
+    /// Print sizes as plain byte counts (for scripts), not in human units.
+    #[arg(long)]
+    bytes: bool,
     #[command(flatten)]
     ctl: ControlArg,
 }
@@ -154,6 +158,9 @@ struct StatusArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
+    /// Print sizes as plain byte counts (for scripts), not in human units.
+    #[arg(long)]
+    bytes: bool,
     #[command(flatten)]
     ctl: ControlArg,
 }
@@ -195,6 +202,9 @@ struct SetArgs {
     /// Print the result as JSON.
     #[arg(long)]
     json: bool,
+    /// Print sizes as plain byte counts (for scripts), not in human units.
+    #[arg(long)]
+    bytes: bool,
     #[command(flatten)]
     ctl: ControlArg,
 }
@@ -206,6 +216,9 @@ struct ResizeArgs {
     /// Print the result as JSON.
     #[arg(long)]
     json: bool,
+    /// Print sizes as plain byte counts (for scripts), not in human units.
+    #[arg(long)]
+    bytes: bool,
     #[command(flatten)]
     ctl: ControlArg,
 }
@@ -224,6 +237,9 @@ struct ReloadArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    /// Print sizes as plain byte counts (for scripts), not in human units.
+    #[arg(long)]
+    bytes: bool,
     #[command(flatten)]
     ctl: ControlArg,
 }
@@ -281,14 +297,18 @@ fn run(cli: Cli) -> Result<()> {
             )?;
             cli::print_done(&v, a.json, &format!("detached {}", a.name))
         }
-        Cmd::List(a) => cli::print_list(&call(&a.ctl, &Request::List)?, a.json),
+        Cmd::List(a) => cli::print_list(
+            &call(&a.ctl, &Request::List)?,
+            a.json,
+            Sizes { bytes: a.bytes },
+        ),
         Cmd::Status(a) => {
             let all = a.name.is_none();
             let v = call(&a.ctl, &Request::Status { name: a.name })?;
             if all {
-                cli::print_status_all(&v, a.json)
+                cli::print_status_all(&v, a.json, Sizes { bytes: a.bytes })
             } else {
-                cli::print_status(&v, a.json)
+                cli::print_status(&v, a.json, Sizes { bytes: a.bytes })
             }
         }
         Cmd::Set(a) => {
@@ -301,14 +321,26 @@ fn run(cli: Cli) -> Result<()> {
                 read_only: a.read_only,
                 force: a.force,
             };
-            cli::print_set(&call(&a.ctl, &Request::Set(s))?, a.json)
+            cli::print_set(
+                &call(&a.ctl, &Request::Set(s))?,
+                a.json,
+                Sizes { bytes: a.bytes },
+            )
         }
-        Cmd::Resize(a) => cli::print_set(&call(&a.ctl, &Request::Resize { name: a.name })?, a.json),
+        Cmd::Resize(a) => cli::print_set(
+            &call(&a.ctl, &Request::Resize { name: a.name })?,
+            a.json,
+            Sizes { bytes: a.bytes },
+        ),
         Cmd::ReloadTls(a) => {
             let v = call(&a.ctl, &Request::ReloadTls)?;
             cli::print_done(&v, a.json, "TLS certificates reloaded")
         }
-        Cmd::Reload(a) => cli::reload::print(&call(&a.ctl, &Request::Reload)?, a.json),
+        Cmd::Reload(a) => cli::reload::print(
+            &call(&a.ctl, &Request::Reload)?,
+            a.json,
+            Sizes { bytes: a.bytes },
+        ),
         Cmd::Kernel(k) => cli::kernel::run(k),
         Cmd::Completions(a) => {
             let script = cli::generate::completions(&Cli::command(), a.shell);

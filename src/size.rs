@@ -3,6 +3,13 @@
 //! decimal must come to a whole number of bytes: `1.5K` is 1536, `1.1K` and
 //! `1.5` are refused).
 //!
+//! And the other way, sizes for people ([`human`], [`human_exact`],
+//! [`human_short`]): one rule everywhere, the largest binary unit the size
+//! reaches (bytes, KiB, MiB, GiB, TiB, PiB, EiB) with at most one decimal,
+//! rounded (`1535 MiB` is `1.5 GiB`, `100 MiB` stays `100 MiB`). A rounded
+//! figure is never alone where the exact one matters: [`human_exact`] adds
+//! the bytes.
+//!
 //! Contract: pure functions; every string is either a byte count that is
 //! exactly what it says, or an error naming it.
 
@@ -73,6 +80,66 @@ pub fn parse_block_size(s: &str) -> Result<u32, SizeError> {
     u32::try_from(parse_size(s)?).map_err(|_| SizeError::Overflow(s.to_owned()))
 }
 
+/// The units of [`human`], each 1024 times the one before.
+const UNITS: [(&str, &str); 7] = [
+    ("bytes", "B"),
+    ("KiB", "K"),
+    ("MiB", "M"),
+    ("GiB", "G"),
+    ("TiB", "T"),
+    ("PiB", "P"),
+    ("EiB", "E"),
+];
+
+/// The figure and the unit's index of `b` under the one rule (see the
+/// module doc): tenths of the largest unit `b` reaches, rounded half up; a
+/// figure that rounds to 1024 of a unit is 1 of the next.
+fn scaled(b: u64) -> (u128, usize) {
+    let mut i = 0;
+    while i + 1 < UNITS.len() && b >> (10 * (i + 1)) > 0 {
+        i += 1;
+    }
+    let unit = 1u128 << (10 * i);
+    let mut tenths = (u128::from(b) * 10 + unit / 2) / unit;
+    if tenths >= 10240 && i + 1 < UNITS.len() {
+        i += 1;
+        tenths = 10;
+    }
+    (tenths, i)
+}
+
+fn figure(tenths: u128) -> String {
+    if tenths % 10 == 0 {
+        (tenths / 10).to_string()
+    } else {
+        format!("{}.{}", tenths / 10, tenths % 10)
+    }
+}
+
+/// `b` for a person: `100 MiB`, `1.5 GiB`, `512 bytes` (see the module doc).
+pub fn human(b: u64) -> String {
+    let (t, i) = scaled(b);
+    if i == 0 {
+        return format!("{b} bytes");
+    }
+    format!("{} {}", figure(t), UNITS[i].0)
+}
+
+/// `b` for a person, with the exact bytes: `64 MiB (67108864 bytes)`;
+/// below 1 KiB just `512 bytes`.
+pub fn human_exact(b: u64) -> String {
+    if b < 1024 {
+        return human(b);
+    }
+    format!("{} ({b} bytes)", human(b))
+}
+
+/// `b` for a table cell, as lsblk writes it: `64M`, `1.5G`, `512B`.
+pub fn human_short(b: u64) -> String {
+    let (t, i) = scaled(b);
+    format!("{}{}", figure(t), UNITS[i].1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -125,7 +192,40 @@ mod tests {
         assert!(parse_block_size("4G").is_err());
     }
 
+    /// One unit rule, whatever the size: the largest unit reached, one
+    /// decimal at most (issue 27: `1535 MiB` and `1 GiB` were two rules).
+    #[test]
+    fn human_sizes_follow_one_rule() {
+        assert_eq!(human(0), "0 bytes");
+        assert_eq!(human(512), "512 bytes");
+        assert_eq!(human(1024), "1 KiB");
+        assert_eq!(human(1536), "1.5 KiB");
+        assert_eq!(human(100 << 20), "100 MiB");
+        assert_eq!(human(1535 << 20), "1.5 GiB");
+        assert_eq!(human(1 << 30), "1 GiB");
+        assert_eq!(human((1 << 30) - 1), "1 GiB");
+        assert_eq!(human(3 << 39), "1.5 TiB");
+        assert_eq!(human(u64::MAX), "16 EiB");
+        assert_eq!(human_exact(64 << 20), "64 MiB (67108864 bytes)");
+        assert_eq!(human_exact(1000), "1000 bytes");
+        assert_eq!(human_short(64 << 20), "64M");
+        assert_eq!(human_short(3 << 29), "1.5G");
+        assert_eq!(human_short(512), "512B");
+        assert_eq!(human_short(0), "0B");
+    }
+
     proptest::proptest! {
+        /// The figure is within a twentieth of a unit of the size.
+        #[test]
+        fn human_is_close(b in 0u64..u64::MAX) {
+            let (t, i) = scaled(b);
+            let unit = 1u128 << (10 * i);
+            let shown = t * unit;
+            let exact = u128::from(b) * 10;
+            proptest::prop_assert!(shown.abs_diff(exact) <= unit / 2 + 1);
+            proptest::prop_assert!(t < 10240 || i == UNITS.len() - 1);
+        }
+
         #[test]
         fn whole_numbers_round_trip(n in 0u64..(1 << 40), shift in 0usize..5) {
             let suffix = ["", "K", "M", "G", "T"][shift];

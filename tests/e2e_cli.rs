@@ -300,7 +300,7 @@ fn set_rules_size_limit_none_and_cap_message() {
     let out = srv.ctl_ok(&["resize", "c"]);
     assert!(
         out.stdout
-            .contains("c: size limit 1 MiB caps the file's 2 MiB"),
+            .contains("c: size limit 1 MiB (1048576 bytes) caps the file's 2 MiB (2097152 bytes)"),
         "{out}"
     );
     let j = srv.ctl_json(&["resize", "c"]);
@@ -320,7 +320,10 @@ fn set_rules_size_limit_none_and_cap_message() {
     assert!(!j.at("capped_by_size_limit").bool(), "{j:?}");
     assert_eq!(nbd_size(&u), 2 * MIB);
     let out = srv.ctl_ok(&["set", "c", "--size-limit", "1M", "--force"]);
-    assert!(out.stdout.contains("caps the file's 2 MiB"), "{out}");
+    assert!(
+        out.stdout.contains("caps the file's 2 MiB (2097152 bytes)"),
+        "{out}"
+    );
     srv.ctl_ok(&["set", "c", "--read-only", "true", "--force"]);
     assert!(nbd_info(&u).at("is_read_only").bool());
     drop(c);

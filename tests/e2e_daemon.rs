@@ -281,9 +281,9 @@ fn attach_list_status_detach() {
     );
     let r = &rows[1];
     assert_eq!(r[0], "disk1", "{table}");
-    assert_eq!(r[1], (8 * MIB).to_string(), "{table}");
-    assert_eq!(r[2], "0", "{table}");
-    assert_eq!(r[3], "0", "{table}");
+    assert_eq!(r[1], "8M", "{table}");
+    assert_eq!(r[2], "0B", "{table}");
+    assert_eq!(r[3], "none", "{table}");
     assert!(["512", "1024", "2048", "4096"].contains(&r[4]), "{table}");
     assert_eq!(r[5], "auto", "{table}");
     assert_eq!(&r[7..10], &["no", "no", "0"], "{table}");
@@ -929,7 +929,10 @@ fn set_reconfigures_live() {
         assert_eq!(r.at("size").u64(), 8 * MIB, "{args:?}");
     }
     let out = srv.ctl_ok(&["set", "cfg"]);
-    assert_eq!(out.stdout.trim(), "cfg: nothing to change");
+    assert_eq!(
+        out.stdout.trim(),
+        "cfg: nothing to change: the device already has these settings"
+    );
 
     // Size limit on an idle device.
     let r = srv.ctl_json(&["set", "cfg", "--size-limit", "2M"]);
@@ -938,7 +941,11 @@ fn set_reconfigures_live() {
     assert_eq!(r.at("size_limit").u64(), 2 * MIB);
     assert_eq!(nbd_size(&u), 2 * MIB, "nbdinfo after set --size-limit 2M");
     let out = srv.ctl_ok(&["set", "cfg", "--size-limit", "6M"]);
-    assert!(out.stdout.contains("cfg: updated (size 6291456"), "{out}");
+    assert!(
+        out.stdout
+            .contains("cfg: updated (size 6 MiB (6291456 bytes), offset 0 bytes,"),
+        "{out}"
+    );
     assert_eq!(nbd_size(&u), 6 * MIB);
     // Past the end of the file: reads as zeros there.
     srv.ctl_ok(&["set", "cfg", "--size-limit", "9M"]);
@@ -1068,7 +1075,10 @@ fn resize_follows_file_size() {
     assert_file_filled(&img, 11 * MIB, MIB, 0x99, "write into the grown part");
 
     let out = srv.ctl_ok(&["resize", "grow"]);
-    assert_eq!(out.stdout.trim(), "grow: nothing to change");
+    assert_eq!(
+        out.stdout.trim(),
+        "grow: nothing to change: the device already has the size the file gives it"
+    );
 
     run("truncate", ["-s", "6M", path_str(&img)]);
     let r = srv.ctl_json(&["resize", "grow"]);

@@ -288,7 +288,15 @@ impl Storage for FileBackend {
     }
 
     fn current_len(&self) -> u64 {
-        self.plain.metadata().map(|m| m.len()).unwrap_or(0)
+        use std::os::unix::fs::FileTypeExt;
+        match self.plain.metadata() {
+            // A block device's length is where its end is (its inode says 0).
+            Ok(m) if m.file_type().is_block_device() => {
+                rustix::fs::seek(&self.plain, rustix::fs::SeekFrom::End(0)).unwrap_or(0)
+            }
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        }
     }
 
     fn seek_data(&self, off: u64) -> Result<u64, rustix::io::Errno> {

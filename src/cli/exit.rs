@@ -384,13 +384,45 @@ pub fn usage(e: clap::Error) -> std::process::ExitCode {
         return std::process::ExitCode::from(if e.use_stderr() { USAGE } else { OK });
     }
     if std::env::args_os().any(|a| a == "--json") {
-        let text = e.render().to_string();
-        let first = text.lines().next().unwrap_or_default();
-        let message = first.strip_prefix("error: ").unwrap_or(first);
-        println!("{}", json_error("usage", message));
+        let message = usage_message(&e.render().to_string());
+        let mut v = serde_json::json!({ "error": { "code": "usage", "message": message } });
+        if let Some(arg) = usage_argument(&e) {
+            v["error"]["argument"] = arg.into();
+        }
+        println!("{v}");
     }
     let _ = e.print();
     std::process::ExitCode::from(USAGE)
+}
+
+/// Clap's error text as one line: everything before `Usage:`, so the
+/// arguments it lists on lines of their own (a missing `<NAME>`) stay in it.
+pub fn usage_message(text: &str) -> String {
+    let mut out = String::new();
+    for l in text.lines().take_while(|l| !l.starts_with("Usage:")) {
+        let l = l.trim();
+        let l = l.strip_prefix("error: ").unwrap_or(l);
+        if l.is_empty() {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(if out.ends_with(':') { " " } else { "; " });
+        }
+        out.push_str(l);
+    }
+    out
+}
+
+/// The argument a usage error is about (`<NAME>`, `--size-limit
+/// <BYTES|none>`), as clap names it; several missing ones joined with a
+/// space.
+fn usage_argument(e: &clap::Error) -> Option<String> {
+    use clap::error::{ContextKind, ContextValue};
+    match e.get(ContextKind::InvalidArg)? {
+        ContextValue::String(s) => Some(s.clone()),
+        ContextValue::Strings(v) => Some(v.join(" ")),
+        _ => None,
+    }
 }
 
 #[cfg(test)]

@@ -6,6 +6,12 @@
 //! characters as `\n`, `\u{202e}`…, a backslash as `\\`), so a name cannot
 //! forge a table row or reach the terminal as a control sequence. JSON output
 //! (`--json`) is serde's, byte for byte what the daemon sent.
+//!
+//! Sizes: JSON carries bytes (and `null` for no size limit). Text gives them
+//! a human form by [`loopd::size`]'s one rule: `64 MiB (67108864 bytes)` on
+//! `key: value` lines and in messages, `64M` in table cells; `--bytes` (as
+//! losetup's and lsblk's) prints plain byte counts for scripts instead. No
+//! size limit is the one word `none` in every text form.
 
 use anyhow::Result;
 use loopd::device::stats::{COUNTERS, Group};
@@ -23,6 +29,78 @@ fn s(v: &Value, k: &str) -> String {
 /// An untrusted string for a terminal (see the module doc).
 pub fn esc(x: &str) -> String {
     loopd::text::escape(x).into_owned()
+}
+
+/// No size limit, in every text form.
+const NO_LIMIT: &str = "none";
+
+/// How text output writes sizes (see the module doc).
+#[derive(Clone, Copy)]
+pub struct Sizes {
+    /// `--bytes`: plain byte counts.
+    pub bytes: bool,
+}
+
+impl Sizes {
+    /// A size on a `key: value` line or in a message.
+    fn long(self, n: u64) -> String {
+        if self.bytes {
+            n.to_string()
+        } else {
+            loopd::size::human_exact(n)
+        }
+    }
+
+    /// A size in a sentence: as [`Sizes::long`], with `bytes` after a plain count.
+    fn said(self, n: u64) -> String {
+        if self.bytes {
+            format!("{n} bytes")
+        } else {
+            loopd::size::human_exact(n)
+        }
+    }
+
+    /// A size in a table cell.
+    fn cell(self, n: u64) -> String {
+        if self.bytes {
+            n.to_string()
+        } else {
+            loopd::size::human_short(n)
+        }
+    }
+
+    /// `v[k]`, a size, as [`Sizes::long`] (`-` if absent).
+    fn long_of(self, v: &Value, k: &str) -> String {
+        v[k].as_u64().map_or_else(|| "-".into(), |n| self.long(n))
+    }
+
+    /// `v[k]`, a size, as [`Sizes::cell`] (`-` if absent).
+    fn cell_of(self, v: &Value, k: &str) -> String {
+        v[k].as_u64().map_or_else(|| "-".into(), |n| self.cell(n))
+    }
+
+    /// A config field's value in a sentence (`reload`'s changes): sizes as
+    /// [`Sizes::said`], no size limit and the default block size as words,
+    /// booleans as yes/no.
+    pub fn value(self, field: &str, v: &Value) -> String {
+        match (field, v) {
+            ("size_limit", Value::Null) => NO_LIMIT.into(),
+            ("block_size", Value::Null) => "default".into(),
+            ("size_limit" | "offset", Value::Number(n)) => {
+                n.as_u64().map_or_else(|| n.to_string(), |n| self.said(n))
+            }
+            (_, Value::Bool(b)) => if *b { "yes" } else { "no" }.into(),
+            (_, Value::String(x)) => esc(x),
+            (_, x) => esc(&x.to_string()),
+        }
+    }
+
+    /// A size limit (`null`: none), as `f` writes a size.
+    fn limit(self, v: &Value, f: fn(Sizes, u64) -> String) -> String {
+        v["size_limit"]
+            .as_u64()
+            .map_or_else(|| NO_LIMIT.into(), |n| f(self, n))
+    }
 }
 
 fn yn(v: &Value, k: &str) -> &'static str {
@@ -76,7 +154,7 @@ pub fn print_device(v: &Value, json: bool) -> Result<()> {
 }
 
 /// `list`: a table like `losetup --list`.
-pub fn print_list(v: &Value, json: bool) -> Result<()> {
+pub fn print_list(v: &Value, json: bool, sz: Sizes) -> Result<()> {
     let devs = v["devices"].as_array().cloned().unwrap_or_default();
     if json {
         println!("{}", pretty(&Value::Array(devs))?);
@@ -103,8 +181,8 @@ pub fn print_list(v: &Value, json: bool) -> Result<()> {
             rows.push(vec![
                 s(d, "name"),
                 "-".into(),
-                s(d, "offset"),
-                "-".into(),
+                sz.cell_of(d, "offset"),
+                sz.limit(d, Sizes::cell),
                 "-".into(),
                 s(d, "cache"),
                 "-".into(),
@@ -118,13 +196,9 @@ pub fn print_list(v: &Value, json: bool) -> Result<()> {
         }
         rows.push(vec![
             s(d, "name"),
-            s(d, "size"),
-            s(d, "offset"),
-            if d["size_limit"].is_null() {
-                "0".into()
-            } else {
-                s(d, "size_limit")
-            },
+            sz.cell_of(d, "size"),
+            sz.cell_of(d, "offset"),
+            sz.limit(d, Sizes::cell),
             s(d, "block_size"),
             s(d, "cache"),
             yn(d, "direct").into(),
@@ -140,7 +214,7 @@ pub fn print_list(v: &Value, json: bool) -> Result<()> {
 }
 
 /// `status`: configuration and counters as `key: value` lines.
-pub fn print_status(v: &Value, json: bool) -> Result<()> {
+pub fn print_status(v: &Value, json: bool, sz: Sizes) -> Result<()> {
     if json {
         println!("{}", pretty(v)?);
         return Ok(());
@@ -151,17 +225,14 @@ pub fn print_status(v: &Value, json: bool) -> Result<()> {
         println!("state: missing: {}", s(v, "reason"));
         return Ok(());
     }
-    for k in [
-        "name",
-        "image",
-        "size",
-        "offset",
-        "size_limit",
-        "block_size",
-        "cache",
-    ] {
-        println!("{k}: {}", s(v, k));
-    }
+    println!("name: {}", s(v, "name"));
+    println!("image: {}", s(v, "image"));
+    println!("size: {}", sz.long_of(v, "size"));
+    println!("offset: {}", sz.long_of(v, "offset"));
+    println!("size_limit: {}", sz.limit(v, Sizes::long));
+    println!("file_size: {}", sz.long_of(v, "file_size"));
+    println!("block_size: {}", s(v, "block_size"));
+    println!("cache: {}", s(v, "cache"));
     println!("strict_block_size: {}", yn(v, "strict_block_size"));
     println!("direct: {}", yn(v, "direct"));
     println!("read_only: {}", yn(v, "read_only"));
@@ -181,7 +252,7 @@ pub fn print_status(v: &Value, json: bool) -> Result<()> {
         println!("tls_allow: {}", allow.join(" "));
     }
     println!("in_flight: {}", s(v, "in_flight"));
-    println!("budget_held: {}", s(v, "budget_held"));
+    println!("budget_held: {}", sz.long_of(v, "budget_held"));
     // Counters in the order they are declared (the JSON objects are sorted).
     for g in [Group::Requests, Group::Bytes, Group::Paths] {
         let parts: Vec<String> = COUNTERS
@@ -201,8 +272,8 @@ pub fn print_status(v: &Value, json: bool) -> Result<()> {
     for c in COUNTERS.iter().filter(|c| c.group == Group::Single) {
         println!("{}: {}", c.key, s(v, c.key));
     }
-    println!("bytes_read: {}", s(v, "bytes_read"));
-    println!("bytes_written: {}", s(v, "bytes_written"));
+    println!("bytes_read: {}", sz.long_of(v, "bytes_read"));
+    println!("bytes_written: {}", sz.long_of(v, "bytes_written"));
     let l = &v["latency"];
     println!(
         "latency_us: p50={} p99={} max={}",
@@ -215,7 +286,7 @@ pub fn print_status(v: &Value, json: bool) -> Result<()> {
 
 /// `status` without a name: one row per device (`--json`: the array of status
 /// objects).
-pub fn print_status_all(v: &Value, json: bool) -> Result<()> {
+pub fn print_status_all(v: &Value, json: bool, sz: Sizes) -> Result<()> {
     let devs = v["devices"].as_array().cloned().unwrap_or_default();
     if json {
         println!("{}", pretty(&Value::Array(devs))?);
@@ -240,11 +311,11 @@ pub fn print_status_all(v: &Value, json: bool) -> Result<()> {
             s(d, "in_flight"),
             d["requests"]["read"].as_u64().unwrap_or(0).to_string(),
             d["requests"]["write"].as_u64().unwrap_or(0).to_string(),
-            s(d, "bytes_read"),
-            s(d, "bytes_written"),
+            sz.cell_of(d, "bytes_read"),
+            sz.cell_of(d, "bytes_written"),
             errors.to_string(),
             s(&d["latency"], "p99_us"),
-            s(d, "budget_held"),
+            sz.cell_of(d, "budget_held"),
             s(d, "image"),
         ]);
     }
@@ -284,43 +355,52 @@ fn esc_once(c: &str) -> String {
     loopd::text::sanitize_line(c).into_owned()
 }
 
-/// `set` / `resize`: what changed and how long the device was held.
-pub fn print_set(v: &Value, json: bool) -> Result<()> {
+/// `set` / `resize`: what changed and how long the device was held, or why
+/// nothing changed; and when the size limit caps the file, which part of it.
+pub fn print_set(v: &Value, json: bool, sz: Sizes) -> Result<()> {
     if json {
         println!("{}", pretty(v)?);
         return Ok(());
     }
+    let n = |k: &str| v[k].as_u64().unwrap_or(0);
+    let name = s(v, "name");
+    let note = v["note"].as_str().map(esc);
     if v["changed"].as_bool().unwrap_or(false) {
         println!(
-            "{}: updated (size {}, offset {}, block size {}, read-only {}); requests held {} µs",
-            s(v, "name"),
-            s(v, "size"),
-            s(v, "offset"),
+            "{name}: updated (size {}, offset {}, block size {}, read-only {}); requests held {} µs",
+            sz.said(n("size")),
+            sz.said(n("offset")),
             s(v, "block_size"),
             yn(v, "read_only"),
             s(v, "quiesced_us")
         );
+        if let Some(n) = note {
+            println!("{name}: note: {n}");
+        }
     } else {
-        println!("{}: nothing to change", s(v, "name"));
-    }
-    if v["capped_by_size_limit"].as_bool().unwrap_or(false) {
-        let n = |k: &str| v[k].as_u64().unwrap_or(0);
-        println!(
-            "{}: size limit {} caps the file's {}",
-            s(v, "name"),
-            human(n("size_limit")),
-            human(n("file_size").saturating_sub(n("offset")))
-        );
-    }
-    Ok(())
-}
-
-/// `1073741824` → `1 GiB`; sizes that are not a whole unit stay in bytes.
-pub fn human(b: u64) -> String {
-    for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
-        if b >= 1 << shift && b % (1 << shift) == 0 {
-            return format!("{} {unit}", b >> shift);
+        match note {
+            Some(n) => println!("{name}: nothing to change: {n}"),
+            None => println!("{name}: nothing to change"),
         }
     }
-    format!("{b} bytes")
+    if v["capped_by_size_limit"].as_bool().unwrap_or(false) {
+        // The part of the file after the offset is what the limit caps.
+        let (limit, offset, file) = (n("size_limit"), n("offset"), n("file_size"));
+        if offset == 0 {
+            println!(
+                "{name}: size limit {} caps the file's {}",
+                sz.said(limit),
+                sz.said(file)
+            );
+        } else {
+            println!(
+                "{name}: size limit {} caps the {} of the file after offset {} (the file is {})",
+                sz.said(limit),
+                sz.said(file.saturating_sub(offset)),
+                sz.said(offset),
+                sz.said(file),
+            );
+        }
+    }
+    Ok(())
 }

@@ -8,11 +8,11 @@ use serde_json::Value;
 
 /// Print the daemon's reload report; an error when a device could not be
 /// attached or changed (after the report).
-pub fn print(v: &Value, json: bool) -> Result<()> {
+pub fn print(v: &Value, json: bool, sz: super::print::Sizes) -> Result<()> {
     if json {
         println!("{}", serde_json::to_string_pretty(v)?);
     } else {
-        print_text(v);
+        print_text(v, sz);
     }
     let failed = v
         .get("failed")
@@ -32,7 +32,38 @@ pub fn print(v: &Value, json: bool) -> Result<()> {
     anyhow::bail!("{msg}")
 }
 
-fn print_text(v: &Value) {
+/// One changed device: `c1: size-limit 50 MiB (52428800 bytes) → none,
+/// cache direct → buffered` (the name alone if the daemon did not say).
+fn changed_line(name: &str, v: &Value, sz: super::print::Sizes) -> String {
+    let fields = v
+        .get("changes")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .find(|c| c.get("name").and_then(Value::as_str) == Some(name))
+        .and_then(|c| c.get("fields"))
+        .and_then(Value::as_array);
+    let name = super::print::esc(name);
+    let Some(fields) = fields.filter(|f| !f.is_empty()) else {
+        return name;
+    };
+    let parts: Vec<String> = fields
+        .iter()
+        .map(|f| {
+            let key = f.get("field").and_then(Value::as_str).unwrap_or("?");
+            let val = |k: &str| sz.value(key, f.get(k).unwrap_or(&Value::Null));
+            format!(
+                "{} {} → {}",
+                super::print::esc(&key.replace('_', "-")),
+                val("from"),
+                val("to")
+            )
+        })
+        .collect();
+    format!("{name}: {}", parts.join(", "))
+}
+
+fn print_text(v: &Value, sz: super::print::Sizes) {
     let names = |k: &str| -> Vec<String> {
         v.get(k)
             .and_then(Value::as_array)
@@ -50,9 +81,18 @@ fn print_text(v: &Value) {
         return;
     };
     println!("config: {}", super::print::esc(cfg));
+    for n in v
+        .get("changed")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        if let Some(n) = n.as_str() {
+            println!("changed: {}", changed_line(n, v, sz));
+        }
+    }
     for (key, label) in [
         ("attached", "attached"),
-        ("changed", "changed"),
         ("unchanged", "unchanged"),
         (
             "kept",

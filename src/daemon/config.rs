@@ -13,6 +13,7 @@
 //! never a second attach.
 
 use super::params::name_of;
+use super::reload_report::FieldChange;
 use crate::device::spec::DeviceSpec;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
@@ -35,8 +36,10 @@ struct ConfigFile {
 /// Read a `--config` file: `[[device]]` tables.
 pub fn read(path: &Path) -> Result<Vec<DeviceSpec>, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read(path.into(), e))?;
-    let c: ConfigFile = toml::from_str(&text)
-        .map_err(|e| ConfigError::Parse(path.into(), e.message().to_owned()))?;
+    let c: ConfigFile = toml::from_str(&text).map_err(|e| {
+        let at = e.span().map(|r| where_in(&text, r.start));
+        ConfigError::Parse(path.into(), parse_message(at.as_deref(), e.message()))
+    })?;
     // Relative image paths are relative to the config file's directory.
     let base = std::path::absolute(path)
         .map_err(|e| ConfigError::Read(path.into(), e))?
@@ -55,6 +58,60 @@ pub fn read(path: &Path) -> Result<Vec<DeviceSpec>, ConfigError> {
             d
         })
         .collect())
+}
+
+/// A parse error's message after where it is (`line 7, column 1, in the
+/// [[device]] table 2 ("c1")`), when that is known.
+fn parse_message(at: Option<&str>, msg: &str) -> String {
+    let msg = msg.trim();
+    match at {
+        Some(at) => format!("{at}: {msg}"),
+        None => msg.to_owned(),
+    }
+}
+
+/// Where byte `pos` of a config file is, for a person: its line and column
+/// (both from 1, the column in characters) and, inside a `[[device]]`
+/// table, which one (from 1) and its name when the file names it.
+pub fn where_in(text: &str, pos: usize) -> String {
+    let pos = pos.min(text.len());
+    let pos = (0..=pos)
+        .rev()
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap_or(0);
+    let before = &text[..pos];
+    let line = before.matches('\n').count() + 1;
+    let start = before.rfind('\n').map_or(0, |i| i + 1);
+    let column = before[start..].chars().count() + 1;
+    let mut at = format!("line {line}, column {column}");
+    let header = |l: &str| {
+        let l: String = l.chars().filter(|c| !c.is_whitespace()).collect();
+        l.starts_with("[[device]]")
+    };
+    // The `[[device]]` headers up to and including the error's line; a
+    // header of another table after the last one ends it.
+    let (mut count, mut inside) = (0, false);
+    for l in text[..text[pos..].find('\n').map_or(text.len(), |i| pos + i)].lines() {
+        let t = l.trim_start();
+        if header(t) {
+            count += 1;
+            inside = true;
+        } else if t.starts_with('[') {
+            inside = false;
+        }
+    }
+    if inside {
+        let n = count;
+        at.push_str(&format!(", in the [[device]] table {n}"));
+        let name = toml::from_str::<toml::Table>(text).ok().and_then(|t| {
+            let d = t.get("device")?.as_array()?.get(n - 1)?.as_table()?.clone();
+            d.get("name").and_then(|v| v.as_str().map(str::to_owned))
+        });
+        if let Some(name) = name {
+            at.push_str(&format!(" ({})", crate::text::quoted(&name)));
+        }
+    }
+    at
 }
 
 /// Changes a reload can apply while clients stay connected.
@@ -172,6 +229,42 @@ pub fn plan_change(old: &[DeviceSpec], new: &[DeviceSpec]) -> Vec<Change> {
     out
 }
 
+/// The fields `live` changes on a device whose table was `old`.
+pub fn live_fields(old: &DeviceSpec, live: &LiveChange) -> Vec<FieldChange> {
+    let mut out = Vec::new();
+    if let Some(l) = live.size_limit {
+        out.push(field("size_limit", &old.size_limit, &l));
+    }
+    if let Some(c) = live.cache {
+        out.push(field("cache", &old.cache, &c));
+    }
+    if let Some(r) = live.read_only {
+        out.push(field("read_only", &old.read_only, &r));
+    }
+    out
+}
+
+/// The fields `idle` changes on a device whose table was `old`.
+pub fn idle_fields(old: &DeviceSpec, idle: &IdleChange) -> Vec<FieldChange> {
+    let mut out = Vec::new();
+    if let Some(o) = idle.offset {
+        out.push(field("offset", &old.offset, &o));
+    }
+    if let Some(b) = idle.block_size {
+        out.push(field("block_size", &old.block_size, &Some(b)));
+    }
+    out
+}
+
+fn field<T: serde::Serialize>(name: &'static str, from: &T, to: &T) -> FieldChange {
+    let v = |x: &T| serde_json::to_value(x).unwrap_or(serde_json::Value::Null);
+    FieldChange {
+        field: name,
+        from: v(from),
+        to: v(to),
+    }
+}
+
 /// The devices the next reload compares the file with, after a reload of `new`
 /// over `old`: the devices of `new`, but one whose change did not happen
 /// (`pending`) keeps its old table (none if it was not attached), and one gone
@@ -217,6 +310,56 @@ mod tests {
             image: PathBuf::from(format!("/img/{name}.img")),
             ..DeviceSpec::default()
         }
+    }
+
+    #[test]
+    fn changed_fields_say_from_what_to_what() {
+        let mut o = dev("a");
+        o.size_limit = Some(50 << 20);
+        o.cache = CacheMode::Direct;
+        let mut n = o.clone();
+        n.size_limit = None;
+        n.cache = CacheMode::Buffered;
+        n.offset = 4096;
+        let plan = plan_change(std::slice::from_ref(&o), &[n]);
+        let Change::Changed { live, idle, .. } = &plan[0] else {
+            panic!("{plan:?}")
+        };
+        let got: Vec<String> = live_fields(&o, live)
+            .into_iter()
+            .chain(idle_fields(&o, idle))
+            .map(|f| format!("{} {} {}", f.field, f.from, f.to))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                "size_limit 52428800 null",
+                "cache \"direct\" \"buffered\"",
+                "offset 0 4096"
+            ]
+        );
+    }
+
+    /// Issue 27: a config error names the line, the column and the
+    /// `[[device]]` table (and its name).
+    #[test]
+    fn config_errors_say_where() {
+        let text = "[[device]]\nimage = \"a.img\"\n\n[[device]]\nname = \"c1\"\nimage = \"b.img\"\nsise_limit = 5\n";
+        let dir = std::env::temp_dir().join(format!("loopd-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("bad.toml");
+        std::fs::write(&f, text).unwrap();
+        let e = read(&f).unwrap_err().to_string();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(
+            e.contains("bad.toml is not a valid config file: line 7, column 1, in the [[device]] table 2 (\"c1\"): unknown field `sise_limit`"),
+            "{e}"
+        );
+        assert_eq!(where_in("a = 1\n", 4), "line 1, column 5");
+        assert_eq!(
+            where_in("[[device]]\nx = é1\n", 17),
+            "line 2, column 6, in the [[device]] table 1"
+        );
     }
 
     #[test]

@@ -141,6 +141,10 @@ pub struct DeviceStatus {
     pub bytes: BTreeMap<String, u64>,
     pub bytes_read: u64,
     pub bytes_written: u64,
+    /// The backing file's (or image's) size, read when the status is made
+    /// (0 for a missing device).
+    #[serde(default)]
+    pub file_size: u64,
     /// Reads, writes, trims and write-zeroes not aligned to the block size
     /// (offset or length), served all the same.
     #[serde(default)]
@@ -175,6 +179,7 @@ impl DeviceStatus {
             bytes: group(Group::Bytes),
             bytes_read: snap.get(Group::Bytes, "read"),
             bytes_written: snap.get(Group::Bytes, "write"),
+            file_size: e.current().0.file_size_now(),
             unaligned: snap.get(Group::Single, "unaligned"),
             paths: group(Group::Paths),
             moves: snap.get(Group::Single, "moves"),
@@ -200,6 +205,7 @@ impl DeviceStatus {
             bytes: BTreeMap::new(),
             bytes_read: 0,
             bytes_written: 0,
+            file_size: 0,
             unaligned: 0,
             paths: BTreeMap::new(),
             moves: 0,
@@ -224,7 +230,7 @@ pub struct SetResult {
     pub changed: bool,
     /// How long this device's requests were held (0 when nothing was frozen).
     pub quiesced_us: u64,
-    /// The backing file's size.
+    /// The backing file's size, read when the answer is made.
     pub file_size: u64,
     /// The size limit makes the device smaller than the file (past its offset).
     pub capped_by_size_limit: bool,

@@ -264,7 +264,8 @@ impl Daemon {
         }
     }
 
-    /// Live devices and missing ones, by name.
+    /// Live devices and missing ones, by name in natural order (`new2`
+    /// before `new10`, [`crate::text::natural_cmp`]).
     pub fn list(&self) -> Vec<DeviceInfo> {
         let mut v: Vec<DeviceInfo> = self.all().iter().map(|e| self.info(e)).collect();
         if let Ok(m) = self.missing.lock() {
@@ -273,7 +274,7 @@ impl Daemon {
                     .map(|(n, x)| DeviceInfo::missing(n, &x.spec, &x.reason)),
             );
         }
-        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v.sort_by(|a, b| crate::text::natural_cmp(&a.name, &b.name));
         v
     }
 
@@ -291,7 +292,7 @@ impl Daemon {
         Ok(st)
     }
 
-    /// Every device's status (live and missing), sorted by name.
+    /// Every device's status (live and missing), in [`Daemon::list`]'s order.
     pub fn status_all(&self) -> Vec<DeviceStatus> {
         let names: Vec<String> = self.list().into_iter().map(|i| i.name).collect();
         // A device detached meanwhile is left out.
@@ -323,7 +324,8 @@ impl Exports for Daemon {
     }
 
     fn names(&self, ids: &[String]) -> Vec<String> {
-        self.exports
+        let mut v: Vec<String> = self
+            .exports
             .read()
             .map(|t| {
                 t.iter()
@@ -331,6 +333,8 @@ impl Exports for Daemon {
                     .map(|(n, _)| n.clone())
                     .collect()
             })
-            .unwrap_or_default()
+            .unwrap_or_default();
+        v.sort_by(|a, b| crate::text::natural_cmp(a, b));
+        v
     }
 }

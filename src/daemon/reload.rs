@@ -13,7 +13,7 @@ use super::config::{self, Change};
 use super::error::CtlError;
 use super::params::name_of;
 use super::registry::Daemon;
-pub use super::reload_report::{Problem, ReloadReport};
+pub use super::reload_report::{DeviceChanges, Problem, ReloadReport};
 use crate::control::proto::SetSpec;
 use crate::device::spec::DeviceSpec;
 use crate::text::quoted;
@@ -79,7 +79,21 @@ impl Daemon {
         let old = guard.as_ref().map(|(_, s)| s.clone()).unwrap_or_default();
         let mut r = ReloadReport::default();
         for change in config::plan_change(&old, &specs) {
-            self.apply_change(change, &specs, &mut r);
+            self.apply_change(change, &old, &specs, &mut r);
+        }
+        // People read the names; they count `new2` before `new10`.
+        for v in [
+            &mut r.attached,
+            &mut r.changed,
+            &mut r.unchanged,
+            &mut r.kept,
+        ] {
+            v.sort_by(|a, b| crate::text::natural_cmp(a, b));
+        }
+        r.changes
+            .sort_by(|a, b| crate::text::natural_cmp(&a.name, &b.name));
+        for v in [&mut r.not_applied, &mut r.failed] {
+            v.sort_by(|a, b| crate::text::natural_cmp(&a.name, &b.name));
         }
         for p in &r.not_applied {
             tracing::warn!("reload: device {}: {}", quoted(&p.name), p.message);
@@ -108,10 +122,17 @@ impl Daemon {
         r
     }
 
-    fn apply_change(&self, change: Change, specs: &[DeviceSpec], r: &mut ReloadReport) {
+    fn apply_change(
+        &self,
+        change: Change,
+        old: &[DeviceSpec],
+        specs: &[DeviceSpec],
+        r: &mut ReloadReport,
+    ) {
+        // The message with its causes (an errno among them), each once.
         let fail = |name: &str, e: CtlError| Problem {
             name: name.to_owned(),
-            message: e.to_string(),
+            message: crate::text::error_chain(&e),
         };
         match change {
             Change::Attach(spec) => {
@@ -145,6 +166,8 @@ impl Daemon {
                     self.reattach(&name, specs, r);
                     return;
                 }
+                let was = old.iter().find(|o| name_of(o) == name);
+                let mut fields = Vec::new();
                 let mut done = false;
                 let mut failed = false;
                 if live != config::LiveChange::default() {
@@ -156,7 +179,14 @@ impl Daemon {
                         ..SetSpec::default()
                     };
                     match self.set(s) {
-                        Ok(_) => done = true,
+                        Ok(_) => {
+                            done = true;
+                            fields.extend(
+                                was.map(|o| config::live_fields(o, &live))
+                                    .into_iter()
+                                    .flatten(),
+                            );
+                        }
                         // A smaller size or read-only on with clients connected:
                         // `set` wants --force, which a reload never gives.
                         Err(CtlError::Busy(why)) => r.not_applied.push(Problem {
@@ -177,7 +207,14 @@ impl Daemon {
                         ..SetSpec::default()
                     };
                     match self.set(s) {
-                        Ok(_) => done = true,
+                        Ok(_) => {
+                            done = true;
+                            fields.extend(
+                                was.map(|o| config::idle_fields(o, &idle))
+                                    .into_iter()
+                                    .flatten(),
+                            );
+                        }
                         Err(CtlError::Busy(_)) => {
                             let clients = self.export(&name).map_or(0, |e| e.clients());
                             r.not_applied.push(Problem {
@@ -201,6 +238,10 @@ impl Daemon {
                     });
                 }
                 if done && !failed {
+                    r.changes.push(DeviceChanges {
+                        name: name.clone(),
+                        fields,
+                    });
                     r.changed.push(name);
                 }
             }
@@ -216,7 +257,7 @@ impl Daemon {
             Ok(_) => r.attached.push(name.to_owned()),
             Err(e) => r.failed.push(Problem {
                 name: name.to_owned(),
-                message: e.to_string(),
+                message: crate::text::error_chain(&e),
             }),
         }
     }

@@ -16,6 +16,8 @@ pub struct ReloadReport {
     pub attached: Vec<String>,
     /// Devices whose changes were applied.
     pub changed: Vec<String>,
+    /// What changed on each of `changed`, field by field.
+    pub changes: Vec<DeviceChanges>,
     pub unchanged: Vec<String>,
     /// Devices no longer in the file, still attached.
     pub kept: Vec<String>,
@@ -23,6 +25,23 @@ pub struct ReloadReport {
     pub not_applied: Vec<Problem>,
     /// Devices that could not be attached or changed.
     pub failed: Vec<Problem>,
+}
+
+/// The fields a reload changed on one device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DeviceChanges {
+    pub name: String,
+    pub fields: Vec<FieldChange>,
+}
+
+/// One field a reload changed: its config key, and its value in the file
+/// before and now (sizes in bytes, `null` for none: no size limit, the
+/// default block size).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FieldChange {
+    pub field: &'static str,
+    pub from: serde_json::Value,
+    pub to: serde_json::Value,
 }
 
 /// One device's change that did not happen.

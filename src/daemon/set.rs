@@ -83,7 +83,9 @@ impl Daemon {
                 self.record_put(&e, &new)?;
             }
             e.set_spec(new);
-            return Ok(self.set_result(&e, false, 0));
+            let mut r = self.set_result(&e, false, 0);
+            r.device.note = Some(why_unchanged(&s, &r));
+            return Ok(r);
         }
         let clients = e.clients();
         let geometry = |d: &Device, read_only| set_rules::Geometry {
@@ -125,14 +127,19 @@ impl Daemon {
         self.kernel_resize(&e, kernel);
         e.set_spec(new);
         let quiesced_us = u64::try_from(held.as_micros()).unwrap_or(u64::MAX);
-        Ok(self.set_result(&e, true, quiesced_us))
+        let mut r = self.set_result(&e, true, quiesced_us);
+        if s.read_only == Some(false) && r.device.write_protected {
+            r.device.note = Some(stays_read_only(&r));
+        }
+        Ok(r)
     }
 
-    /// A `set`/`resize` result, with the file's size and whether the size
-    /// limit caps it.
+    /// A `set`/`resize` result, with the file's size as it is now (read
+    /// again: the file may have grown since the device last looked) and
+    /// whether the size limit caps it.
     pub(super) fn set_result(&self, e: &Export, changed: bool, quiesced_us: u64) -> SetResult {
         let (dev, _) = e.current();
-        let file_size = dev.file_size.load(std::sync::atomic::Ordering::Relaxed);
+        let file_size = dev.file_size_now();
         let capped = e
             .spec()
             .size_limit
@@ -167,7 +174,11 @@ impl Daemon {
             cur.file_size
                 .store(dev.file_size(), std::sync::atomic::Ordering::Relaxed);
             drop(dev);
-            return Ok(self.set_result(&e, false, 0));
+            let mut r = self.set_result(&e, false, 0);
+            if !r.capped_by_size_limit {
+                r.device.note = Some("the device already has the size the file gives it".into());
+            }
+            return Ok(r);
         }
         let kernel = self.kernel_follows(&e, &cur, &dev)?;
         let held = e.quiesce_and_swap(Some(dev));
@@ -175,4 +186,22 @@ impl Daemon {
         let quiesced_us = u64::try_from(held.as_micros()).unwrap_or(u64::MAX);
         Ok(self.set_result(&e, true, quiesced_us))
     }
+}
+
+/// A write-protected image asked to be writable: why it is not.
+fn stays_read_only(r: &SetResult) -> String {
+    format!(
+        "{} is write-protected (loopd cannot open it for writing: a read-only mount or file \
+         mode), so the device stays read-only",
+        quoted_path(&r.device.image)
+    )
+}
+
+/// Why a `set` changed nothing: the device is already so, or (asked to be
+/// writable) its image is write-protected.
+fn why_unchanged(s: &SetSpec, r: &SetResult) -> String {
+    if s.read_only == Some(false) && r.device.write_protected {
+        return stays_read_only(r);
+    }
+    "the device already has these settings".to_owned()
 }

@@ -581,6 +581,17 @@ impl Device {
         self.file_size.load(Ordering::Relaxed)
     }
 
+    /// The backing data's length now, asked of the backend (for what is
+    /// shown to people: the file may have grown since the device opened
+    /// it); what was last seen if the backend cannot tell. Changes nothing:
+    /// the data path and the RBD follower keep their last-seen size.
+    pub fn file_size_now(&self) -> u64 {
+        match self.backend.current_len() {
+            0 => self.file_size(),
+            n => n,
+        }
+    }
+
     pub fn stats(&self) -> &Arc<Stats> {
         &self.stats
     }

@@ -40,7 +40,7 @@ fn family(g: Group) -> Option<(&'static str, &'static str, &'static str)> {
 /// The whole exposition.
 pub fn render(daemon: &Daemon, p: &Process) -> String {
     let mut exports = daemon.all();
-    exports.sort_by(|a, b| a.name.cmp(&b.name));
+    exports.sort_by(|a, b| crate::text::natural_cmp(&a.name, &b.name));
     let snaps: Vec<(&str, Snapshot)> = exports
         .iter()
         .map(|e| (e.name.as_str(), Snapshot::of(&e.stats)))

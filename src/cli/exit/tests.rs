@@ -299,3 +299,21 @@ fn every_printed_error_says_each_cause_once() {
         assert_ne!(classify(e), "internal", "{text}");
     }
 }
+
+/// Issue 27: a usage error's one line keeps the arguments clap lists on
+/// lines of their own.
+#[test]
+fn usage_message_keeps_the_missing_argument() {
+    let text = "error: the following required arguments were not provided:\n  <NAME>\n\n\
+                Usage: loopd status --json <NAME>\n\nFor more information, try '--help'.\n";
+    assert_eq!(
+        usage_message(text),
+        "the following required arguments were not provided: <NAME>"
+    );
+    let text = "error: unexpected argument '--bogus' found\n\n  tip: to pass '--bogus' as a value, \
+                use '-- --bogus'\n\nUsage: loopd list [OPTIONS]\n";
+    assert_eq!(
+        usage_message(text),
+        "unexpected argument '--bogus' found; tip: to pass '--bogus' as a value, use '-- --bogus'"
+    );
+}
