@@ -491,7 +491,10 @@ mod tests {
         for (name, c) in commands() {
             let f: Vec<&str> = c
                 .get_arguments()
-                .filter(|a| a.get_short() == Some('f') || a.get_all_short_aliases().is_some_and(|s| s.contains(&'f')))
+                .filter(|a| {
+                    a.get_short() == Some('f')
+                        || a.get_all_short_aliases().is_some_and(|s| s.contains(&'f'))
+                })
                 .map(|a| a.get_id().as_str())
                 .collect();
             let want: &[&str] = match name.as_str() {

@@ -43,12 +43,21 @@ fn every_json_command_takes_short_j() {
     // A failure under -J: the error object on stdout, as with --json.
     let out = srv.ctl(&["status", "nosuch", "-J"]);
     assert_ctl_error(&out, "not_found");
-    assert_eq!(Json::parse(&out.stdout).at("error").at("code").str(), "not_found");
+    assert_eq!(
+        Json::parse(&out.stdout).at("error").at("code").str(),
+        "not_found"
+    );
     let out = srv.ctl(&["status", "-J", "--no-such-option"]);
     assert_eq!(out.status.code(), Some(2), "{out}");
-    assert_eq!(Json::parse(&out.stdout).at("error").at("code").str(), "usage");
+    assert_eq!(
+        Json::parse(&out.stdout).at("error").at("code").str(),
+        "usage"
+    );
     // `kernel` commands without a kernel: the command line is what counts.
-    for k in [&["kernel", "detach", "-J", "--help"][..], &["kernel", "attach", "-J", "--help"]] {
+    for k in [
+        &["kernel", "detach", "-J", "--help"][..],
+        &["kernel", "attach", "-J", "--help"],
+    ] {
         let out = loopd_run(k);
         assert!(out.success(), "{out}");
     }
@@ -70,7 +79,10 @@ fn detach_takes_several_names() {
             .any(|l| l.starts_with("loopd: error: nosuch: ") && l.ends_with("(not_found)")),
         "{out}"
     );
-    assert!(out.stderr.contains("1 of 3 device(s) not detached"), "{out}");
+    assert!(
+        out.stderr.contains("1 of 3 device(s) not detached"),
+        "{out}"
+    );
     assert_eq!(srv.device_names(), ["c", "d", "e"]);
 
     // A client keeps `c` busy: the first failure (busy) sets the status.
@@ -179,7 +191,13 @@ fn serve_takes_qemu_nbd_spellings() {
         .arg(&img)
         .arg("-k")
         .arg(&sock)
-        .args(["-p", &port.to_string(), "-t", "--cache=none", "--aio=io_uring"])
+        .args([
+            "-p",
+            &port.to_string(),
+            "-t",
+            "--cache=none",
+            "--aio=io_uring",
+        ])
         .args(["-f", "raw", "-x", "q"])
         .start();
     let unix = format!("nbd+unix:///q?socket={}", pct(path_str(&sock)));
@@ -189,7 +207,11 @@ fn serve_takes_qemu_nbd_spellings() {
     qemu_io(&unix, &["read -P 0x6b 1M 4k"]);
     let st = srv.ctl_json(&["status", "q"]);
     assert_eq!(st.at("cache").str(), "direct", "{st:?}");
-    assert!(!srv.stderr_text().contains("--aio"), "{}", srv.stderr_text());
+    assert!(
+        !srv.stderr_text().contains("--aio"),
+        "{}",
+        srv.stderr_text()
+    );
     drop(srv);
 
     let srv = Server::daemon()

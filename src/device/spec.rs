@@ -205,8 +205,18 @@ mod tests {
         assert!(e.contains("not a size"), "{e}");
         // A limit of `none` or 0 is no limit, as on the command line.
         for none in ["\"none\"", "0", "\"0\""] {
-            let t: DeviceSpec = toml::from_str(&format!("image = \"/a\"\nsize_limit = {none}\n")).unwrap();
+            let t: DeviceSpec =
+                toml::from_str(&format!("image = \"/a\"\nsize_limit = {none}\n")).unwrap();
             assert_eq!(t.size_limit, None, "{none}");
+        }
+        // qemu's cache names, as on the command line.
+        for (qemu, mode) in [
+            ("none", CacheMode::Direct),
+            ("writeback", CacheMode::Buffered),
+        ] {
+            let t: DeviceSpec =
+                toml::from_str(&format!("image = \"/a\"\ncache = \"{qemu}\"\n")).unwrap();
+            assert_eq!(t.cache, mode, "{qemu}");
         }
         let d: DeviceSpec = serde_json::from_str(r#"{"image":"/a"}"#).unwrap();
         assert_eq!((d.offset, d.size_limit), (0, None));
