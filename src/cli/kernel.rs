@@ -98,7 +98,8 @@ pub struct KernelAttach {
     #[arg(long, short = 'P')]
     partscan: bool,
     /// Accepted for `losetup -f --show`: loopd always takes the first free
-    /// device and prints it.
+    /// device and prints it. `-f` is losetup's here (on `serve` and `attach`
+    /// it is qemu-nbd's --format, which has no short spelling here).
     #[arg(long, short = 'f')]
     find: bool,
     /// Accepted for `losetup --show`: the device is always printed.
