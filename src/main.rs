@@ -36,7 +36,8 @@ enum Cmd {
     /// Attach an image (or several, in one durable step) as new devices of a
     /// running server; prints each one's name and URIs.
     Attach(AttachArgs),
-    /// Remove a device. Refuses while clients are connected unless --force.
+    /// Remove devices (one or several). Refuses while clients are connected
+    /// unless --force.
     Detach(DetachArgs),
     /// List devices, like `losetup --list`.
     List(ListArgs),
@@ -117,7 +118,7 @@ struct AttachArgs {
     #[arg(long)]
     autoclear: bool,
     /// Print the result as JSON.
-    #[arg(long)]
+    #[arg(long, short = 'J')]
     json: bool,
     #[command(flatten)]
     ctl: ControlArg,
@@ -125,15 +126,19 @@ struct AttachArgs {
 
 #[derive(clap::Args)]
 struct DetachArgs {
-    /// Device name.
-    name: String,
+    /// Device names. Each is detached on its own, in order (one request
+    /// each): each success prints `detached NAME`, each failure one error
+    /// line naming it, and the exit status is the first failure's. With
+    /// several names --json prints one array, an object per name.
+    #[arg(value_name = "NAME", required = true)]
+    names: Vec<String>,
     /// Detach even with clients connected: their sockets are shut down and their
     /// file I/O in flight cancelled; the command returns once they are gone (or
     /// says how many still wait for a backing file that does not answer, after 5 s).
     #[arg(long)]
     force: bool,
     /// Print the result as JSON.
-    #[arg(long)]
+    #[arg(long, short = 'J')]
     json: bool,
     #[command(flatten)]
     ctl: ControlArg,
@@ -156,7 +161,7 @@ struct StatusArgs {
     /// Device name (without one: every device, one row each).
     name: Option<String>,
     /// Print JSON instead of text.
-    #[arg(long)]
+    #[arg(long, short = 'J')]
     json: bool,
     /// Print sizes as plain byte counts (for scripts), not in human units.
     #[arg(long)]
@@ -169,8 +174,8 @@ struct StatusArgs {
 struct SetArgs {
     /// Device name.
     name: String,
-    /// New size of the window, in bytes (K/M/G/T), or `none` to remove the
-    /// limit (the window then reaches the end of the file). Shrinking the
+    /// New size of the window, in bytes (K/M/G/T), or `none` (or 0) to remove
+    /// the limit (the window then reaches the end of the file). Shrinking the
     /// device needs --force while clients are connected.
     #[arg(long, visible_alias = "sizelimit", value_name = "BYTES|none", value_parser = cli::parse_limit)]
     size_limit: Option<cli::Limit>,
@@ -200,7 +205,7 @@ struct SetArgs {
     #[arg(long)]
     force: bool,
     /// Print the result as JSON.
-    #[arg(long)]
+    #[arg(long, short = 'J')]
     json: bool,
     /// Print sizes as plain byte counts (for scripts), not in human units.
     #[arg(long)]
@@ -214,7 +219,7 @@ struct ResizeArgs {
     /// Device name.
     name: String,
     /// Print the result as JSON.
-    #[arg(long)]
+    #[arg(long, short = 'J')]
     json: bool,
     /// Print sizes as plain byte counts (for scripts), not in human units.
     #[arg(long)]
@@ -226,7 +231,7 @@ struct ResizeArgs {
 #[derive(clap::Args)]
 struct ReloadTlsArgs {
     /// Print the result as JSON.
-    #[arg(long)]
+    #[arg(long, short = 'J')]
     json: bool,
     #[command(flatten)]
     ctl: ControlArg,
@@ -235,7 +240,7 @@ struct ReloadTlsArgs {
 #[derive(clap::Args)]
 struct ReloadArgs {
     /// Print the report as JSON.
-    #[arg(long)]
+    #[arg(long, short = 'J')]
     json: bool,
     /// Print sizes as plain byte counts (for scripts), not in human units.
     #[arg(long)]
@@ -287,16 +292,7 @@ fn run(cli: Cli) -> Result<()> {
             a.autoclear,
             a.json,
         ),
-        Cmd::Detach(a) => {
-            let v = call(
-                &a.ctl,
-                &Request::Detach {
-                    name: a.name.clone(),
-                    force: a.force,
-                },
-            )?;
-            cli::print_done(&v, a.json, &format!("detached {}", a.name))
-        }
+        Cmd::Detach(a) => cli::detach::run(&a.ctl.path(), &a.names, a.force, a.json),
         Cmd::List(a) => cli::print_list(
             &call(&a.ctl, &Request::List)?,
             a.json,
@@ -488,6 +484,62 @@ mod tests {
     #[test]
     fn each_subcommand_keeps_its_variants_text_once_built() {
         check_own_text(&command(), "loopd");
+    }
+
+    /// Every subcommand (built) with its path, e.g. `"kernel attach"`.
+    fn each_command(cmd: &Command, path: &str, out: &mut Vec<(String, Command)>) {
+        for s in cmd.get_subcommands().filter(|s| s.get_name() != "help") {
+            let name = format!("{path} {}", s.get_name()).trim().to_owned();
+            out.push((name.clone(), s.clone()));
+            each_command(s, &name, out);
+        }
+    }
+
+    fn commands() -> Vec<(String, Command)> {
+        let mut out = Vec::new();
+        each_command(&full(), "", &mut out);
+        out
+    }
+
+    /// `list -J` but not `status -J` was a surprise: every `--json` is `-J` too.
+    #[test]
+    fn every_json_option_is_also_short_j() {
+        let mut n = 0;
+        for (name, c) in commands() {
+            for a in c.get_arguments().filter(|a| a.get_long() == Some("json")) {
+                assert_eq!(a.get_short(), Some('J'), "loopd {name} --json has no -J");
+                n += 1;
+            }
+        }
+        assert!(n >= 11, "only {n} --json options");
+    }
+
+    /// `-f` has one meaning per command: losetup's (`--find`) on `kernel
+    /// attach`, which mimics losetup, and qemu-nbd's (`--format`) elsewhere;
+    /// where `-f` is find, `--format` has no short spelling.
+    #[test]
+    fn short_f_means_one_thing_per_command() {
+        let mut seen = Vec::new();
+        for (name, c) in commands() {
+            let f: Vec<&str> = c
+                .get_arguments()
+                .filter(|a| {
+                    a.get_short() == Some('f')
+                        || a.get_all_short_aliases().is_some_and(|s| s.contains(&'f'))
+                })
+                .map(|a| a.get_id().as_str())
+                .collect();
+            let want: &[&str] = match name.as_str() {
+                "kernel attach" => &["find"],
+                _ if c.get_arguments().any(|a| a.get_id() == "format") => &["format"],
+                _ => &[],
+            };
+            assert_eq!(f, want, "loopd {name} -f");
+            if !f.is_empty() {
+                seen.push(name);
+            }
+        }
+        assert_eq!(seen, ["serve", "attach", "kernel attach"]);
     }
 
     #[test]

@@ -10,6 +10,11 @@
 //! figure is never alone where the exact one matters: [`human_exact`] adds
 //! the bytes.
 //!
+//! A size limit (`--size-limit` of every command, `size_limit` in a config
+//! file) is read by [`parse_limit`] alone: a size, or `none` or `0` for no
+//! limit (the window reaches the end of the file, as losetup's
+//! `--sizelimit 0` and the kernel's `lo_sizelimit` 0 mean).
+//!
 //! Contract: pure functions; every string is either a byte count that is
 //! exactly what it says, or an error naming it.
 
@@ -73,6 +78,20 @@ pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     }
     let part = u64::try_from(scaled / den).map_err(|_| over())?;
     whole.checked_add(part).ok_or_else(over)
+}
+
+/// Parse a size limit: `none` (any case) or `0` is no limit (`None`: to the
+/// end of the file); anything else a size as [`parse_size`] reads it.
+pub fn parse_limit(s: &str) -> Result<Option<u64>, SizeError> {
+    if s.trim().eq_ignore_ascii_case("none") {
+        return Ok(None);
+    }
+    parse_size(s).map(limit_of)
+}
+
+/// A limit given as a number of bytes: 0 is no limit.
+pub fn limit_of(n: u64) -> Option<u64> {
+    (n != 0).then_some(n)
 }
 
 /// Parse a block size (`512`, `4k`): a size that fits 32 bits.
@@ -183,6 +202,16 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    #[test]
+    fn limits_are_sizes_or_none_and_zero_is_none() {
+        assert_eq!(parse_limit("1M"), Ok(Some(1 << 20)));
+        for none in ["none", "NONE", " None ", "0", "0K", "0.0G"] {
+            assert_eq!(parse_limit(none), Ok(None), "{none}");
+        }
+        assert!(parse_limit("nothing").is_err());
+        assert!(parse_limit("-1").is_err());
     }
 
     #[test]

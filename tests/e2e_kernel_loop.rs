@@ -292,6 +292,22 @@ fn attach_offset_and_size_limit() {
     assert_eq!(l[0].at("sizelimit").u64(), 2 * MIB);
 }
 
+/// `--size-limit none` and `--size-limit 0` are no limit (the kernel's
+/// `lo_sizelimit` 0), as on every loopd command: the device is the file
+/// from the offset to its end.
+#[test]
+fn attach_size_limit_none_or_zero_is_the_rest_of_the_file() {
+    require_root();
+    let dir = image_dir();
+    for (i, none) in ["none", "0"].into_iter().enumerate() {
+        let img = dir.path().join(format!("knone{i}.img"));
+        create_pattern_image(&img, 4 * MIB, 13);
+        let (dev, _) = KernelLoop::attach(&img, &["--offset", "1M", "--size-limit", none]);
+        assert_eq!(dev.size(), 3 * MIB, "--size-limit {none}");
+        assert_eq!(dev.sysfs("loop/sizelimit").as_deref(), Some("0"), "{none}");
+    }
+}
+
 /// `--read-only`: sysfs `ro` is 1, opening for writing and `dd` fail, reads
 /// work, and the image is unchanged.
 #[test]

@@ -1,5 +1,5 @@
 //! Argument types shared by subcommands: a device's options (`attach`,
-//! `serve IMAGE`), their value enums, `set --size-limit`, and reading a
+//! `serve IMAGE`), their value enums, `--size-limit`, and reading a
 //! `--config` file.
 
 use anyhow::Result;
@@ -11,13 +11,18 @@ use loopd::device::spec::Blockdev;
 use loopd::size::{parse_block_size, parse_size};
 use std::path::{Path, PathBuf};
 
+/// `--cache`; qemu's names for the same two caches are accepted too.
 #[derive(Clone, Copy, ValueEnum)]
 pub enum Cache {
     /// Direct I/O where the filesystem allows it, else buffered (and say which).
     Auto,
-    /// O_DIRECT: keep the image out of the page cache; fail if the filesystem refuses.
+    /// O_DIRECT: keep the image out of the page cache; fail if the filesystem
+    /// refuses. Also spelt `none`, as qemu-nbd's --cache=none.
+    #[value(alias = "none")]
     Direct,
-    /// Through the page cache.
+    /// Through the page cache. Also spelt `writeback`, as qemu-nbd's
+    /// --cache=writeback.
+    #[value(alias = "writeback")]
     Buffered,
 }
 
@@ -47,9 +52,10 @@ pub struct DeviceArgs {
     #[arg(long, short = 'o', value_name = "BYTES", value_parser = parse_size, default_value = "0")]
     pub offset: u64,
     /// Size of the exported window (like losetup --sizelimit); may reach past the
-    /// end of the file, which then reads as zeros [default: to the end of the file].
-    #[arg(long, visible_alias = "sizelimit", value_name = "BYTES", value_parser = parse_size)]
-    pub size_limit: Option<u64>,
+    /// end of the file, which then reads as zeros. `none` or 0: to the end of
+    /// the file (the default).
+    #[arg(long, visible_alias = "sizelimit", value_name = "BYTES|none", value_parser = parse_limit)]
+    pub size_limit: Option<Limit>,
     /// Logical block size: 512, 1024, 2048 or 4096 [default: the file's direct-I/O
     /// alignment (statx), else the filesystem device's block size, else 512].
     /// NBD clients are told it is the preferred size; the minimum is 1 byte
@@ -82,7 +88,9 @@ pub struct DeviceArgs {
     pub shared: bool,
     /// Declare the image's format: `raw` serves its bytes as they are, even if they
     /// look like qcow2, vmdk, ... [default: probe and refuse non-raw images].
-    #[arg(long, short = 'f', value_enum, value_name = "FORMAT")]
+    /// `-f` is this option, as in qemu-nbd (losetup's `-f`, the first free
+    /// device, is `loopd kernel attach -f`).
+    #[arg(long, short = 'f', value_name = "FORMAT", value_parser = FormatParser)]
     pub format: Option<Format>,
     /// Also hand the device to the kernel as a block device: `ublk` gives
     /// /dev/ublkbN (Linux 6.0+, module ublk_drv); `nbd` connects the kernel's NBD
@@ -148,6 +156,48 @@ pub enum Format {
     Raw,
 }
 
+/// `--format`/`-f` of `serve` and `attach`: [`Format`]'s values, and for
+/// anything else an error that says `-f` is the format here, for a losetup
+/// user whose `-f` means "the first free device" (`-f disk.img`).
+#[derive(Clone)]
+pub struct FormatParser;
+
+impl clap::builder::TypedValueParser for FormatParser {
+    type Value = Format;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<Format, clap::Error> {
+        let inner = clap::builder::EnumValueParser::<Format>::new();
+        inner.parse_ref(cmd, arg, value).map_err(|_| {
+            clap::Error::raw(
+                clap::error::ErrorKind::InvalidValue,
+                format!(
+                    "invalid value {} for '--format <FORMAT>': the one format is raw. \
+                     -f is --format here, as in qemu-nbd; losetup's -f (the first free \
+                     device) is `loopd kernel attach -f`, and `loopd attach` always makes \
+                     a new device\n",
+                    loopd::text::quoted(&value.to_string_lossy())
+                ),
+            )
+            .with_cmd(cmd)
+        })
+    }
+
+    fn possible_values(
+        &self,
+    ) -> Option<Box<dyn Iterator<Item = clap::builder::PossibleValue> + '_>> {
+        Some(Box::new(
+            Format::value_variants()
+                .iter()
+                .filter_map(ValueEnum::to_possible_value),
+        ))
+    }
+}
+
 impl From<Format> for ImageFormat {
     fn from(f: Format) -> ImageFormat {
         match f {
@@ -172,7 +222,7 @@ impl DeviceArgs {
             rbd_lock_owner: None,
             name: self.name.clone(),
             offset: self.offset,
-            size_limit: self.size_limit,
+            size_limit: self.size_limit.and_then(|l| l.0),
             block_size: self.block_size,
             strict_block_size: self.strict_block_size,
             cache: self.cache.into(),
@@ -198,14 +248,13 @@ pub fn read_config(path: &Path) -> Result<Vec<DeviceSpec>> {
     Ok(loopd::daemon::config::read(path)?)
 }
 
-/// `set --size-limit`: a size, or `none` (no limit).
+/// `--size-limit` of every command: a size, or no limit (`None`).
 #[derive(Clone, Copy)]
 pub struct Limit(pub Option<u64>);
 
-/// `set --size-limit`: a size, or `none` to remove the limit.
+/// `--size-limit` of every command (`attach`, `serve`, `set`, `kernel
+/// attach`): a size, or `none` or `0` for no limit, read by the one parser
+/// config files use too ([`loopd::size::parse_limit`]).
 pub fn parse_limit(s: &str) -> Result<Limit, loopd::size::SizeError> {
-    if s.eq_ignore_ascii_case("none") {
-        return Ok(Limit(None));
-    }
-    parse_size(s).map(|n| Limit(Some(n)))
+    loopd::size::parse_limit(s).map(Limit)
 }

@@ -115,6 +115,7 @@ pub fn run(
         Some(e) => Err(BatchFailed {
             failed,
             total: images.len(),
+            what: "image(s) not attached",
             code: e.code,
         }
         .into()),

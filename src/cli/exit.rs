@@ -59,13 +59,15 @@ pub struct DaemonError(pub ErrorBody);
 #[error("{0}")]
 pub struct UsageError(pub String);
 
-/// `attach` of several images: some were not attached (each already reported
-/// on its own line); the exit status is that of the first failure's `code`.
+/// `attach` of several images, `detach` of several devices: some failed
+/// (each already reported on its own line); the exit status is that of the
+/// first failure's `code`. `what` ends the line: `image(s) not attached`.
 #[derive(Debug, Error)]
-#[error("{failed} of {total} image(s) not attached")]
+#[error("{failed} of {total} {what}")]
 pub struct BatchFailed {
     pub failed: usize,
     pub total: usize,
+    pub what: &'static str,
     pub code: ErrorCode,
 }
 
@@ -383,7 +385,7 @@ pub fn usage(e: clap::Error) -> std::process::ExitCode {
         let _ = e.print();
         return std::process::ExitCode::from(if e.use_stderr() { USAGE } else { OK });
     }
-    if std::env::args_os().any(|a| a == "--json") {
+    if std::env::args_os().any(|a| a == "--json" || a == "-J") {
         let message = usage_message(&e.render().to_string());
         let mut v = serde_json::json!({ "error": { "code": "usage", "message": message } });
         if let Some(arg) = usage_argument(&e) {

@@ -44,7 +44,7 @@ pub struct KernelDetach {
     #[arg(long, short = 'D')]
     all: bool,
     /// Print the detached devices as JSON.
-    #[arg(long)]
+    #[arg(long, short = 'J')]
     json: bool,
 }
 
@@ -55,15 +55,14 @@ pub struct KernelAttach {
     /// Start of the window in the file, in bytes.
     #[arg(long, short = 'o', value_name = "BYTES", value_parser = parse_size, default_value = "0")]
     offset: u64,
-    /// Size of the window (0 = to the end of the file).
+    /// Size of the window; `none` or 0: to the end of the file (the default).
     #[arg(
         long,
         visible_alias = "sizelimit",
-        value_name = "BYTES",
-        value_parser = parse_size,
-        default_value = "0"
+        value_name = "BYTES|none",
+        value_parser = super::args::parse_limit
     )]
-    size_limit: u64,
+    size_limit: Option<super::args::Limit>,
     /// Logical block size [default: the file's direct-I/O alignment, so that
     /// direct I/O is really on].
     #[arg(
@@ -99,7 +98,8 @@ pub struct KernelAttach {
     #[arg(long, short = 'P')]
     partscan: bool,
     /// Accepted for `losetup -f --show`: loopd always takes the first free
-    /// device and prints it.
+    /// device and prints it. `-f` is losetup's here (on `serve` and `attach`
+    /// it is qemu-nbd's --format, which has no short spelling here).
     #[arg(long, short = 'f')]
     find: bool,
     /// Accepted for `losetup --show`: the device is always printed.
@@ -107,7 +107,7 @@ pub struct KernelAttach {
     show: bool,
     /// Print JSON (device, block size, direct I/O, partitions) instead of
     /// the device path.
-    #[arg(long)]
+    #[arg(long, short = 'J')]
     json: bool,
 }
 
@@ -117,7 +117,8 @@ pub fn run(cmd: KernelCmd) -> Result<()> {
             let p = KernelParams {
                 image: a.image,
                 offset: a.offset,
-                size_limit: a.size_limit,
+                // The kernel's lo_sizelimit: 0 is no limit.
+                size_limit: a.size_limit.and_then(|l| l.0).unwrap_or(0),
                 block_size: a.block_size,
                 direct_io: match a.direct_io {
                     Dio::Auto => DirectIo::Auto,
@@ -278,5 +279,20 @@ mod tests {
         }
         assert!(T::try_parse_from(["t", "list", "-J", "-a"]).is_ok());
         assert!(T::try_parse_from(["t", "attach", "x.img", "-f", "--show", "-r", "-P"]).is_ok());
+    }
+
+    /// `--size-limit` reads as everywhere else: `none` and 0 are no limit
+    /// (the kernel's lo_sizelimit 0).
+    #[test]
+    fn attach_size_limit_none_is_zero() {
+        let limit = |v: &str| match T::try_parse_from(["t", "attach", "x.img", "--size-limit", v])
+            .map(|t| t.k)
+        {
+            Ok(KernelCmd::Attach(a)) => a.size_limit.and_then(|l| l.0),
+            _ => panic!("{v}"),
+        };
+        assert_eq!(limit("none"), None);
+        assert_eq!(limit("0"), None);
+        assert_eq!(limit("1M"), Some(1 << 20));
     }
 }

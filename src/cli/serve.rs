@@ -33,8 +33,8 @@ pub struct ServeArgs {
     /// else $XDG_RUNTIME_DIR/loopd/loopd.sock; none when systemd passes NBD
     /// sockets (LISTEN_FDS, FileDescriptorName=nbd)]. Only a stale socket there
     /// is replaced; any other file is refused and left as it is (so are
-    /// --control's and --metrics').
-    #[arg(long, value_name = "PATH")]
+    /// --control's and --metrics'). `-k` as in qemu-nbd.
+    #[arg(long, short = 'k', value_name = "PATH")]
     socket: Option<PathBuf>,
     /// Mode of the NBD Unix socket, in octal. Connecting needs write permission:
     /// 600 lets only this user in; 660 with --socket-group lets a group in.
@@ -51,6 +51,21 @@ pub struct ServeArgs {
     /// [::]) the printed URIs name loopback, and a line says where it binds.
     #[arg(long, value_name = "HOST:PORT", value_parser = parse_listen)]
     listen: Vec<String>,
+    /// Listen on TCP PORT of every IPv4 address, as qemu-nbd's -p (which
+    /// binds 0.0.0.0): the same as --listen 0.0.0.0:PORT, warning included
+    /// (--listen 127.0.0.1:PORT keeps it to this host). Unlike qemu-nbd, -k
+    /// does not turn it off: loopd listens on both.
+    #[arg(long, short = 'p', value_name = "PORT", value_parser = clap::value_parser!(u16).range(1..))]
+    port: Option<u16>,
+    /// Accepted for qemu-nbd's -t (keep serving after the last client
+    /// disconnects): loopd always does, until SIGTERM.
+    #[arg(long, short = 't')]
+    persistent: bool,
+    /// Accepted for qemu-nbd's --aio: loopd always does its file I/O through
+    /// io_uring, one ring per reactor, whatever MODE says (`threads` and
+    /// `native` are told so at start).
+    #[arg(long, value_enum, value_name = "MODE")]
+    aio: Option<Aio>,
     /// TLS for NBD clients (STARTTLS), as nbdkit's --tls: `off`; `on` offers it
     /// and lets clients choose; `require` refuses every option but STARTTLS
     /// until TLS is up [default: off, or on with --tls-certs]. Applies to the
@@ -205,6 +220,28 @@ pub struct ServeArgs {
     no_splice: bool,
 }
 
+/// `--aio`, qemu-nbd's names; loopd's I/O is io_uring's whatever is asked.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Aio {
+    /// io_uring: what loopd does.
+    #[value(name = "io_uring")]
+    IoUring,
+    /// qemu's thread pool: loopd uses io_uring instead (and says so).
+    Threads,
+    /// qemu's Linux AIO: loopd uses io_uring instead (and says so).
+    Native,
+}
+
+impl Aio {
+    fn name(self) -> &'static str {
+        match self {
+            Aio::IoUring => "io_uring",
+            Aio::Threads => "threads",
+            Aio::Native => "native",
+        }
+    }
+}
+
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum TlsArg {
     /// No TLS; STARTTLS is refused.
@@ -255,7 +292,26 @@ fn parse_mode(s: &str) -> Result<u32, String> {
     }
 }
 
+/// qemu-nbd's spellings that have no option of their own here: `-p PORT`
+/// is one more `--listen`, `--aio` other than io_uring is told what loopd
+/// does instead.
+fn qemu_nbd_spellings(a: &mut ServeArgs) {
+    // -t: nothing to do; loopd keeps serving after the last client anyway.
+    let _ = a.persistent;
+    if let Some(p) = a.port {
+        a.listen.push(format!("0.0.0.0:{p}"));
+    }
+    if let Some(aio) = a.aio.filter(|&m| m != Aio::IoUring) {
+        tracing::warn!(
+            "--aio {}: loopd does its file I/O through io_uring (as --aio io_uring), \
+             whatever --aio says",
+            aio.name()
+        );
+    }
+}
+
 pub fn serve(mut a: ServeArgs) -> Result<()> {
+    qemu_nbd_spellings(&mut a);
     // Sockets passed by the service manager, and where to report readiness:
     // taken before anything else (and before any thread starts).
     let act = activation::take()?;

@@ -54,7 +54,8 @@ impl Daemon {
         let old = e.spec();
         let mut new = old.clone();
         if let Some(v) = s.size_limit {
-            new.size_limit = v;
+            // 0 is no limit, as everywhere a limit is read.
+            new.size_limit = v.and_then(crate::size::limit_of);
         }
         if let Some(v) = s.offset {
             new.offset = v;

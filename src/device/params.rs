@@ -18,9 +18,12 @@ pub enum CacheMode {
     /// Direct I/O where the filesystem allows it, else buffered (and say so).
     #[default]
     Auto,
-    /// `O_DIRECT`; fail if the filesystem refuses it.
+    /// `O_DIRECT`; fail if the filesystem refuses it. Also read as `none`
+    /// (qemu's `cache=none`), as on the command line.
+    #[serde(alias = "none")]
     Direct,
-    /// Through the page cache.
+    /// Through the page cache. Also read as `writeback` (qemu's).
+    #[serde(alias = "writeback")]
     Buffered,
 }
 

@@ -19,10 +19,12 @@ pub struct DeviceSpec {
     /// as on the command line; they are written back as numbers.
     #[serde(default, deserialize_with = "sizes::bytes")]
     pub offset: u64,
+    /// The window's size: as on the command line ([`crate::size::parse_limit`]),
+    /// `"none"` or `0` is no limit (to the end of the file).
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
-        deserialize_with = "sizes::opt_bytes"
+        deserialize_with = "sizes::opt_limit"
     )]
     pub size_limit: Option<u64>,
     #[serde(
@@ -155,6 +157,16 @@ mod sizes {
             .map_err(D::Error::custom)
     }
 
+    /// A size limit: a number (0: none), `"none"` or a size string, read by
+    /// the command line's parser.
+    pub fn opt_limit<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+        match Option::<Size>::deserialize(d)? {
+            None => Ok(None),
+            Some(Size::Bytes(n)) => Ok(crate::size::limit_of(n)),
+            Some(Size::Text(t)) => crate::size::parse_limit(&t).map_err(D::Error::custom),
+        }
+    }
+
     pub fn opt_block<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
         match opt_bytes(d)? {
             None => Ok(None),
@@ -191,6 +203,21 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("not a size"), "{e}");
+        // A limit of `none` or 0 is no limit, as on the command line.
+        for none in ["\"none\"", "0", "\"0\""] {
+            let t: DeviceSpec =
+                toml::from_str(&format!("image = \"/a\"\nsize_limit = {none}\n")).unwrap();
+            assert_eq!(t.size_limit, None, "{none}");
+        }
+        // qemu's cache names, as on the command line.
+        for (qemu, mode) in [
+            ("none", CacheMode::Direct),
+            ("writeback", CacheMode::Buffered),
+        ] {
+            let t: DeviceSpec =
+                toml::from_str(&format!("image = \"/a\"\ncache = \"{qemu}\"\n")).unwrap();
+            assert_eq!(t.cache, mode, "{qemu}");
+        }
         let d: DeviceSpec = serde_json::from_str(r#"{"image":"/a"}"#).unwrap();
         assert_eq!((d.offset, d.size_limit), (0, None));
     }

@@ -168,6 +168,13 @@ impl ServerBuilder {
         self
     }
 
+    /// No `--socket` from the harness (the test passes its own endpoints,
+    /// e.g. qemu-nbd's `-k`); for [`Server::daemon`], ready on its control line.
+    pub fn no_socket(mut self) -> Self {
+        self.unix = false;
+        self
+    }
+
     /// Listen on TCP only (no --socket).
     pub fn tcp_only(mut self) -> Self {
         self.tcp = true;
