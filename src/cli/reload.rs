@@ -32,6 +32,12 @@ pub fn print(v: &Value, json: bool) -> Result<()> {
     anyhow::bail!("{msg}")
 }
 
+/// The label of the devices gone from the file but still attached: what
+/// becomes of them, and what to do.
+const KEPT_LABEL: &str = "kept though no longer in the file (attached until the server stops, \
+                          not at its next start; detach it to remove it now, or put it back \
+                          in the file to keep it)";
+
 fn print_text(v: &Value) {
     let names = |k: &str| -> Vec<String> {
         v.get(k)
@@ -54,10 +60,7 @@ fn print_text(v: &Value) {
         ("attached", "attached"),
         ("changed", "changed"),
         ("unchanged", "unchanged"),
-        (
-            "kept",
-            "kept (no longer in the file; detach it to remove it)",
-        ),
+        ("kept", KEPT_LABEL),
     ] {
         let n = names(key);
         if !n.is_empty() {
