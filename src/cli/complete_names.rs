@@ -34,7 +34,11 @@ struct Target {
 }
 
 fn targets(cmd: &Command, prefix: &[String], out: &mut Vec<Target>, groups: &mut Vec<String>) {
-    for s in cmd.get_subcommands().filter(|s| !s.is_hide_set()) {
+    // Not clap's own `help` (the scripts are made without it).
+    let shown = cmd
+        .get_subcommands()
+        .filter(|s| !s.is_hide_set() && s.get_name() != "help");
+    for s in shown {
         let mut path = prefix.to_vec();
         path.push(s.get_name().to_owned());
         if s.has_subcommands() {
