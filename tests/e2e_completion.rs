@@ -24,11 +24,12 @@ COMP_WORDS=({words})
 COMP_CWORD={cword}
 COMP_LINE='{line}'
 COMP_POINT=${{#COMP_LINE}}
-"$fn" loopd '{cur}' '{prev}'
+"$fn" '{first}' '{cur}' '{prev}'
 printf '%s\n' "${{COMPREPLY[@]}}"
 "#,
         script = script.display(),
         words = quoted.join(" "),
+        first = words[0],
         cur = words[cword],
         prev = words[cword - 1],
     );
