@@ -39,7 +39,7 @@ pub const KEYS: &[Key] = &[
     key(
         "image",
         "path",
-        "required",
+        "none: required",
         "The image file or block device, or an RBD image rbd:POOL[/NAMESPACE]/IMAGE[@SNAP]. \
          A relative path is relative to the directory of the config file, not to loopd's \
          working directory.",

@@ -205,8 +205,9 @@ pub const EXAMPLES: &[(&str, &[Example])] = &[
     (
         "man",
         &[ex(
-            "Write the pages, then read this one:",
-            "loopd man --out-dir /usr/local/share/man/man1",
+            "Write the pages into a directory (then install the .1 pages in man1 and \
+             loopd.toml.5 in man5, as scripts/install.sh does):",
+            "loopd man --out-dir /tmp/loopd-man",
         )],
     ),
 ];
