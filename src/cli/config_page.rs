@@ -247,8 +247,10 @@ pub fn render(version: &str) -> String {
     r.control("SH", ["WHEN A DEVICE CANNOT BE ATTACHED"]);
     para(
         &mut r,
-        "A file that cannot be read, is not TOML, or has an unknown key or a bad value \
-         stops the start: loopd serve exits with status 7 (invalid; 1, io, when the file \
+        "A file that cannot be read, is not TOML, or has an unknown key or a bad value (a \
+         block size no device has, a create size that is not whole blocks, a name that \
+         is invalid or given to two devices) stops the start, before any device is \
+         attached: loopd serve exits with status 7 (invalid; 1, io, when the file \
          cannot be read), naming the file. On a reload such a file changes nothing and is \
          the reload's error.",
     );
