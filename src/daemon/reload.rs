@@ -6,7 +6,9 @@
 //! plan, and returns a [`ReloadReport`]; one summary line is logged at info and
 //! each change not applied at warn. A config file that does not read or parse
 //! changes nothing (the error is logged and returned). Devices are never
-//! detached by a reload.
+//! detached by a reload; one that cannot be attached is reported `failed` and
+//! kept missing ([`Daemon::attach_config`]), as at start; one gone from the
+//! file stays attached until the server stops, and the reload says so.
 
 use super::audit;
 use super::config::{self, Change};

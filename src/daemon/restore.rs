@@ -1,5 +1,8 @@
 //! Recorded devices coming back: at start ([`Daemon::restore`]), and every
-//! [`RETRY_INTERVAL`] while one is missing ([`Daemon::run_retrier`]).
+//! [`RETRY_INTERVAL`] while one is missing ([`Daemon::run_retrier`]). Devices
+//! of `--config` that cannot be attached ([`Daemon::attach_config`], at start
+//! and by a reload) are kept missing and retried the same way, without a
+//! state record (the config file is theirs).
 //!
 //! Contract: a device of the state file that cannot be attached at start stays
 //! recorded and is listed as *missing* with the reason; its name stays taken.
