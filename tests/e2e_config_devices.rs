@@ -77,6 +77,14 @@ fn a_config_device_that_cannot_be_attached_does_not_stop_the_start() {
     let out = srv.ctl(&["reload"]);
     assert!(!out.success(), "{out}");
     assert!(out.stdout.contains("failed: c:"), "{out}");
+    // Its name stays taken while it is missing, saying why.
+    let other = dir.path().join("other.img");
+    create_sparse_image(&other, MIB);
+    let out = srv.ctl_err(
+        &["attach", other.to_str().expect("utf-8"), "--name", "c"],
+        "name_taken",
+    );
+    assert!(out.stderr.contains("of --config is missing"), "{out}");
     srv.ctl_ok(&["detach", "c"]);
     assert!(srv.device("c").is_none(), "c is still listed");
 }

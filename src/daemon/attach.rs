@@ -309,8 +309,13 @@ impl Daemon {
             // (again) brings it back now, as recorded. A device of --config
             // kept as missing comes back from --config only (a retry, a
             // reload), as the file says now.
-            let from_config = m.from_config && source != Source::Control;
-            if !from_config && (m.from_config || m.spec.image != spec.image) {
+            if m.from_config && source == Source::Control {
+                return Err(CtlError::ConfigMissing {
+                    name,
+                    reason: m.reason,
+                });
+            }
+            if !m.from_config && m.spec.image != spec.image {
                 return Err(CtlError::MissingTaken {
                     name,
                     image: quoted_path(&m.spec.image).to_string(),

@@ -246,6 +246,10 @@ impl Daemon {
 
     /// One retry of a device of `--config` kept as missing.
     fn retry_config(&self, name: &str, x: &Missing) {
+        // Detached (forgotten) since the round began.
+        if !self.missing_config(name) {
+            return;
+        }
         match self.attach_config(x.spec.clone()) {
             Ok(_) => tracing::info!(
                 "device {name:?} of --config is back: {} can be opened again",
