@@ -84,6 +84,7 @@ fi
 
 BIN_DIR=$DESTDIR$PREFIX/bin
 MAN_DIR=$DESTDIR$PREFIX/share/man/man1
+MAN5_DIR=$DESTDIR$PREFIX/share/man/man5
 BASH_DIR=$DESTDIR$PREFIX/share/bash-completion/completions
 ZSH_DIR=$DESTDIR$PREFIX/share/zsh/site-functions
 FISH_DIR=$DESTDIR$PREFIX/share/fish/vendor_completions.d
@@ -94,13 +95,16 @@ TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
 echo "install: $BINARY -> $BIN_DIR/loopd"
-install -d -m 0755 "$BIN_DIR" "$MAN_DIR" "$BASH_DIR" "$ZSH_DIR" "$FISH_DIR" "$UNIT_DIR"
+install -d -m 0755 "$BIN_DIR" "$MAN_DIR" "$MAN5_DIR" "$BASH_DIR" "$ZSH_DIR" "$FISH_DIR" "$UNIT_DIR"
 install -m 0755 "$BINARY" "$BIN_DIR/loopd"
 
-echo "install: man pages -> $MAN_DIR"
+echo "install: man pages -> $MAN_DIR, $MAN5_DIR"
 "$BIN_DIR/loopd" man --out-dir "$TMP/man" >/dev/null
 for page in "$TMP"/man/*.1; do
     install -m 0644 "$page" "$MAN_DIR/"
+done
+for page in "$TMP"/man/*.5; do
+    install -m 0644 "$page" "$MAN5_DIR/"
 done
 
 echo "install: completions -> $BASH_DIR, $ZSH_DIR, $FISH_DIR"

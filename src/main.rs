@@ -59,8 +59,8 @@ enum Cmd {
     /// Print a shell completion script, e.g. `loopd completions bash >
     /// /usr/share/bash-completion/completions/loopd`.
     Completions(CompletionsArgs),
-    /// Write the man pages (loopd.1 and one per subcommand) into a directory.
-    #[command(hide = true)]
+    /// Write the man pages into a directory: loopd.1, one per subcommand
+    /// (loopd-attach.1, ...) and loopd.toml.5 (the --config file).
     Man(ManArgs),
 }
 
@@ -152,6 +152,9 @@ struct ListArgs {
     /// Print sizes as plain byte counts (for scripts), not in human units.
     #[arg(long)]
     bytes: bool,
+    /// The devices' names only, one a line (for the completion scripts).
+    #[arg(long, hide = true, conflicts_with = "json")]
+    names: bool,
     #[command(flatten)]
     ctl: ControlArg,
 }
@@ -293,6 +296,10 @@ fn run(cli: Cli) -> Result<()> {
             a.json,
         ),
         Cmd::Detach(a) => cli::detach::run(&a.ctl.path(), &a.names, a.force, a.json),
+        Cmd::List(a) if a.names => {
+            cli::complete_names::print_names(&call(&a.ctl, &Request::List)?);
+            Ok(())
+        }
         Cmd::List(a) => cli::print_list(
             &call(&a.ctl, &Request::List)?,
             a.json,
@@ -540,6 +547,42 @@ mod tests {
             }
         }
         assert_eq!(seen, ["serve", "attach", "kernel attach"]);
+    }
+
+    /// Every man page's examples parse as the command line they show (up to
+    /// a `|` or `>` handing over to another program), and every visible
+    /// page has some.
+    #[test]
+    fn every_example_parses_and_every_page_has_some() {
+        let mut n = 0;
+        for (path, list) in cli::examples::EXAMPLES {
+            for e in *list {
+                let argv: Vec<&str> = e
+                    .command
+                    .split_whitespace()
+                    .take_while(|w| !matches!(*w, "|" | ">"))
+                    .collect();
+                assert_eq!(argv.first(), Some(&"loopd"), "{}", e.command);
+                let r = command().try_get_matches_from(&argv);
+                assert!(r.is_ok(), "{path:?}: {} does not parse: {r:?}", e.command);
+                n += 1;
+            }
+        }
+        assert!(n > 30, "only {n} examples");
+        for p in all_paths() {
+            let mut c = full();
+            let mut hidden = false;
+            for name in &p {
+                c = c.find_subcommand(name).cloned().expect("subcommand");
+                hidden |= c.is_hide_set();
+            }
+            if !hidden {
+                assert!(
+                    !cli::examples::for_path(&p.join(" ")).is_empty(),
+                    "the page of {p:?} has no examples"
+                );
+            }
+        }
     }
 
     #[test]

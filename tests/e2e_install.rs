@@ -144,6 +144,51 @@ fn man_pages_render_and_describe_the_options() {
     }
 }
 
+/// Issue 27 point 7: `loopd man` is in `--help`; every page has EXAMPLES;
+/// the config file has a page of its own, installed in man5, with every key.
+#[test]
+fn man_pages_have_examples_and_a_page_for_the_config_file() {
+    let help = loopd_run(["--help"]);
+    assert!(
+        help.stdout
+            .lines()
+            .any(|l| l.trim_start().starts_with("man ")),
+        "loopd man is not in --help:\n{help}"
+    );
+    let (_dir, dest) = staged();
+    let man1 = dest.join("usr/local/share/man/man1");
+    let mut pages = 0;
+    for e in std::fs::read_dir(&man1).expect("man1") {
+        let page = e.expect("entry").path();
+        let text = render_man(&page);
+        assert!(
+            text.contains("EXAMPLES"),
+            "{page:?} has no EXAMPLES:\n{text}"
+        );
+        pages += 1;
+    }
+    assert!(pages > 12, "only {pages} pages");
+    let detach = render_man(&man1.join("loopd-detach.1"));
+    assert!(detach.contains("loopd detach a --force"), "{detach}");
+    let cfg = render_man(&dest.join("usr/local/share/man/man5/loopd.toml.5"));
+    for s in [
+        "LOOPD.TOML(5)",
+        "KEYS",
+        "image (path)",
+        "size_limit (size)",
+        "Default: false.",
+        "tls_allow",
+        "EXAMPLES",
+        "[[device]]",
+        "does not stop the start",
+        "not attached at the next start",
+    ] {
+        assert!(cfg.contains(s), "loopd.toml.5 lacks {s:?}:\n{cfg}");
+    }
+    let top = render_man(&man1.join("loopd.1"));
+    assert!(top.contains("loopd.toml(5)"), "{top}");
+}
+
 /// What the installed bash completion offers for `words` (the cursor at the
 /// end of the last one), as a user's `<TAB>` would.
 fn bash_complete(script: &Path, words: &[&str]) -> Vec<String> {

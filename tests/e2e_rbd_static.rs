@@ -222,20 +222,27 @@ fn an_owner_from_a_config_file_or_for_another_image_is_never_used() {
         );
         assert!(!out.stderr.contains("took it back"), "{out}");
     };
-    // A config file's owner is not believed.
+    // A config file's owner is not believed: the device is not attached
+    // (the server starts without it, as for any device of the file that
+    // cannot be attached), its reason naming the holder.
     let cfg = dir.path().join("devices.toml");
     let owner_line = format!("rbd_lock_owner = \"{holder}\"\n");
     std::fs::write(&cfg, config_device(&b, "r", &owner_line)).expect("config");
-    let out = loopd_run([
-        "serve",
-        "--socket",
-        path_str(&dir.path().join("1.sock")),
-        "--config",
-        path_str(&cfg),
-        "--state",
-        path_str(&state),
-    ]);
-    refused(&out);
+    {
+        let ours = Server::daemon()
+            .arg("--config")
+            .arg(&cfg)
+            .arg("--state")
+            .arg(&state)
+            .start();
+        let r = ours.device("r").expect("r is listed");
+        assert_eq!(r.at("state").str(), "missing", "{r:?}");
+        let held = format!("exclusive lock is held by {holder}");
+        assert!(r.at("reason").str().contains(&held), "{r:?}");
+        let err = ours.stderr_text();
+        assert!(err.contains(&held), "refused naming the holder: {err}");
+        assert!(!err.contains("took it back"), "{err}");
+    }
     // Our own sidecar's owner for the name "r", recorded for image a, is
     // not used for image b.
     let planted = format!(

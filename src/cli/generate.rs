@@ -2,10 +2,15 @@
 //!
 //! Both take the `clap::Command` that `main.rs` parses with, so they never
 //! drift from it; its subcommands' arguments are deferred (added when a
-//! subcommand is used, see `main.rs`), so both build the whole tree first. Hidden subcommands and options (test and benchmark switches,
-//! `loopd man` itself) appear in neither. Man pages: `loopd.1` with the
-//! subcommand list, EXIT STATUS, ENVIRONMENT and FILES, and one page per
-//! subcommand (`loopd-attach.1`, `loopd-kernel-attach.1`, ...), as git does.
+//! subcommand is used, see `main.rs`), so both build the whole tree first.
+//! Hidden subcommands and options (test and benchmark switches) appear in
+//! neither. Man pages: `loopd.1` with the subcommand list, EXIT STATUS,
+//! ENVIRONMENT and FILES, one page per subcommand (`loopd-attach.1`,
+//! `loopd-kernel-attach.1`, ...), as git does, each with EXAMPLES
+//! ([`super::examples`]); and `loopd.toml.5`, the `--config` file
+//! ([`super::config_page`]). Completions: clap's script, plus (bash, zsh,
+//! fish) the names of the running server's devices where a command takes
+//! one ([`super::complete_names`]).
 
 use clap::Command;
 use clap_complete::Shell;
@@ -143,12 +148,12 @@ pub fn completions(cmd: &Command, shell: Shell) -> Vec<u8> {
     let mut c = visible(&full, true).disable_help_subcommand(true);
     let mut out = Vec::new();
     clap_complete::generate(shell, &mut c, BIN, &mut out);
-    out
+    super::complete_names::add(shell, &full, out)
 }
 
-/// Write `loopd.1` and one page per visible subcommand into `dir` (created if
-/// missing); `exit_status` is the table of exit codes for the EXIT STATUS
-/// section. Returns the files written.
+/// Write `loopd.1`, one page per visible subcommand and `loopd.toml.5` into
+/// `dir` (created if missing); `exit_status` is the table of exit codes for
+/// the EXIT STATUS section. Returns the files written.
 pub fn man_pages(
     cmd: &Command,
     dir: &Path,
@@ -167,31 +172,80 @@ pub fn man_pages(
     let path = dir.join(format!("{BIN}.1"));
     let mut roff = Roff::default();
     see_also(&mut roff, &subpages);
+    let mut extra = top_sections(exit_status);
+    examples(&mut extra, "");
     write_page(
         &path,
         &Man::new(cmd.clone()).manual("loopd manual"),
-        &top_sections(exit_status),
+        &extra,
         &roff,
     )?;
     written.push(path);
 
-    for sub in &subpages {
+    for (sub_path, sub) in &subpages {
         let man = Man::new(sub.clone()).manual("loopd manual");
         let path = dir.join(man.get_filename());
+        let mut extra = Roff::default();
+        examples(&mut extra, sub_path);
         let mut roff = Roff::default();
         roff.control("SH", ["SEE ALSO"]);
-        roff.text([bold(BIN), roman("(1)")]);
-        write_page(&path, &man, &Roff::default(), &roff)?;
+        let mut refs = vec![bold(BIN), roman("(1)")];
+        if matches!(sub_path.as_str(), "serve" | "reload") {
+            refs.extend([roman(", "), bold(super::config_page::NAME), roman("(5)")]);
+        }
+        roff.text(refs);
+        write_page(&path, &man, &extra, &roff)?;
         written.push(path);
     }
+
+    let path = dir.join(format!("{}.5", super::config_page::NAME));
+    let version = cmd.get_version().unwrap_or_default().to_string();
+    std::fs::write(&path, super::config_page::render(&version)).map_err(|source| {
+        GenerateError::Write {
+            path: path.clone(),
+            source,
+        }
+    })?;
+    written.push(path);
     Ok(written)
 }
 
-/// Every visible subcommand, depth first, parents before children.
-fn collect_subpages(cmd: &Command, out: &mut Vec<Command>) {
+/// Every visible subcommand with its path (`"kernel attach"`), depth first,
+/// parents before children.
+fn collect_subpages(cmd: &Command, out: &mut Vec<(String, Command)>) {
+    collect_under(cmd, "", out);
+}
+
+fn collect_under(cmd: &Command, prefix: &str, out: &mut Vec<(String, Command)>) {
     for s in cmd.get_subcommands().filter(|s| !s.is_hide_set()) {
-        out.push(s.clone());
-        collect_subpages(s, out);
+        let path = if prefix.is_empty() {
+            s.get_name().to_owned()
+        } else {
+            format!("{prefix} {}", s.get_name())
+        };
+        out.push((path.clone(), s.clone()));
+        collect_under(s, &path, out);
+    }
+}
+
+/// The EXAMPLES section of the page for subcommand path `path` (none if it
+/// has no examples).
+fn examples(roff: &mut Roff, path: &str) {
+    let list = super::examples::for_path(path);
+    if list.is_empty() {
+        return;
+    }
+    roff.control("SH", ["EXAMPLES"]);
+    for e in list {
+        if !e.what.is_empty() {
+            roff.control("PP", []);
+            roff.text([roman(e.what)]);
+        }
+        roff.control("RS", ["4"]);
+        roff.control("nf", []);
+        roff.text([bold(e.command)]);
+        roff.control("fi", []);
+        roff.control("RE", []);
     }
 }
 
@@ -239,12 +293,13 @@ fn top_sections(exit_status: &[(u8, &str)]) -> Roff {
 }
 
 /// SEE ALSO of `loopd.1`: the subcommand pages and the tools loopd stands beside.
-fn see_also(roff: &mut Roff, subpages: &[Command]) {
+fn see_also(roff: &mut Roff, subpages: &[(String, Command)]) {
     roff.control("SH", ["SEE ALSO"]);
     let mut refs: Vec<String> = subpages
         .iter()
-        .map(|s| format!("{}(1)", s.get_display_name().unwrap_or(s.get_name())))
+        .map(|(_, s)| format!("{}(1)", s.get_display_name().unwrap_or(s.get_name())))
         .collect();
+    refs.push(format!("{}(5)", super::config_page::NAME));
     refs.extend(
         [
             "losetup(8)",
@@ -311,7 +366,8 @@ mod tests {
                 "loopd.1",
                 "loopd-attach.1",
                 "loopd-kernel.1",
-                "loopd-kernel-list.1"
+                "loopd-kernel-list.1",
+                "loopd.toml.5"
             ]
         );
         let top = std::fs::read_to_string(dir.path().join("loopd.1")).expect("loopd.1");

@@ -32,6 +32,12 @@ pub fn print(v: &Value, json: bool, sz: super::print::Sizes) -> Result<()> {
     anyhow::bail!("{msg}")
 }
 
+/// The label of the devices gone from the file but still attached: what
+/// becomes of them, and what to do.
+const KEPT_LABEL: &str = "kept though no longer in the file (attached until the server stops, \
+                          not at its next start; detach it to remove it now, or put it back \
+                          in the file to keep it)";
+
 /// One changed device: `c1: size-limit 50 MiB (52428800 bytes) → none,
 /// cache direct → buffered` (the name alone if the daemon did not say).
 fn changed_line(name: &str, v: &Value, sz: super::print::Sizes) -> String {
@@ -94,10 +100,7 @@ fn print_text(v: &Value, sz: super::print::Sizes) {
     for (key, label) in [
         ("attached", "attached"),
         ("unchanged", "unchanged"),
-        (
-            "kept",
-            "kept (no longer in the file; detach it to remove it)",
-        ),
+        ("kept", KEPT_LABEL),
     ] {
         let n = names(key);
         if !n.is_empty() {

@@ -678,15 +678,27 @@ fn attach_at_start(d: &Daemon, a: &ServeArgs) -> Result<()> {
         d.set_config(cfg, specs.clone());
         let t = std::time::Instant::now();
         let n = specs.len();
+        let mut failed = 0;
+        // A device that cannot be attached does not stop the start (as a
+        // reload and the state file do not): it is kept as missing, with the
+        // reason, and retried.
         for spec in specs {
             let name = daemon::name_of(&spec);
-            // Classed as the control path classes an attach (code, exit status).
-            d.attach(spec, false)
-                .map_err(|e| DaemonError(e.body()))
-                .with_context(|| format!("{}: device {name:?}", cfg.display()))?;
+            if let Err(e) = d.attach_config(spec) {
+                failed += 1;
+                tracing::error!(
+                    "{}: device {}: not attached: {}; the other devices are served, and it \
+                     is listed as missing and retried every {}s and by each reload",
+                    loopd::text::quoted_path(cfg),
+                    loopd::text::quoted(&name),
+                    e.body().message,
+                    daemon::RETRY_INTERVAL.as_secs()
+                );
+            }
         }
         tracing::info!(
-            "attached {n} device(s) from {} in {:?}",
+            "attached {} of {n} device(s) from {} in {:?}",
+            n - failed,
             cfg.display(),
             t.elapsed()
         );

@@ -306,8 +306,16 @@ impl Daemon {
         }
         if let Some(m) = self.missing_spec(&name) {
             // The name stays taken by the recorded device; attaching its image
-            // (again) brings it back now, as recorded.
-            if m.spec.image != spec.image {
+            // (again) brings it back now, as recorded. A device of --config
+            // kept as missing comes back from --config only (a retry, a
+            // reload), as the file says now.
+            if m.from_config && source == Source::Control {
+                return Err(CtlError::ConfigMissing {
+                    name,
+                    reason: m.reason,
+                });
+            }
+            if !m.from_config && m.spec.image != spec.image {
                 return Err(CtlError::MissingTaken {
                     name,
                     image: quoted_path(&m.spec.image).to_string(),

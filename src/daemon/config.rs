@@ -1,7 +1,11 @@
 //! The `--config` file: reading it, and deciding what a reload changes.
 //!
-//! Contract: [`read`] parses `[[device]]` tables (unknown keys are errors) and
-//! makes relative image paths relative to the file's directory. [`plan_change`]
+//! Contract: [`read`] parses `[[device]]` tables (unknown keys are errors),
+//! checks what needs no file (names valid and unique, block sizes, `create`
+//! sizes: a file failing these is refused whole, as a typo is) and makes
+//! relative image paths relative to the file's directory. A device that
+//! passes but cannot be attached (its image missing or locked) is the
+//! daemon's to report, not an error of the file. [`plan_change`]
 //! is pure: given the devices of the file as last loaded and as read now, it
 //! says per device what a reload does (see `docs/config.md`, "Reloading"):
 //! attach a new one; apply size limit, cache and read-only live; apply offset
@@ -12,7 +16,7 @@
 //! so putting it back unchanged is no change and a changed one is a change,
 //! never a second attach.
 
-use super::params::name_of;
+use super::params::{check_create, check_name, name_of};
 use super::reload_report::FieldChange;
 use crate::device::spec::DeviceSpec;
 use std::path::{Path, PathBuf};
@@ -46,6 +50,7 @@ pub fn read(path: &Path) -> Result<Vec<DeviceSpec>, ConfigError> {
         .parent()
         .map(Path::to_path_buf)
         .unwrap_or_default();
+    check(&c.device).map_err(|e| ConfigError::Parse(path.into(), e))?;
     Ok(c.device
         .into_iter()
         .map(|mut d| {
@@ -112,6 +117,31 @@ pub fn where_in(text: &str, pos: usize) -> String {
         }
     }
     at
+}
+
+/// What can be told wrong with the devices of a file without opening
+/// anything: a bad or repeated name, a block size no device has, a `create`
+/// size that is not whole blocks.
+fn check(devices: &[DeviceSpec]) -> Result<(), String> {
+    let mut seen = std::collections::BTreeSet::new();
+    for d in devices {
+        let name = name_of(d);
+        let what = |e: String| format!("device {}: {e}", crate::text::quoted(&name));
+        check_name(&name).map_err(what)?;
+        if !seen.insert(name.clone()) {
+            return Err(what("the name is given to two devices".into()));
+        }
+        if let Some(bs) = d
+            .block_size
+            .filter(|b| !matches!(b, 512 | 1024 | 2048 | 4096))
+        {
+            return Err(what(format!(
+                "block_size {bs} is not 512, 1024, 2048 or 4096"
+            )));
+        }
+        check_create(d).map_err(what)?;
+    }
+    Ok(())
 }
 
 /// Changes a reload can apply while clients stay connected.
@@ -360,6 +390,38 @@ mod tests {
             where_in("[[device]]\nx = é1\n", 17),
             "line 2, column 6, in the [[device]] table 1"
         );
+    }
+
+    #[test]
+    fn a_file_is_refused_whole_for_what_needs_no_open() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("c.toml");
+        let refused = |text: &str, words: &str| {
+            std::fs::write(&f, text).expect("write");
+            match read(&f) {
+                Err(ConfigError::Parse(_, m)) => assert!(m.contains(words), "{m}"),
+                other => panic!("{text}: {other:?}"),
+            }
+        };
+        refused(
+            "[[device]]\nimage = \"/a.img\"\n[[device]]\nimage = \"/b/a.img\"\n",
+            "device \"a\": the name is given to two devices",
+        );
+        refused(
+            "[[device]]\nimage = \"/a.img\"\nblock_size = 1000\n",
+            "block_size 1000 is not 512",
+        );
+        refused(
+            "[[device]]\nimage = \"/a.img\"\ncreate = 100\n",
+            "not a whole number of 512-byte blocks",
+        );
+        refused(
+            "[[device]]\nimage = \"/a.img\"\nname = \"a/b\"\n",
+            "is invalid",
+        );
+        // A missing image is no error of the file.
+        std::fs::write(&f, "[[device]]\nimage = \"/nowhere/a.img\"\n").expect("write");
+        assert_eq!(read(&f).expect("parses").len(), 1);
     }
 
     #[test]

@@ -106,6 +106,15 @@ impl Daemon {
     /// An attach of the name that is being recorded (a retry bringing it back)
     /// is waited for first (bounded): then the name is a device, not missing.
     pub(super) fn detach_missing(&self, name: &str) -> Option<Result<(), CtlError>> {
+        if self.missing_config(name) {
+            // Not in the state file: nothing to record. The next reload
+            // attaches it again while the config file lists it.
+            if let Ok(mut m) = self.missing.lock() {
+                m.remove(name);
+            }
+            tracing::info!("detached missing device {name:?} of --config");
+            return Some(Ok(()));
+        }
         let deadline = Instant::now() + FORCE_TIMEOUT;
         let staged = loop {
             let log = match self.log.lock() {

@@ -43,6 +43,12 @@ pub enum CtlError {
         reason: String,
         differs: String,
     },
+    #[error(
+        "a device named {name:?} of --config is missing ({reason}); it comes back from the \
+         config file (retried every 2 s and by `loopd reload`), or `loopd detach {name:?}` \
+         first to attach another device by that name"
+    )]
+    ConfigMissing { name: String, reason: String },
     #[error("{0}")]
     Busy(String),
     #[error("{0}")]
@@ -83,7 +89,8 @@ impl CtlError {
             CtlError::NotFound(_) => ErrorCode::NotFound,
             CtlError::NameTaken(_)
             | CtlError::MissingTaken { .. }
-            | CtlError::MissingDiffers { .. } => ErrorCode::NameTaken,
+            | CtlError::MissingDiffers { .. }
+            | CtlError::ConfigMissing { .. } => ErrorCode::NameTaken,
             CtlError::Busy(_) => ErrorCode::Busy,
             CtlError::Invalid(_) => ErrorCode::Invalid,
             CtlError::ShuttingDown => ErrorCode::ShuttingDown,

@@ -25,7 +25,9 @@
 //! (`attach_batch`) stages all its records in one hold of the mutex, so they
 //! share one write (see `record.rs`, `attach.rs`). A recorded device whose image cannot be
 //! opened at start stays recorded and is listed as *missing* with the reason; it
-//! is retried every [`RETRY_INTERVAL`] and by an attach of the same name.
+//! is retried every [`RETRY_INTERVAL`] and by an attach of the same name. So
+//! is a device of `--config` that cannot be attached (at start or by a
+//! reload), without a state record: one bad device never stops the start.
 //!
 //! Which file: a recorded device comes back (restart, retry) only on the file
 //! its record names ([`crate::backing::identity`]); an `attach` of a missing

@@ -76,11 +76,14 @@ pub struct Daemon {
     pub(super) config: Mutex<Option<(PathBuf, Vec<DeviceSpec>)>>,
 }
 
-/// A recorded device that is not attached: its spec and why.
+/// A device that is not attached: its spec and why. Recorded in the state
+/// file, or (`from_config`) a device of `--config` whose attach failed, at
+/// start or on a reload: not in the state file, the config file is its record.
 #[derive(Debug, Clone)]
 pub(super) struct Missing {
     pub(super) spec: DeviceSpec,
     pub(super) reason: String,
+    pub(super) from_config: bool,
 }
 
 impl Daemon {
@@ -223,6 +226,11 @@ impl Daemon {
 
     pub(super) fn missing_spec(&self, name: &str) -> Option<Missing> {
         self.missing.lock().ok()?.get(name).cloned()
+    }
+
+    /// Whether `name` is a device of `--config` kept as missing.
+    pub(super) fn missing_config(&self, name: &str) -> bool {
+        self.missing_spec(name).is_some_and(|m| m.from_config)
     }
 
     pub(super) fn set_missing_reason(&self, name: &str, reason: String) {

@@ -6,7 +6,9 @@
 //! plan, and returns a [`ReloadReport`]; one summary line is logged at info and
 //! each change not applied at warn. A config file that does not read or parse
 //! changes nothing (the error is logged and returned). Devices are never
-//! detached by a reload.
+//! detached by a reload; one that cannot be attached is reported `failed` and
+//! kept missing ([`Daemon::attach_config`]), as at start; one gone from the
+//! file stays attached until the server stops, and the reload says so.
 
 use super::audit;
 use super::config::{self, Change};
@@ -20,6 +22,10 @@ use crate::text::quoted;
 use std::path::Path;
 
 const REATTACH: &str = "detach and attach it to apply";
+
+/// What becomes of a device gone from the config file but still attached:
+/// the config file was its only record (it is not in the state file).
+const KEPT_UNTIL: &str = "until the server stops: it is not attached again at the next start";
 
 impl Daemon {
     /// Remember the config file and the devices read from it at start.
@@ -104,7 +110,8 @@ impl Daemon {
         for n in &r.kept {
             tracing::warn!(
                 "reload: device {} is no longer in the config file; it stays attached \
-                 (detach it with `loopd detach {}`)",
+                 {KEPT_UNTIL} (detach it now with `loopd detach {}`, or put it back in the \
+                 file to keep it)",
                 quoted(n),
                 quoted(n)
             );
@@ -137,7 +144,7 @@ impl Daemon {
         match change {
             Change::Attach(spec) => {
                 let name = name_of(&spec);
-                match self.attach(*spec, false) {
+                match self.attach_config(*spec) {
                     Ok(_) => r.attached.push(name),
                     Err(e) => r.failed.push(fail(&name, e)),
                 }
@@ -146,6 +153,11 @@ impl Daemon {
             Change::Removed(name) => {
                 if self.export(&name).is_some() {
                     r.kept.push(name);
+                } else if self.missing_config(&name) {
+                    // Failed to attach, now gone from the file: forgotten.
+                    if let Ok(mut m) = self.missing.lock() {
+                        m.remove(&name);
+                    }
                 }
             }
             Change::Unchanged(name) => {
@@ -253,7 +265,7 @@ impl Daemon {
         let Some(spec) = specs.iter().find(|s| name_of(s) == name) else {
             return;
         };
-        match self.attach(spec.clone(), false) {
+        match self.attach_config(spec.clone()) {
             Ok(_) => r.attached.push(name.to_owned()),
             Err(e) => r.failed.push(Problem {
                 name: name.to_owned(),

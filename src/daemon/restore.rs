@@ -1,5 +1,8 @@
 //! Recorded devices coming back: at start ([`Daemon::restore`]), and every
-//! [`RETRY_INTERVAL`] while one is missing ([`Daemon::run_retrier`]).
+//! [`RETRY_INTERVAL`] while one is missing ([`Daemon::run_retrier`]). Devices
+//! of `--config` that cannot be attached ([`Daemon::attach_config`], at start
+//! and by a reload) are kept missing and retried the same way, without a
+//! state record (the config file is theirs).
 //!
 //! Contract: a device of the state file that cannot be attached at start stays
 //! recorded and is listed as *missing* with the reason; its name stays taken.
@@ -22,6 +25,7 @@
 
 use super::attach::Source;
 use super::error::CtlError;
+use super::info::DeviceInfo;
 use super::params::{Tuning, name_of};
 use super::pool;
 use super::registry::{Daemon, Missing};
@@ -122,7 +126,7 @@ impl Daemon {
         let mut dropped = Vec::new();
         for spec in specs {
             let name = name_of(&spec);
-            if self.export(&name).is_some() {
+            if self.export(&name).is_some() || self.missing_config(&name) {
                 tracing::warn!(
                     "device {name:?} is both in --config (or the serve IMAGE argument) and in the \
                      state file {path}: --config wins; its state record is dropped"
@@ -148,6 +152,7 @@ impl Daemon {
                     Missing {
                         spec: spec.clone(),
                         reason: "not attached yet".into(),
+                        from_config: false,
                     },
                 );
             }
@@ -199,6 +204,69 @@ impl Daemon {
         }
     }
 
+    /// Attach a device of `--config` (at start, by a reload, or a retry). One
+    /// that cannot be attached is kept as missing, as a device of the state
+    /// file is: listed with the reason, its name taken, retried every
+    /// [`RETRY_INTERVAL`] and by each reload; it is not written to the state
+    /// file (the config file is its record). The error is returned for the
+    /// caller to report.
+    pub fn attach_config(&self, spec: DeviceSpec) -> Result<DeviceInfo, CtlError> {
+        let name = name_of(&spec);
+        let kept = spec.clone();
+        let e = match self.attach(spec, false) {
+            Ok(i) => return Ok(i),
+            Err(e) => e,
+        };
+        if matches!(e, CtlError::NameTaken(_)) || self.export(&name).is_some() {
+            return Err(e);
+        }
+        let reason = missing_reason(&e, &kept.image);
+        if let Ok(mut m) = self.missing.lock() {
+            match m.get_mut(&name) {
+                Some(x) if x.from_config => {
+                    x.reason = reason;
+                    x.spec = kept;
+                }
+                // A device of the state file keeps its name and record.
+                Some(_) => {}
+                None => {
+                    m.insert(
+                        name,
+                        Missing {
+                            spec: kept,
+                            reason,
+                            from_config: true,
+                        },
+                    );
+                }
+            }
+        }
+        Err(e)
+    }
+
+    /// One retry of a device of `--config` kept as missing.
+    fn retry_config(&self, name: &str, x: &Missing) {
+        // Detached (forgotten) since the round began.
+        if !self.missing_config(name) {
+            return;
+        }
+        match self.attach_config(x.spec.clone()) {
+            Ok(_) => tracing::info!(
+                "device {name:?} of --config is back: {} can be opened again",
+                quoted_path(&x.spec.image)
+            ),
+            Err(CtlError::NameTaken(_)) => {}
+            Err(e) => {
+                if missing_reason(&e, &x.spec.image) != x.reason {
+                    tracing::warn!(
+                        "device {name:?} of --config is still missing: {}",
+                        e.body().message
+                    );
+                }
+            }
+        }
+    }
+
     /// Retry missing devices every [`RETRY_INTERVAL`] on a thread of their own,
     /// until the daemon stops.
     pub fn run_retrier(self: &Arc<Self>) {
@@ -233,6 +301,10 @@ impl Daemon {
         // the next round, keeping their reason.
         let room = device_room().map_or(usize::MAX, |(room, _)| room);
         for (name, x) in all.into_iter().take(room) {
+            if x.from_config {
+                self.retry_config(&name, &x);
+                continue;
+            }
             match self.attach_inner(x.spec.clone(), Source::Restored, Tuning::default(), false) {
                 Ok(_) => {
                     tracing::info!(
