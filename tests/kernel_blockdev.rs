@@ -692,6 +692,16 @@ fn ublk_without_partscan_scans_only_where_the_kernel_always_does() {
     let features = UblkCtrl::open()
         .and_then(|mut c| c.features())
         .expect("GET_FEATURES");
+    let release = fs::read_to_string("/proc/sys/kernel/osrelease").expect("osrelease");
+    let major: u32 = release
+        .split('.')
+        .next()
+        .and_then(|m| m.parse().ok())
+        .expect("major");
+    assert!(
+        major < 7 || features & UBLK_F_NO_AUTO_PART_SCAN != 0,
+        "kernel {release}: 7.0 and later have UBLK_F_NO_AUTO_PART_SCAN, and loopd sees it"
+    );
     let p1 = PathBuf::from(format!("{}p1", dev.display()));
     let name = dev
         .file_name()
