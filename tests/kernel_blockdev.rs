@@ -673,6 +673,75 @@ fn nbd_partitions_exist_when_attach_returns() {
     partitions_on_return("nbd");
 }
 
+/// Without `--partscan`, a ublk device on a kernel with
+/// `UBLK_F_NO_AUTO_PART_SCAN` (7.0+) gets no partition devices, as `losetup`
+/// without `-P`: START_DEV reads nothing through the queues. The table is
+/// there for whoever asks: `blockdev --rereadpt` makes them (the kernel lifts
+/// its suppression once the disk is added). On an older kernel the driver
+/// always scans: the partitions are there.
+#[test]
+fn ublk_without_partscan_scans_only_where_the_kernel_always_does() {
+    use common::gpt::two_partition_image;
+    use loopd::frontend::ublk::ctrl::UblkCtrl;
+    use loopd::frontend::ublk::sys::UBLK_F_NO_AUTO_PART_SCAN;
+    let t = scratch();
+    let srv = daemon(t.path());
+    let img = t.path().join("gpt.img");
+    two_partition_image(&img, 5);
+    let dev = attach(&srv, "ublk", &img, &[]);
+    let features = UblkCtrl::open()
+        .and_then(|mut c| c.features())
+        .expect("GET_FEATURES");
+    let release = fs::read_to_string("/proc/sys/kernel/osrelease").expect("osrelease");
+    let major: u32 = release
+        .split('.')
+        .next()
+        .and_then(|m| m.parse().ok())
+        .expect("major");
+    assert!(
+        major < 7 || features & UBLK_F_NO_AUTO_PART_SCAN != 0,
+        "kernel {release}: 7.0 and later have UBLK_F_NO_AUTO_PART_SCAN, and loopd sees it"
+    );
+    let p1 = PathBuf::from(format!("{}p1", dev.display()));
+    let name = dev
+        .file_name()
+        .expect("name")
+        .to_string_lossy()
+        .into_owned();
+    let sys_p1 = PathBuf::from(format!("/sys/block/{name}/{name}p1"));
+    if features & UBLK_F_NO_AUTO_PART_SCAN != 0 {
+        // Give a scan that should not happen time to show.
+        std::thread::sleep(Duration::from_millis(500));
+        assert!(
+            !sys_p1.exists() && !p1.exists(),
+            "no partition devices without --partscan on a kernel that can leave the table alone"
+        );
+        let out = std::process::Command::new("blockdev")
+            .arg("--rereadpt")
+            .arg(&dev)
+            .output()
+            .expect("run blockdev");
+        assert!(
+            out.status.success(),
+            "blockdev --rereadpt {}: {}",
+            dev.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !p1.exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(p1.exists(), "a scan asked for afterwards finds the table");
+    } else {
+        assert!(
+            sys_p1.exists(),
+            "a kernel without UBLK_F_NO_AUTO_PART_SCAN scans when the disk is added"
+        );
+    }
+    srv.ctl_ok(&["detach", "gpt"]);
+    assert!(gone(&dev));
+}
+
 /// A ublk control command the kernel never completes: with the test hook
 /// (`LOOPD_TEST_UBLK_NO_FETCH`, feature `vm-tests`) queue 0 of device
 /// "stuck" never fetches tag 0, so START_DEV waits in the kernel forever.

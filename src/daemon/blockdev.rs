@@ -4,7 +4,9 @@
 //! ublk, in the driver's order: ADD_DEV → SET_PARAMS (from the device's geometry) →
 //! every queue built on its reactor with all its tags fetched → START_DEV, which
 //! returns once the disk exists (the kernel reads its partition table through
-//! the queues meanwhile). Removal: STOP_DEV (the disk goes away; the kernel
+//! the queues meanwhile, except on kernels with `UBLK_F_NO_AUTO_PART_SCAN`,
+//! 7.0+, where loopd asks for no scan and runs one, `BLKRRPART`, only for
+//! `--partscan`, as `losetup -P` does). Removal: STOP_DEV (the disk goes away; the kernel
 //! aborts the queues' commands) → wait until every queue is gone (they hold the
 //! char device) → DEL_DEV_ASYNC (the id is freed once the last opener of the
 //! disk lets go; the daemon does not wait for that).
@@ -38,7 +40,8 @@ use crate::frontend::nbd::handshake::transmission_flags;
 use crate::frontend::ublk::chardev::{CharError, UblkChar};
 use crate::frontend::ublk::ctrl::{AddDev, CtrlError, DeviceParams, UblkCtrl};
 use crate::frontend::ublk::sys::{
-    UBLK_F_UPDATE_SIZE, UBLK_S_DEV_FAIL_IO, UBLK_S_DEV_QUIESCED, UblksrvCtrlDevInfo,
+    UBLK_F_NO_AUTO_PART_SCAN, UBLK_F_UPDATE_SIZE, UBLK_S_DEV_FAIL_IO, UBLK_S_DEV_QUIESCED,
+    UblksrvCtrlDevInfo,
 };
 use crate::kernel_nbd::{ConnectParams, KernelNbd, KernelNbdError, ReconfigureParams};
 use crate::reactor::handle::UblkQueueSetup;
@@ -113,6 +116,10 @@ pub struct UblkDevice {
     pub dev_id: u32,
     /// Made with UPDATE_SIZE allowed (the kernel had it, 6.14+).
     resizable: bool,
+    /// The kernel read the partition table when it added the disk (not when
+    /// made with `UBLK_F_NO_AUTO_PART_SCAN`, 7.0+; a device taken back after
+    /// a restart keeps the partitions it had).
+    pub kernel_scanned: bool,
     ctrl: Mutex<UblkCtrl>,
     /// Disconnected once every queue of the device is gone.
     done: Mutex<Receiver<()>>,
@@ -241,7 +248,8 @@ pub fn start_ublk(
     let (dev, _) = export.current();
     let uapi = params_of(&dev).to_uapi()?;
     let mut ctrl = UblkCtrl::open()?;
-    let resizable = ctrl.features().is_ok_and(|f| f & UBLK_F_UPDATE_SIZE != 0);
+    let features = ctrl.features().unwrap_or(0);
+    let resizable = features & UBLK_F_UPDATE_SIZE != 0;
     let mut add = AddDev {
         dev_id: spec.ublk_id,
         nr_hw_queues: queues,
@@ -250,6 +258,10 @@ pub fn start_ublk(
         user_recovery: true,
         reissue: true,
         resizable,
+        // Where the kernel can leave the table alone, it does: no reads
+        // through the queues while START_DEV waits, and partition devices
+        // only when asked (`--partscan`, as losetup -P), by BLKRRPART.
+        no_auto_part_scan: features & UBLK_F_NO_AUTO_PART_SCAN != 0,
     };
     let info = match ctrl.add_dev(&add) {
         Err(e) if add.dev_id.is_some() && e.errno() == Some(libc::EEXIST) => {
@@ -278,6 +290,7 @@ pub fn start_ublk(
     Ok(UblkDevice {
         dev_id: info.dev_id,
         resizable: info.flags & UBLK_F_UPDATE_SIZE != 0,
+        kernel_scanned: info.flags & UBLK_F_NO_AUTO_PART_SCAN == 0,
         ctrl: Mutex::new(ctrl),
         done: Mutex::new(done_rx),
     })
@@ -366,6 +379,7 @@ fn recover(
     Ok(UblkDevice {
         dev_id: info.dev_id,
         resizable: info.flags & UBLK_F_UPDATE_SIZE != 0,
+        kernel_scanned: true,
         ctrl: Mutex::new(ctrl),
         done: Mutex::new(done_rx),
     })
@@ -637,11 +651,17 @@ pub fn start(
 ) -> Result<Option<KernelDev>, BlockdevError> {
     let (k, rescan) = match spec.blockdev {
         None => return Ok(None),
-        Some(crate::device::spec::Blockdev::Ublk) => (
-            KernelDev::Ublk(Box::new(start_ublk(export, spec, reactors)?)),
-            // START_DEV returns after add_disk, which scans the table.
-            Rescan::AlreadyDone,
-        ),
+        Some(crate::device::spec::Blockdev::Ublk) => {
+            let u = start_ublk(export, spec, reactors)?;
+            // START_DEV returns after add_disk, which scans the table unless
+            // the device was made not to (then BLKRRPART does, now).
+            let rescan = if u.kernel_scanned {
+                Rescan::AlreadyDone
+            } else {
+                Rescan::Reread
+            };
+            (KernelDev::Ublk(Box::new(u)), rescan)
+        }
         Some(crate::device::spec::Blockdev::Nbd) => (
             KernelDev::Nbd(start_nbd(export, spec, reactors)?),
             // nbd marks the disk for a scan at its next open.

@@ -41,7 +41,7 @@ use thiserror::Error;
 use super::deadline::{self, CmdBuf as Buf, CtrlRing, Undo};
 use super::sys::{
     UBLK_ATTR_FUA, UBLK_ATTR_READ_ONLY, UBLK_ATTR_ROTATIONAL, UBLK_ATTR_VOLATILE_CACHE,
-    UBLK_F_CMD_IOCTL_ENCODE, UBLK_F_UPDATE_SIZE, UBLK_F_USER_RECOVERY,
+    UBLK_F_CMD_IOCTL_ENCODE, UBLK_F_NO_AUTO_PART_SCAN, UBLK_F_UPDATE_SIZE, UBLK_F_USER_RECOVERY,
     UBLK_F_USER_RECOVERY_REISSUE, UBLK_MAX_NR_QUEUES, UBLK_MAX_QUEUE_DEPTH, UBLK_PARAM_TYPE_BASIC,
     UBLK_PARAM_TYPE_DISCARD, UBLK_U_CMD_ADD_DEV, UBLK_U_CMD_DEL_DEV, UBLK_U_CMD_DEL_DEV_ASYNC,
     UBLK_U_CMD_END_USER_RECOVERY, UBLK_U_CMD_GET_DEV_INFO, UBLK_U_CMD_GET_FEATURES,
@@ -250,6 +250,10 @@ pub struct AddDev {
     /// Allow UPDATE_SIZE (`UBLK_F_UPDATE_SIZE`, 6.14+): set it only when
     /// [`UblkCtrl::features`] has the bit.
     pub resizable: bool,
+    /// START_DEV does not scan the partition table
+    /// (`UBLK_F_NO_AUTO_PART_SCAN`, 7.0+): set it only when
+    /// [`UblkCtrl::features`] has the bit.
+    pub no_auto_part_scan: bool,
 }
 
 impl Default for AddDev {
@@ -262,6 +266,7 @@ impl Default for AddDev {
             user_recovery: false,
             reissue: false,
             resizable: false,
+            no_auto_part_scan: false,
         }
     }
 }
@@ -288,6 +293,9 @@ impl AddDev {
         }
         if self.resizable {
             flags |= UBLK_F_UPDATE_SIZE;
+        }
+        if self.no_auto_part_scan {
+            flags |= UBLK_F_NO_AUTO_PART_SCAN;
         }
         Ok(UblksrvCtrlDevInfo {
             nr_hw_queues: self.nr_hw_queues,

@@ -120,6 +120,9 @@ pub const UBLK_F_ZONED: u64 = 1 << 8;
 pub const UBLK_F_USER_RECOVERY_FAIL_IO: u64 = 1 << 9;
 /// 6.14+.
 pub const UBLK_F_UPDATE_SIZE: u64 = 1 << 10;
+/// Since 7.0 (and stable backports): START_DEV adds the disk without reading
+/// its partition table; `BLKRRPART` afterwards scans it.
+pub const UBLK_F_NO_AUTO_PART_SCAN: u64 = 1 << 18;
 
 // ---- device state (ublksrv_ctrl_dev_info.state) ----
 
