@@ -6,9 +6,9 @@
 
 pub mod args;
 pub mod attach;
-pub mod detach;
 pub mod complete_names;
 pub mod config_page;
+pub mod detach;
 pub mod examples;
 pub mod exit;
 pub mod generate;
