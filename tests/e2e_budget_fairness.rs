@@ -271,7 +271,7 @@ fn clients_that_never_read_hold_only_their_devices_share() {
                 a >= 16 * MIB && a > b,
                 "status: a holds {a}, b holds {b} (a's attackers should hold its share)"
             );
-            let table = srv.ctl_ok(&["status"]).stdout;
+            let table = srv.ctl_ok(&["status", "--bytes"]).stdout;
             let col = |line: &str, i: usize| line.split_whitespace().nth(i).map(str::to_string);
             let header = table.lines().next().unwrap_or_default();
             let i = header
