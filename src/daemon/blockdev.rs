@@ -38,7 +38,7 @@ use crate::frontend::nbd::handshake::transmission_flags;
 use crate::frontend::ublk::chardev::{CharError, UblkChar};
 use crate::frontend::ublk::ctrl::{AddDev, CtrlError, DeviceParams, UblkCtrl};
 use crate::frontend::ublk::sys::{
-    UBLK_F_UPDATE_SIZE, UBLK_S_DEV_FAIL_IO, UBLK_S_DEV_QUIESCED, UblksrvCtrlDevInfo,
+    UBLK_F_UPDATE_SIZE, UBLK_S_DEV_FAIL_IO, UBLK_S_DEV_QUIESCED, UblksrvCtrlDevInfo, feature_names,
 };
 use crate::kernel_nbd::{ConnectParams, KernelNbd, KernelNbdError, ReconfigureParams};
 use crate::reactor::handle::UblkQueueSetup;
@@ -113,6 +113,12 @@ pub struct UblkDevice {
     pub dev_id: u32,
     /// Made with UPDATE_SIZE allowed (the kernel had it, 6.14+).
     resizable: bool,
+    /// The `UBLK_F_*` bits the kernel offers (GET_FEATURES, asked once when
+    /// the device was made or recovered; 0 if the kernel did not answer).
+    kernel_features: u64,
+    /// The optional fast paths this device uses (names, see
+    /// [`UblkDevice::fast_paths`]).
+    fast_paths: Vec<&'static str>,
     ctrl: Mutex<UblkCtrl>,
     /// Disconnected once every queue of the device is gone.
     done: Mutex<Receiver<()>>,
@@ -122,6 +128,17 @@ impl UblkDevice {
     /// The block device node.
     pub fn path(&self) -> PathBuf {
         PathBuf::from(format!("/dev/ublkb{}", self.dev_id))
+    }
+
+    /// The names of the `UBLK_F_*` features the kernel offers.
+    pub fn kernel_features(&self) -> Vec<String> {
+        feature_names(self.kernel_features)
+    }
+
+    /// The kernel fast paths this device uses, by their feature's name
+    /// (`auto_buf_reg`: zero copy); empty when it uses none.
+    pub fn fast_paths(&self) -> Vec<String> {
+        self.fast_paths.iter().map(|p| (*p).to_owned()).collect()
     }
 
     /// Whether the kernel can change this device's size: it was made with
@@ -241,7 +258,8 @@ pub fn start_ublk(
     let (dev, _) = export.current();
     let uapi = params_of(&dev).to_uapi()?;
     let mut ctrl = UblkCtrl::open()?;
-    let resizable = ctrl.features().is_ok_and(|f| f & UBLK_F_UPDATE_SIZE != 0);
+    let kernel_features = ctrl.features().unwrap_or(0);
+    let resizable = kernel_features & UBLK_F_UPDATE_SIZE != 0;
     let mut add = AddDev {
         dev_id: spec.ublk_id,
         nr_hw_queues: queues,
@@ -278,6 +296,8 @@ pub fn start_ublk(
     Ok(UblkDevice {
         dev_id: info.dev_id,
         resizable: info.flags & UBLK_F_UPDATE_SIZE != 0,
+        kernel_features,
+        fast_paths: Vec::new(),
         ctrl: Mutex::new(ctrl),
         done: Mutex::new(done_rx),
     })
@@ -358,6 +378,7 @@ fn recover(
     drop(done_tx);
     served?;
     ctrl.end_user_recovery(my_pid())?;
+    let kernel_features = ctrl.features().unwrap_or(0);
     tracing::info!(
         "device {:?}: recovered /dev/ublkb{} from the previous server",
         export.name,
@@ -366,6 +387,8 @@ fn recover(
     Ok(UblkDevice {
         dev_id: info.dev_id,
         resizable: info.flags & UBLK_F_UPDATE_SIZE != 0,
+        kernel_features,
+        fast_paths: Vec::new(),
         ctrl: Mutex::new(ctrl),
         done: Mutex::new(done_rx),
     })

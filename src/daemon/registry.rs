@@ -211,6 +211,10 @@ impl Daemon {
                 .map(|ps| ps.into_iter().map(|p| p.device).collect())
                 .unwrap_or_default();
             i.blockdev = Some(path);
+            if let KernelDev::Ublk(u) = &*b {
+                i.ublk_fast_paths = Some(u.fast_paths());
+                i.ublk_kernel_features = Some(u.kernel_features());
+            }
         }
         i
     }
