@@ -943,5 +943,95 @@ fn nbd_reconnect_never_takes_a_device_whose_old_connection_lives() {
         "a restarted",
     );
     a.ctl_ok(&["detach", "same"]);
+}
+
+/// The names in `v[key]`, which must be an array of strings.
+fn names(v: &serde_json::Value, key: &str) -> Vec<String> {
+    v[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("{key} is a list: {v}"))
+        .iter()
+        .map(|n| n.as_str().expect("a name").to_owned())
+        .collect()
+}
+
+/// `status` and `list --json` name the ublk features the kernel offers (read
+/// once with GET_FEATURES) and the fast paths the device uses; 6.12 has none
+/// of the 6.16+ ones. A kernel NBD device has neither field.
+#[test]
+fn ublk_status_names_kernel_features_and_fast_paths() {
+    let t = scratch();
+    let srv = daemon(t.path());
+    let img = t.path().join("fp.img");
+    create_sparse_image(&img, 16 << 20);
+    let dev = attach(&srv, "ublk", &img, &["--cache", "direct"]);
+    let st = srv.ctl_json(&["status", "fp"]);
+    let listed = srv.ctl_json(&["list"]);
+    let row = listed
+        .arr()
+        .iter()
+        .find(|d| d["name"] == "fp")
+        .unwrap_or_else(|| panic!("fp listed: {listed}"));
+    let features = names(&st, "ublk_kernel_features");
+    let paths = names(&st, "ublk_fast_paths");
+    eprintln!(
+        "{}: features {features:?}, fast paths {paths:?}",
+        kernel_release()
+    );
+    assert_eq!(
+        names(row, "ublk_kernel_features"),
+        features,
+        "list says the same"
+    );
+    assert_eq!(names(row, "ublk_fast_paths"), paths, "list says the same");
+    for f in ["user_recovery", "cmd_ioctl_encode"] {
+        assert!(features.iter().any(|x| x == f), "{f} in {features:?}");
+    }
+    let new = ["auto_buf_reg", "quiesce", "per_io_daemon"];
+    for f in new {
+        assert_eq!(
+            features.iter().any(|x| x == f),
+            kernel_at_least(6, 16),
+            "{f} offered by {} (6.16+): {features:?}",
+            kernel_release()
+        );
+    }
+    for p in &paths {
+        assert!(features.contains(p), "fast path {p} is a kernel feature");
+    }
+    if !kernel_at_least(6, 16) {
+        assert!(paths.is_empty(), "no fast path before 6.16: {paths:?}");
+    }
+    let no_scan = features.iter().any(|f| f == "no_auto_part_scan");
+    assert_eq!(
+        paths.iter().any(|p| p == "no_auto_part_scan"),
+        no_scan,
+        "a kernel that can skip the partition scan at START_DEV is asked to: {paths:?}"
+    );
+    let human = srv.ctl_ok(&["status", "fp"]).stdout;
+    let shown = if paths.is_empty() {
+        "none".to_owned()
+    } else {
+        paths.join(" ")
+    };
+    assert!(
+        human.contains(&format!("\nublk_fast_paths: {shown}\n")),
+        "status says the fast paths:\n{human}"
+    );
+    assert!(
+        human.contains(&format!("\nublk_kernel_features: {}\n", features.join(" "))),
+        "status says the kernel's features:\n{human}"
+    );
+    srv.ctl_ok(&["detach", "fp"]);
+    assert!(gone(&dev));
+
+    let dev = attach(&srv, "nbd", &img, &[]);
+    let st = srv.ctl_json(&["status", "fp"]);
+    assert!(
+        st.get("ublk_fast_paths").is_none() && st.get("ublk_kernel_features").is_none(),
+        "no ublk fields on {}: {st}",
+        dev.display()
+    );
+    srv.ctl_ok(&["detach", "fp"]);
     assert!(gone(&dev));
 }

@@ -241,6 +241,17 @@ pub fn print_status(v: &Value, json: bool, sz: Sizes) -> Result<()> {
     if let Some(b) = v["blockdev"].as_str() {
         println!("blockdev: {}", esc(b));
     }
+    for k in ["ublk_fast_paths", "ublk_kernel_features"] {
+        if let Some(names) = v[k].as_array() {
+            let names: Vec<String> = names.iter().filter_map(Value::as_str).map(esc).collect();
+            let shown = if names.is_empty() {
+                "none".to_owned()
+            } else {
+                names.join(" ")
+            };
+            println!("{k}: {shown}");
+        }
+    }
     let allow: Vec<String> = v["tls_allow"]
         .as_array()
         .into_iter()

@@ -41,7 +41,7 @@ use crate::frontend::ublk::chardev::{CharError, UblkChar};
 use crate::frontend::ublk::ctrl::{AddDev, CtrlError, DeviceParams, UblkCtrl};
 use crate::frontend::ublk::sys::{
     UBLK_F_NO_AUTO_PART_SCAN, UBLK_F_UPDATE_SIZE, UBLK_S_DEV_FAIL_IO, UBLK_S_DEV_QUIESCED,
-    UblksrvCtrlDevInfo,
+    UblksrvCtrlDevInfo, feature_names,
 };
 use crate::kernel_nbd::{ConnectParams, KernelNbd, KernelNbdError, ReconfigureParams};
 use crate::reactor::handle::UblkQueueSetup;
@@ -120,6 +120,12 @@ pub struct UblkDevice {
     /// made with `UBLK_F_NO_AUTO_PART_SCAN`, 7.0+; a device taken back after
     /// a restart keeps the partitions it had).
     pub kernel_scanned: bool,
+    /// The `UBLK_F_*` bits the kernel offers (GET_FEATURES, asked once when
+    /// the device was made or recovered; 0 if the kernel did not answer).
+    kernel_features: u64,
+    /// The optional fast paths this device uses (names, see
+    /// [`UblkDevice::fast_paths`]).
+    fast_paths: Vec<&'static str>,
     ctrl: Mutex<UblkCtrl>,
     /// Disconnected once every queue of the device is gone.
     done: Mutex<Receiver<()>>,
@@ -129,6 +135,18 @@ impl UblkDevice {
     /// The block device node.
     pub fn path(&self) -> PathBuf {
         PathBuf::from(format!("/dev/ublkb{}", self.dev_id))
+    }
+
+    /// The names of the `UBLK_F_*` features the kernel offers.
+    pub fn kernel_features(&self) -> Vec<String> {
+        feature_names(self.kernel_features)
+    }
+
+    /// The kernel fast paths this device uses, by their feature's name
+    /// (`no_auto_part_scan`: nothing read at START_DEV); empty when it uses
+    /// none.
+    pub fn fast_paths(&self) -> Vec<String> {
+        self.fast_paths.iter().map(|p| (*p).to_owned()).collect()
     }
 
     /// Whether the kernel can change this device's size: it was made with
@@ -248,8 +266,8 @@ pub fn start_ublk(
     let (dev, _) = export.current();
     let uapi = params_of(&dev).to_uapi()?;
     let mut ctrl = UblkCtrl::open()?;
-    let features = ctrl.features().unwrap_or(0);
-    let resizable = features & UBLK_F_UPDATE_SIZE != 0;
+    let kernel_features = ctrl.features().unwrap_or(0);
+    let resizable = kernel_features & UBLK_F_UPDATE_SIZE != 0;
     let mut add = AddDev {
         dev_id: spec.ublk_id,
         nr_hw_queues: queues,
@@ -261,7 +279,7 @@ pub fn start_ublk(
         // Where the kernel can leave the table alone, it does: no reads
         // through the queues while START_DEV waits, and partition devices
         // only when asked (`--partscan`, as losetup -P), by BLKRRPART.
-        no_auto_part_scan: features & UBLK_F_NO_AUTO_PART_SCAN != 0,
+        no_auto_part_scan: kernel_features & UBLK_F_NO_AUTO_PART_SCAN != 0,
     };
     let info = match ctrl.add_dev(&add) {
         Err(e) if add.dev_id.is_some() && e.errno() == Some(libc::EEXIST) => {
@@ -291,9 +309,21 @@ pub fn start_ublk(
         dev_id: info.dev_id,
         resizable: info.flags & UBLK_F_UPDATE_SIZE != 0,
         kernel_scanned: info.flags & UBLK_F_NO_AUTO_PART_SCAN == 0,
+        kernel_features,
+        fast_paths: fast_paths_of(info.flags),
         ctrl: Mutex::new(ctrl),
         done: Mutex::new(done_rx),
     })
+}
+
+/// The optional kernel paths a device made with `flags` uses, by feature
+/// name: `no_auto_part_scan` (no partition scan at START_DEV, 7.0+).
+fn fast_paths_of(flags: u64) -> Vec<&'static str> {
+    let mut paths = Vec::new();
+    if flags & UBLK_F_NO_AUTO_PART_SCAN != 0 {
+        paths.push("no_auto_part_scan");
+    }
+    paths
 }
 
 fn my_pid() -> i32 {
@@ -371,6 +401,7 @@ fn recover(
     drop(done_tx);
     served?;
     ctrl.end_user_recovery(my_pid())?;
+    let kernel_features = ctrl.features().unwrap_or(0);
     tracing::info!(
         "device {:?}: recovered /dev/ublkb{} from the previous server",
         export.name,
@@ -380,6 +411,8 @@ fn recover(
         dev_id: info.dev_id,
         resizable: info.flags & UBLK_F_UPDATE_SIZE != 0,
         kernel_scanned: true,
+        kernel_features,
+        fast_paths: fast_paths_of(info.flags),
         ctrl: Mutex::new(ctrl),
         done: Mutex::new(done_rx),
     })

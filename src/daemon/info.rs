@@ -60,6 +60,13 @@ pub struct DeviceInfo {
     /// TLS client identities allowed to open it (empty: every client).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tls_allow: Vec<String>,
+    /// ublk: the kernel's optional fast paths this device uses (feature
+    /// names, e.g. `auto_buf_reg`); empty when none. Absent for other devices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ublk_fast_paths: Option<Vec<String>>,
+    /// ublk: every `UBLK_F_*` feature the running kernel offers (names).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ublk_kernel_features: Option<Vec<String>>,
     pub uris: Vec<String>,
     /// Read-only because the image cannot be written (a read-only mount, mode
     /// 0444), not because it was asked.
@@ -92,6 +99,8 @@ impl DeviceInfo {
             blockdev: None,
             partitions: Vec::new(),
             tls_allow: spec.tls_allow,
+            ublk_fast_paths: None,
+            ublk_kernel_features: None,
         }
     }
 
@@ -118,6 +127,8 @@ impl DeviceInfo {
             blockdev: None,
             partitions: Vec::new(),
             tls_allow: spec.tls_allow.clone(),
+            ublk_fast_paths: None,
+            ublk_kernel_features: None,
         }
     }
 }
@@ -264,6 +275,8 @@ mod tests {
             state: DeviceState::Missing,
             strict_block_size: true,
             tls_allow: vec!["cn".into()],
+            ublk_fast_paths: Some(vec!["auto_buf_reg".into()]),
+            ublk_kernel_features: Some(vec!["user_recovery".into()]),
             uris: vec!["nbd://x".into()],
             write_protected: true,
         };
@@ -274,6 +287,8 @@ mod tests {
             reason: None,
             size_limit: None,
             tls_allow: Vec::new(),
+            ublk_fast_paths: None,
+            ublk_kernel_features: None,
             ..full.clone()
         };
         for info in [full, bare] {

@@ -209,11 +209,10 @@ impl Daemon {
     pub(super) fn info(&self, e: &Export) -> DeviceInfo {
         let mut i = DeviceInfo::of(e, &self.endpoints());
         if let Some(b) = self.blockdev(&e.name) {
-            let path = b.path();
-            i.partitions = crate::blockdev::partitions::current(&path)
+            i.partitions = crate::blockdev::partitions::current(&b.path())
                 .map(|ps| ps.into_iter().map(|p| p.device).collect())
                 .unwrap_or_default();
-            i.blockdev = Some(path);
+            blockdev_info(&b, &mut i);
         }
         i
     }
@@ -296,7 +295,9 @@ impl Daemon {
             };
         };
         let mut st = DeviceStatus::of(&e, &self.endpoints());
-        st.info.blockdev = self.blockdev(name).map(|b| b.path());
+        if let Some(b) = self.blockdev(name) {
+            blockdev_info(&b, &mut st.info);
+        }
         Ok(st)
     }
 
@@ -305,6 +306,16 @@ impl Daemon {
         let names: Vec<String> = self.list().into_iter().map(|i| i.name).collect();
         // A device detached meanwhile is left out.
         names.iter().filter_map(|n| self.status(n).ok()).collect()
+    }
+}
+
+/// What a device's report says of its kernel block device `b`: its path and,
+/// for ublk, the kernel's features and the fast paths the device uses.
+fn blockdev_info(b: &KernelDev, i: &mut DeviceInfo) {
+    i.blockdev = Some(b.path());
+    if let KernelDev::Ublk(u) = b {
+        i.ublk_fast_paths = Some(u.fast_paths());
+        i.ublk_kernel_features = Some(u.kernel_features());
     }
 }
 

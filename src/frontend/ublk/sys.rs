@@ -7,9 +7,12 @@
 //! What 6.12 has and later kernels added (so callers can probe with
 //! `GET_FEATURES` instead of guessing): `UBLK_F_USER_RECOVERY_FAIL_IO` (bit 9)
 //! is 6.13; `UBLK_F_UPDATE_SIZE` / `UBLK_U_CMD_UPDATE_SIZE` is 6.14;
-//! `UBLK_U_CMD_QUIESCE_DEV`, `UBLK_F_AUTO_BUF_REG`, the DMA-align and segment
-//! parameter types are 6.15+. They are defined here because the opcodes are
-//! fixed numbers, but a 6.12 kernel rejects them (`EOPNOTSUPP`/`EINVAL`).
+//! `UBLK_U_CMD_QUIESCE_DEV`, the DMA-align and segment parameter types are
+//! 6.15+; `UBLK_F_AUTO_BUF_REG`, `UBLK_F_QUIESCE`, `UBLK_F_PER_IO_DAEMON` are
+//! 6.16+; batch I/O, safe stop and `UBLK_F_NO_AUTO_PART_SCAN` are 7.0. They are
+//! defined here because the opcodes and bits are fixed numbers, but a 6.12
+//! kernel rejects them (`EOPNOTSUPP`/`EINVAL`) and does not list them in
+//! GET_FEATURES.
 
 // ---- ioctl encoding (asm-generic/ioctl.h) ----
 
@@ -120,9 +123,62 @@ pub const UBLK_F_ZONED: u64 = 1 << 8;
 pub const UBLK_F_USER_RECOVERY_FAIL_IO: u64 = 1 << 9;
 /// 6.14+.
 pub const UBLK_F_UPDATE_SIZE: u64 = 1 << 10;
-/// Since 7.0 (and stable backports): START_DEV adds the disk without reading
-/// its partition table; `BLKRRPART` afterwards scans it.
+/// 6.16+: each request's pages are registered in the fetching ring's
+/// fixed-buffer table (zero copy for the server's own io_uring file I/O).
+pub const UBLK_F_AUTO_BUF_REG: u64 = 1 << 11;
+/// 6.16+: `UBLK_U_CMD_QUIESCE_DEV`.
+pub const UBLK_F_QUIESCE: u64 = 1 << 12;
+/// 6.16+: any task may serve any tag.
+pub const UBLK_F_PER_IO_DAEMON: u64 = 1 << 13;
+/// 6.16+: buffer registration from a task other than the tag's daemon.
+pub const UBLK_F_BUF_REG_OFF_DAEMON: u64 = 1 << 14;
+/// 7.0+: batched fetch/commit commands.
+pub const UBLK_F_BATCH_IO: u64 = 1 << 15;
+/// 6.19+: integrity (metadata) buffers.
+pub const UBLK_F_INTEGRITY: u64 = 1 << 16;
+/// 7.0+: `TRY_STOP_DEV` (stop only without openers).
+pub const UBLK_F_SAFE_STOP_DEV: u64 = 1 << 17;
+/// 7.0+: no partition scan at START_DEV.
 pub const UBLK_F_NO_AUTO_PART_SCAN: u64 = 1 << 18;
+
+/// The names loopd reports for the `UBLK_F_*` bits it knows (lower-case, the
+/// header's name without `UBLK_F_`), in bit order.
+pub const FEATURE_NAMES: [(u64, &str); 19] = [
+    (UBLK_F_SUPPORT_ZERO_COPY, "support_zero_copy"),
+    (UBLK_F_URING_CMD_COMP_IN_TASK, "uring_cmd_comp_in_task"),
+    (UBLK_F_NEED_GET_DATA, "need_get_data"),
+    (UBLK_F_USER_RECOVERY, "user_recovery"),
+    (UBLK_F_USER_RECOVERY_REISSUE, "user_recovery_reissue"),
+    (UBLK_F_UNPRIVILEGED_DEV, "unprivileged_dev"),
+    (UBLK_F_CMD_IOCTL_ENCODE, "cmd_ioctl_encode"),
+    (UBLK_F_USER_COPY, "user_copy"),
+    (UBLK_F_ZONED, "zoned"),
+    (UBLK_F_USER_RECOVERY_FAIL_IO, "user_recovery_fail_io"),
+    (UBLK_F_UPDATE_SIZE, "update_size"),
+    (UBLK_F_AUTO_BUF_REG, "auto_buf_reg"),
+    (UBLK_F_QUIESCE, "quiesce"),
+    (UBLK_F_PER_IO_DAEMON, "per_io_daemon"),
+    (UBLK_F_BUF_REG_OFF_DAEMON, "buf_reg_off_daemon"),
+    (UBLK_F_BATCH_IO, "batch_io"),
+    (UBLK_F_INTEGRITY, "integrity"),
+    (UBLK_F_SAFE_STOP_DEV, "safe_stop_dev"),
+    (UBLK_F_NO_AUTO_PART_SCAN, "no_auto_part_scan"),
+];
+
+/// The names of the bits of `features` loopd knows, in bit order; an unknown
+/// bit N as `bitN`.
+pub fn feature_names(features: u64) -> Vec<String> {
+    (0..64)
+        .map(|b| 1u64 << b)
+        .filter(|bit| features & bit != 0)
+        .map(|bit| {
+            FEATURE_NAMES.iter().find(|(f, _)| *f == bit).map_or_else(
+                || format!("bit{}", bit.trailing_zeros()),
+                |(_, n)| (*n).to_owned(),
+            )
+        })
+        .collect()
+}
 
 // ---- device state (ublksrv_ctrl_dev_info.state) ----
 
@@ -349,6 +405,18 @@ const _: () = {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn feature_names_in_bit_order_unknown_bits_by_number() {
+        assert_eq!(feature_names(0), Vec::<String>::new());
+        assert_eq!(
+            feature_names(UBLK_F_AUTO_BUF_REG | UBLK_F_USER_RECOVERY | (1 << 40)),
+            ["user_recovery", "auto_buf_reg", "bit40"]
+        );
+        for (i, (bit, _)) in FEATURE_NAMES.iter().enumerate() {
+            assert_eq!(*bit, 1 << i, "FEATURE_NAMES[{i}]");
+        }
+    }
 
     #[test]
     fn queue_offsets_stride_by_the_largest_array() {
