@@ -91,15 +91,29 @@ unset LOOPD_TEST_CEPH_DIR
 stage "kernel-side tests (scripts/vm-test.sh: every tests/kernel_*.rs, one VM boot per kernel: 6.12 and the newest of trixie-backports)"
 scripts/vm-test.sh
 
-stage "ublk data tests over the test-only memory backend (one more VM boot, the newest kernel only, ~4 min)"
+stage "ublk data tests over the test-only memory backend, from a checkout under /tmp (one more VM boot, the newest kernel only, ~4 min)"
 # The memory backend sits below the engine: the kernel sees the same ublk
 # frontend as with a file, and that runs under both kernels above. Under the
 # newest kernel: its ublk has what 6.12 lacks for request buffers (zero copy,
 # automatic buffer registration), which is where a backend could see them
 # differently.
-LOOPD_VM_KERNEL=newest LOOPD_VM_FEATURES=test-backend LOOPD_VM_ENV=LOOPD_TEST_BACKEND=mem \
-    LOOPD_VM_TEST_ARGS="ublk_fio_verifies ublk_filesystem ublk_read_only" \
-    scripts/vm-test.sh kernel_blockdev
+# Run from this checkout bind-mounted under /tmp: the guest mounts a fresh
+# /tmp of its own, and scripts/vm-test.sh must work from a clone there too
+# (a user trying loopd clones into /tmp). Same files, so nothing is copied;
+# cargo rebuilds only this crate, which the feature change rebuilds anyway.
+TMP_CHECKOUT=$(mktemp -d /tmp/loopd-checkout.XXXXXX)
+mount --bind "$PWD" "$TMP_CHECKOUT"
+unmount_tmp_checkout() {
+    [ -n "${TMP_CHECKOUT:-}" ] || return 0
+    umount "$TMP_CHECKOUT" && rmdir "$TMP_CHECKOUT"
+    TMP_CHECKOUT=
+}
+trap 'unmount_tmp_checkout; stop_ceph; [ -z "$STAGE" ] || report_stages' EXIT
+(cd "$TMP_CHECKOUT" &&
+    LOOPD_VM_KERNEL=newest LOOPD_VM_FEATURES=test-backend LOOPD_VM_ENV=LOOPD_TEST_BACKEND=mem \
+        LOOPD_VM_TEST_ARGS="ublk_fio_verifies ublk_filesystem ublk_read_only" \
+        scripts/vm-test.sh kernel_blockdev)
+unmount_tmp_checkout
 # Back to the binary users get (the run above linked target/release/loopd
 # with the feature).
 cargo build --release
