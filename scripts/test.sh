@@ -19,8 +19,10 @@ stage() {
     STAGE=$1 STAGE_T0=$SECONDS
     echo "== $1"
 }
+# report_stages [done]: with `done`, every stage finished (none stopped).
 report_stages() {
     local failed=$STAGE
+    [ "${1:-}" != done ] || failed=
     stage_done
     echo "== seconds per stage (${SECONDS} s in all${failed:+; stopped in: ${failed%% (*}})"
     printf '%s\n' "${STAGE_TIMES[@]}"
@@ -128,5 +130,5 @@ stage "bench smoke (bench/run --quick: every benchmark case runs; no speed is ch
 bench/install-deps.sh
 bench/run --quick
 
-report_stages
+report_stages done
 echo "== all checks passed"
