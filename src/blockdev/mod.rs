@@ -8,6 +8,8 @@
 //!
 //! - [`uevent`]: pure parsers of the sysfs text the kernel writes for a block
 //!   device (`uevent`, `dev`, sector counts).
+//! - [`kernel_timeout`]: how long the kernel has to answer a control
+//!   request of a block device (`--kernel-timeout`), for ublk and kernel NBD.
 //! - [`partitions`]: after a frontend has made a whole-disk device, trigger the
 //!   partition scan the kernel may have deferred, read the partitions it found
 //!   and wait (bounded) until their `/dev` nodes exist.
@@ -17,6 +19,7 @@
 //!   wait for udev's answer, so udev does not re-read the partition table
 //!   (dropping and re-adding every partition) after the caller returns.
 
+pub mod kernel_timeout;
 pub mod partitions;
 pub mod udev;
 pub mod uevent;

@@ -204,7 +204,7 @@ pub struct ServeArgs {
     /// device (ublk control commands, kernel-NBD netlink calls). A kernel that
     /// takes longer fails that attach (or detach) with an error naming the
     /// request and the time waited; the daemon and the other devices go on.
-    #[arg(long, value_name = "SECS", default_value_t = loopd::frontend::ublk::deadline::DEFAULT_DEADLINE.as_secs_f64())]
+    #[arg(long, value_name = "SECS", default_value_t = loopd::blockdev::kernel_timeout::DEFAULT.as_secs_f64())]
     kernel_timeout: f64,
     /// Benchmark switch: one lock for the whole device instead of byte ranges.
     #[arg(long, hide = true)]
@@ -495,8 +495,7 @@ fn start(
         bail!("--kernel-timeout must be from 0.1 to 86400 seconds");
     }
     let kernel_timeout = std::time::Duration::from_secs_f64(a.kernel_timeout);
-    loopd::frontend::ublk::deadline::set_default_deadline(kernel_timeout);
-    loopd::kernel_nbd::socket::set_reply_timeout(kernel_timeout);
+    loopd::blockdev::kernel_timeout::set(kernel_timeout);
     if !(0.0..=86_400.0).contains(&a.reply_timeout) {
         bail!(Classed::new(
             "usage",

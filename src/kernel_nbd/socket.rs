@@ -12,7 +12,6 @@ use rustix::net::{
     sockopt::{Timeout, set_socket_timeout},
 };
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use thiserror::Error;
 
@@ -21,22 +20,10 @@ const NETLINK_ADD_MEMBERSHIP: libc::c_int = 1;
 const NETLINK_CAP_ACK: libc::c_int = 10;
 const NETLINK_EXT_ACK: libc::c_int = 11;
 
-/// How long one request may wait for its answer unless the daemon says
-/// otherwise (`--kernel-timeout`, [`set_reply_timeout`]).
-pub const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// The process's reply timeout in milliseconds.
-static REPLY_TIMEOUT_MS: AtomicU64 = AtomicU64::new(30_000);
-
-/// Set how long requests on sockets opened from now on wait for an answer.
-pub fn set_reply_timeout(d: Duration) {
-    let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1);
-    REPLY_TIMEOUT_MS.store(ms, Ordering::Relaxed);
-}
-
-/// How long a request waits for its answer.
+/// How long a request waits for its answer: the daemon's
+/// `--kernel-timeout` ([`crate::blockdev::kernel_timeout`]).
 pub fn reply_timeout() -> Duration {
-    Duration::from_millis(REPLY_TIMEOUT_MS.load(Ordering::Relaxed))
+    crate::blockdev::kernel_timeout::get()
 }
 /// Big enough for `NBD_CMD_STATUS` of thousands of devices.
 const RECV_BUF: usize = 256 * 1024;

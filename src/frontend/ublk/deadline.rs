@@ -31,24 +31,11 @@ use io_uring::{IoUring, cqueue, opcode, squeue, types};
 use std::fs::File;
 use std::mem::ManuallyDrop;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// The deadline of a control command unless a handle says otherwise.
-pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(30);
-
-/// The process's deadline in milliseconds (`--kernel-timeout`).
-static DEADLINE_MS: AtomicU64 = AtomicU64::new(30_000);
-
-/// Set the deadline new control handles get (the daemon, at start).
-pub fn set_default_deadline(d: Duration) {
-    let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1);
-    DEADLINE_MS.store(ms, Ordering::Relaxed);
-}
-
-/// The deadline new control handles get.
+/// The deadline new control handles get: the daemon's `--kernel-timeout`.
 pub fn default_deadline() -> Duration {
-    Duration::from_millis(DEADLINE_MS.load(Ordering::Relaxed))
+    crate::blockdev::kernel_timeout::get()
 }
 
 /// How long a janitor waits for a stuck command's completion before it gives
