@@ -189,51 +189,18 @@ fn man_pages_have_examples_and_a_page_for_the_config_file() {
     assert!(top.contains("loopd.toml(5)"), "{top}");
 }
 
-/// What the installed bash completion offers for `words` (the cursor at the
-/// end of the last one), as a user's `<TAB>` would.
-fn bash_complete(script: &Path, words: &[&str]) -> Vec<String> {
-    let line = words.join(" ");
-    let cword = words.len() - 1;
-    let words_arr: Vec<String> = words.iter().map(|w| format!("'{w}'")).collect();
-    let program = format!(
-        r#"source '{script}' || exit 3
-spec=$(complete -p loopd) || exit 4
-fn=$(printf '%s\n' "$spec" | sed -n 's/.*-F \([^ ]*\).*/\1/p')
-[ -n "$fn" ] || exit 5
-COMP_WORDS=({words})
-COMP_CWORD={cword}
-COMP_LINE='{line}'
-COMP_POINT=${{#COMP_LINE}}
-"$fn" loopd '{cur}' '{prev}'
-printf '%s\n' "${{COMPREPLY[@]}}"
-"#,
-        script = script.display(),
-        words = words_arr.join(" "),
-        cur = words[cword],
-        prev = words[cword - 1],
-    );
-    let mut c = tool("bash");
-    c.arg("--norc").arg("-c").arg(program);
-    let out = run_cmd_timeout(c, Duration::from_secs(30)).assert_success();
-    out.stdout
-        .lines()
-        .filter(|l| !l.is_empty())
-        .map(str::to_string)
-        .collect()
-}
-
 #[test]
 fn bash_completes_subcommands_and_options() {
     let (_dir, dest) = staged();
     let script = dest.join("usr/local/share/bash-completion/completions/loopd");
-    assert_eq!(bash_complete(&script, &["loopd", "at"]), ["attach"]);
+    assert_eq!(bash_complete(&script, None, &["loopd", "at"]), ["attach"]);
     assert_eq!(
-        bash_complete(&script, &["loopd", "kernel", "de"]),
+        bash_complete(&script, None, &["loopd", "kernel", "de"]),
         ["detach"]
     );
-    let serve = bash_complete(&script, &["loopd", "serve", "--conf"]);
+    let serve = bash_complete(&script, None, &["loopd", "serve", "--conf"]);
     assert_eq!(serve, ["--config"]);
-    let none = bash_complete(&script, &["loopd", "serve", "--follow-i"]);
+    let none = bash_complete(&script, None, &["loopd", "serve", "--follow-i"]);
     assert!(none.is_empty(), "a hidden option is completed: {none:?}");
 }
 

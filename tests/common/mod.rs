@@ -16,6 +16,7 @@
 //! | `control` | client commands and raw connections to the control socket |
 //! | `raw_client` | a hand-rolled NBD client for malformed traffic |
 //! | `nbd_tools` | qemu-io, nbdsh and nbdinfo wrappers |
+//! | `completion` | a user's `<TAB>` in bash against a completion script |
 //! | `tools` | external tools, running a process under a time limit, temp dirs and mounts |
 //! | `json` | JSON output parsed with `serde_json` |
 //! | `image` | image files: patterns, reads, writes, byte comparisons |
@@ -30,6 +31,7 @@
 
 mod builder;
 mod ceph;
+mod completion;
 mod control;
 mod image;
 mod json;
@@ -51,8 +53,8 @@ pub mod tls;
 // Each test binary uses a different part of the helpers.
 #[allow(unused_imports)]
 pub use self::{
-    builder::*, ceph::*, control::*, image::*, json::*, kernel_loop::*, matrix::*, nbd_tools::*,
-    raw_client::*, rbd_writes::*, server::*, tools::*,
+    builder::*, ceph::*, completion::*, control::*, image::*, json::*, kernel_loop::*, matrix::*,
+    nbd_tools::*, raw_client::*, rbd_writes::*, server::*, tools::*,
 };
 
 pub const KIB: u64 = 1024;
