@@ -6,7 +6,7 @@
 //! its image; the exit status is that of the first failure (0 if none).
 
 use super::args::DeviceArgs;
-use super::exit::{BatchFailed, DaemonError, UsageError, code_str};
+use super::exit::{BatchFailed, DaemonError, UsageError, print_item_error};
 use super::print::print_device;
 use anyhow::{Context, Result, bail};
 use loopd::control::client;
@@ -95,12 +95,7 @@ pub fn run(
             failed += 1;
             let e: ErrorBody = serde_json::from_value(item["error"].clone())
                 .context("malformed outcome in the daemon's reply")?;
-            eprintln!(
-                "loopd: error: {}: {} ({})",
-                loopd::text::quoted_path(image),
-                loopd::text::sanitize_line(&e.message),
-                code_str(e.code)
-            );
+            print_item_error(&loopd::text::quoted_path(image).to_string(), &e);
             first.get_or_insert(e);
         }
         let mut o = item.clone();

@@ -8,7 +8,7 @@
 //! failure (0 if none). Under `--json` several names print one array, an
 //! object per name. A daemon that cannot be reached ends the command there.
 
-use super::exit::{BatchFailed, DaemonError, code_str};
+use super::exit::{BatchFailed, DaemonError, print_item_error};
 use super::print::print_done;
 use anyhow::Result;
 use loopd::control::client;
@@ -39,12 +39,7 @@ pub fn run(ctl: &Path, names: &[String], force: bool, json: bool) -> Result<()> 
             }
             Err(e) => {
                 failed += 1;
-                eprintln!(
-                    "loopd: error: {}: {} ({})",
-                    loopd::text::escape(name),
-                    loopd::text::sanitize_line(&e.message),
-                    code_str(e.code)
-                );
+                print_item_error(&loopd::text::escape(name), &e);
                 out.push(json!({ "name": name, "ok": false, "error": e.clone() }));
                 first.get_or_insert(e);
             }

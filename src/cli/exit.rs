@@ -71,6 +71,17 @@ pub struct BatchFailed {
     pub code: ErrorCode,
 }
 
+/// One failed item of a batch on stderr: `loopd: error: LABEL: MESSAGE (code)`.
+/// `label` (an image path, a device name) comes escaped by the caller; the
+/// daemon's message is sanitized here.
+pub fn print_item_error(label: &str, e: &ErrorBody) {
+    eprintln!(
+        "loopd: error: {label}: {} ({})",
+        loopd::text::sanitize_line(&e.message),
+        code_str(e.code)
+    );
+}
+
 /// Exit statuses, one per class of failure (shown in `loopd --help`).
 pub const OK: u8 = 0;
 pub const OTHER: u8 = 1;
