@@ -65,6 +65,15 @@ fn len_i64(len: u64) -> libc::off_t {
     libc::off_t::try_from(len).unwrap_or(libc::off_t::MAX)
 }
 
+/// `/dev/zero`, opened once for the process (the source of
+/// [`IoOp::ZeroFixed`]); `None` if it cannot be opened.
+fn dev_zero() -> Option<i32> {
+    static ZERO: std::sync::OnceLock<Option<File>> = std::sync::OnceLock::new();
+    ZERO.get_or_init(|| File::open("/dev/zero").ok())
+        .as_ref()
+        .map(AsRawFd::as_raw_fd)
+}
+
 impl FileBackend {
     pub fn new(p: FileParts) -> FileBackend {
         let dio_align = if p.direct { p.align.offset.max(1) } else { 1 };
@@ -172,6 +181,34 @@ impl Storage for FileBackend {
                     .offset(off)
                     .build()
             }
+            // The address of a fixed operation is an offset into the
+            // registered buffer: a kernel-registered (bvec) buffer starts at 0.
+            IoOp::ReadFixed {
+                index,
+                at,
+                len,
+                off,
+            } => opcode::ReadFixed::new(fd, at as *mut u8, len, index)
+                .offset(off)
+                .build(),
+            IoOp::WriteFixed {
+                index,
+                at,
+                len,
+                off,
+                dsync,
+            } => {
+                let flags = if dsync { libc::RWF_DSYNC } else { 0 };
+                opcode::WriteFixed::new(fd, at as *const u8, len, index)
+                    .offset(off)
+                    .rw_flags(flags)
+                    .build()
+            }
+            IoOp::ZeroFixed { index, at, len } => {
+                // No /dev/zero: the op fails (`run` answers EOPNOTSUPP).
+                let zero = dev_zero()?;
+                opcode::ReadFixed::new(types::Fd(zero), at as *mut u8, len, index).build()
+            }
         };
         Some(if self.local {
             e
@@ -263,6 +300,10 @@ impl Storage for FileBackend {
                 let len = std::num::NonZeroU64::new(len);
                 rustix::fs::fadvise(&self.file, off, len, rustix::fs::Advice::WillNeed)
                     .map_or_else(errno_of, |()| 0)
+            }
+            // Registered buffers exist only in a ring.
+            IoOp::ReadFixed { .. } | IoOp::WriteFixed { .. } | IoOp::ZeroFixed { .. } => {
+                -libc::EOPNOTSUPP
             }
         }
     }

@@ -349,6 +349,10 @@ impl Store {
                 None => 0,
             },
             IoOp::WillNeed { .. } => 0,
+            // A ring's registered buffers: not memory this backend can reach.
+            IoOp::ReadFixed { .. } | IoOp::WriteFixed { .. } | IoOp::ZeroFixed { .. } => {
+                -libc::EOPNOTSUPP
+            }
             IoOp::Size { buf } => {
                 // SAFETY: `buf` points at a `libc::statx` the caller owns (its
                 // contract); only two plain integer fields are written.

@@ -32,6 +32,43 @@ pub enum IoOp {
     /// The data's current size into `buf` (`stx_size`, `STATX_SIZE` in
     /// `stx_mask`).
     Size { buf: *mut libc::statx },
+    /// Read `len` bytes at `off` into the reactor ring's registered buffer
+    /// `index`, from byte `at` of it (`IORING_OP_READ_FIXED`): a ublk
+    /// request's own pages, registered by the kernel (zero copy). Only a
+    /// ring-native backend with direct I/O runs it; anywhere else (and in
+    /// [`Storage::run`]) it fails with `-EOPNOTSUPP`.
+    ReadFixed {
+        index: u16,
+        at: u64,
+        len: u32,
+        off: u64,
+    },
+    /// Write `len` bytes at `off` from registered buffer `index`, byte `at`
+    /// on (`IORING_OP_WRITE_FIXED`; `dsync`: durable when done). As
+    /// [`IoOp::ReadFixed`].
+    WriteFixed {
+        index: u16,
+        at: u64,
+        len: u32,
+        off: u64,
+        dsync: bool,
+    },
+    /// Fill `len` bytes of registered buffer `index` from byte `at` with
+    /// zeros (a fixed read of `/dev/zero`): the part of a zero-copy read past
+    /// the end of the file, which loopd cannot write in memory (the pages
+    /// are the kernel's). As [`IoOp::ReadFixed`].
+    ZeroFixed { index: u16, at: u64, len: u32 },
+}
+
+impl IoOp {
+    /// Whether the op names a registered buffer of the ring rather than
+    /// memory (only a ring can run it).
+    pub fn is_fixed(&self) -> bool {
+        matches!(
+            self,
+            IoOp::ReadFixed { .. } | IoOp::WriteFixed { .. } | IoOp::ZeroFixed { .. }
+        )
+    }
 }
 
 /// What a backend can do besides running [`IoOp`]s.

@@ -104,6 +104,13 @@ pub struct DeviceArgs {
     /// ublk: requests in flight per queue [default: 128].
     #[arg(long, value_name = "D", requires = "blockdev")]
     pub queue_depth: Option<u16>,
+    /// ublk: no zero copy. By default a ublk device on a local image with
+    /// --cache direct (block size and offset aligned for direct I/O) lets the
+    /// kernel hand the request's own pages to the image file's I/O where the
+    /// kernel can (UBLK_F_AUTO_BUF_REG, Linux 6.16+); with this option every
+    /// request's data is copied through loopd's buffer, as on older kernels.
+    #[arg(long, requires = "blockdev")]
+    pub no_zero_copy: bool,
     /// nbd: connections between the kernel and loopd, served by several
     /// reactors (like qemu-nbd --connect with multiple connections) [default: 1].
     #[arg(long, value_name = "N", requires = "blockdev")]
@@ -234,6 +241,7 @@ impl DeviceArgs {
             blockdev: self.blockdev.map(Into::into),
             queues: self.queues,
             queue_depth: self.queue_depth,
+            no_zero_copy: self.no_zero_copy,
             connections: self.connections,
             partscan: self.partscan,
             ublk_id: None,

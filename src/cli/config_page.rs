@@ -145,6 +145,13 @@ pub const KEYS: &[Key] = &[
         "ublk requests in flight per queue.",
         "64",
     ),
+    key(
+        "no_zero_copy",
+        "boolean",
+        "false",
+        "ublk: copy data through loopd's buffer even where the kernel offers zero copy.",
+        "true",
+    ),
     key("connections", "number", "1", "Kernel NBD connections.", "2"),
     key(
         "partscan",

@@ -39,8 +39,9 @@ use crate::frontend::nbd::conn::{Conn, NewConn};
 use crate::frontend::nbd::handshake::transmission_flags;
 use crate::frontend::ublk::chardev::{CharError, UblkChar};
 use crate::frontend::ublk::ctrl::{AddDev, CtrlError, DeviceParams, UblkCtrl};
+use crate::engine::task::zero_copy_fits;
 use crate::frontend::ublk::sys::{
-    UBLK_F_NO_AUTO_PART_SCAN, UBLK_F_UPDATE_SIZE, UBLK_S_DEV_FAIL_IO, UBLK_S_DEV_QUIESCED,
+    UBLK_F_AUTO_BUF_REG, UBLK_F_NO_AUTO_PART_SCAN, UBLK_F_UPDATE_SIZE, UBLK_S_DEV_FAIL_IO, UBLK_S_DEV_QUIESCED,
     UblksrvCtrlDevInfo, feature_names,
 };
 use crate::kernel_nbd::{ConnectParams, KernelNbd, KernelNbdError, ReconfigureParams};
@@ -280,6 +281,7 @@ pub fn start_ublk(
         // through the queues while START_DEV waits, and partition devices
         // only when asked (`--partscan`, as losetup -P), by BLKRRPART.
         no_auto_part_scan: kernel_features & UBLK_F_NO_AUTO_PART_SCAN != 0,
+        auto_buf_reg: zero_copy_wanted(export, spec, &dev, kernel_features),
     };
     let info = match ctrl.add_dev(&add) {
         Err(e) if add.dev_id.is_some() && e.errno() == Some(libc::EEXIST) => {
@@ -316,10 +318,33 @@ pub fn start_ublk(
     })
 }
 
+/// Whether a new ublk device for `dev` gets zero copy
+/// (`UBLK_F_AUTO_BUF_REG`): the kernel offers it, `--no-zero-copy` was not
+/// given, and every read and write of the device can go straight between
+/// the request's pages and the file ([`zero_copy_fits`]). Decided once, when
+/// the device is made; a `set` that would take it away is refused.
+fn zero_copy_wanted(export: &Export, spec: &DeviceSpec, dev: &Device, features: u64) -> bool {
+    if spec.no_zero_copy || features & UBLK_F_AUTO_BUF_REG == 0 {
+        return false;
+    }
+    match zero_copy_fits(dev) {
+        Ok(()) => true,
+        Err(why) => {
+            tracing::debug!("device {:?}: ublk without zero copy: {why}", export.name);
+            false
+        }
+    }
+}
+
 /// The optional kernel paths a device made with `flags` uses, by feature
-/// name: `no_auto_part_scan` (no partition scan at START_DEV, 7.0+).
+/// name: `zero_copy` (`UBLK_F_AUTO_BUF_REG`: request pages go to the file
+/// without a copy, 6.16+), `no_auto_part_scan` (no partition scan at
+/// START_DEV, 7.0+).
 fn fast_paths_of(flags: u64) -> Vec<&'static str> {
     let mut paths = Vec::new();
+    if flags & UBLK_F_AUTO_BUF_REG != 0 {
+        paths.push("zero_copy");
+    }
     if flags & UBLK_F_NO_AUTO_PART_SCAN != 0 {
         paths.push("no_auto_part_scan");
     }
@@ -348,6 +373,7 @@ fn serve_queues(
             q_id,
             depth: info.queue_depth,
             max_io: info.max_io_buf_bytes,
+            zero_copy: info.flags & UBLK_F_AUTO_BUF_REG != 0,
             ready: ready_tx.clone(),
             done: done_tx.clone(),
         };
@@ -385,6 +411,19 @@ fn recover(
             asked: info.nr_hw_queues,
             reactors: reactors.len(),
         });
+    }
+    if info.flags & UBLK_F_AUTO_BUF_REG != 0 {
+        let (dev, _) = export.current();
+        if let Err(why) = zero_copy_fits(&dev) {
+            // The device keeps the mode it was made with: requests that
+            // cannot go straight to the file fail (EIO) rather than guess.
+            tracing::error!(
+                "device {:?}: /dev/ublkb{} was made with zero copy, but {why}: its reads and \
+                 writes will fail; detach it and attach again",
+                export.name,
+                info.dev_id
+            );
+        }
     }
     let deadline = Instant::now() + RECOVER_WAIT;
     loop {

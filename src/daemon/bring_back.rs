@@ -66,6 +66,7 @@ pub fn merge(recorded: &DeviceSpec, asked: &DeviceSpec) -> Result<DeviceSpec, Ve
         blockdev,
         queues,
         queue_depth,
+        no_zero_copy,
         connections,
         partscan,
         ublk_id: _,
@@ -95,6 +96,7 @@ pub fn merge(recorded: &DeviceSpec, asked: &DeviceSpec) -> Result<DeviceSpec, Ve
     check("blockdev", blockdev, &r.blockdev, &mut d);
     check("queues", queues, &r.queues, &mut d);
     check("queue_depth", queue_depth, &r.queue_depth, &mut d);
+    check("no_zero_copy", no_zero_copy, &r.no_zero_copy, &mut d);
     check("connections", connections, &r.connections, &mut d);
     check("partscan", partscan, &r.partscan, &mut d);
     check("tls_allow", tls_allow, &r.tls_allow, &mut d);

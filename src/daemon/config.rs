@@ -216,7 +216,7 @@ pub fn plan_change(old: &[DeviceSpec], new: &[DeviceSpec]) -> Vec<Change> {
             (Some(_), None) => reattach.push("block_size"),
             (None, None) => {}
         }
-        let others: [(&'static str, bool); 16] = [
+        let others: [(&'static str, bool); 17] = [
             ("image", o.image != n.image),
             (
                 "strict_block_size",
@@ -228,6 +228,7 @@ pub fn plan_change(old: &[DeviceSpec], new: &[DeviceSpec]) -> Vec<Change> {
             ("blockdev", o.blockdev != n.blockdev),
             ("queues", o.queues != n.queues),
             ("queue_depth", o.queue_depth != n.queue_depth),
+            ("no_zero_copy", o.no_zero_copy != n.no_zero_copy),
             ("connections", o.connections != n.connections),
             ("partscan", o.partscan != n.partscan),
             ("ublk_id", o.ublk_id != n.ublk_id),

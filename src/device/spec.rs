@@ -67,6 +67,11 @@ pub struct DeviceSpec {
     /// ublk: requests in flight per queue (default 128).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue_depth: Option<u16>,
+    /// ublk: never use zero copy (`UBLK_F_AUTO_BUF_REG`, Linux 6.16+), where
+    /// the device would have it (`--cache direct` on a local file, aligned):
+    /// every request's data is copied through a buffer of loopd's.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub no_zero_copy: bool,
     /// nbd: connections to the kernel's NBD client (default 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub connections: Option<u16>,

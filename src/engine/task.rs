@@ -55,6 +55,9 @@ enum Phase {
     Start,
     /// Reading the span into `buf`; `done` bytes so far.
     ReadSpan,
+    /// Zero-copy read past the end of the file: zeros into the registered
+    /// buffer from `done` on (see [`fixed`]).
+    ZeroTail,
     /// Read-modify-write: reading the first block of the span into `edge`.
     RmwHead,
     /// Read-modify-write: reading the last block of the span into `edge`.
@@ -137,6 +140,9 @@ pub struct Task {
     /// `buf` was lent by the caller ([`Task::plan_lent`]): it goes back with
     /// [`Task::take_lent`], never into the pool.
     lent: bool,
+    /// The data lives in the ring's registered buffer of this index, not in
+    /// `buf` (a zero-copy ublk request, [`Task::plan_fixed`]).
+    fixed: Option<u16>,
 }
 
 /// The system's page size (for "whole pages": on 16K/64K-page kernels a 4 KiB write
@@ -200,6 +206,22 @@ impl Task {
         pool: &mut Pool,
         lent: &mut Option<AlignedBuf>,
     ) -> Task {
+        let mut t = Task::plan_span(dev, op, flags, offset, len);
+        if matches!(op, Op::Read | Op::Write) {
+            let whole = t.data_at == 0 && t.span_len == len as usize;
+            let fits = lent.as_ref().is_some_and(|b| b.capacity() >= t.span_len);
+            t.buf = if whole && fits {
+                t.lent = true;
+                lent.take()
+            } else {
+                Some(pool.get(t.span_len))
+            };
+        }
+        t
+    }
+
+    /// Everything of a plan but the data buffer.
+    fn plan_span(dev: &Device, op: Op, flags: ReqFlags, offset: u64, len: u32) -> Task {
         let foff = dev.file_offset(offset);
         let fend = foff.saturating_add(u64::from(len));
         let align = u64::from(dev.dio_align.max(1));
@@ -229,6 +251,7 @@ impl Task {
             effect: len,
             size_seen: None,
             lent: false,
+            fixed: None,
         };
         match op {
             Op::Read | Op::Write => {
@@ -255,14 +278,6 @@ impl Task {
                     // The whole span is written, so the file reaches its end.
                     t.grows_to = Some(t.lock_end);
                 }
-                let whole = t.data_at == 0 && t.span_len == len as usize;
-                let fits = lent.as_ref().is_some_and(|b| b.capacity() >= t.span_len);
-                t.buf = if whole && fits {
-                    t.lent = true;
-                    lent.take()
-                } else {
-                    Some(pool.get(t.span_len))
-                };
             }
             Op::Trim | Op::WriteZeroes => t.lock_mode = Mode::Exclusive,
             Op::Flush | Op::Cache => {}
@@ -473,6 +488,9 @@ impl Task {
             return Next::Done(Ok(self.len));
         }
         self.phase = Phase::ReadSpan;
+        if let Some(index) = self.fixed {
+            return fixed::read(self, index);
+        }
         let Some(buf) = self.buf.as_mut() else {
             return Next::Done(Err(Errno::Io));
         };
@@ -491,6 +509,9 @@ impl Task {
             return Next::Done(Ok(0));
         }
         self.phase = Phase::WriteSpan;
+        if let Some(index) = self.fixed {
+            return fixed::write(self, index);
+        }
         let Some(buf) = self.buf.as_ref() else {
             return Next::Done(Err(Errno::Io));
         };
@@ -643,6 +664,9 @@ impl Task {
                 // A short read means end of file (O_DIRECT stops at EOF on an
                 // unaligned boundary, or returns 0 past it): the rest reads as zeros.
                 if self.done < self.span_len && (n == 0 || n as u64 % self.align != 0) {
+                    if let Some(index) = self.fixed {
+                        return fixed::zero_tail(self, index);
+                    }
                     if let Some(b) = self.buf.as_mut() {
                         b.as_mut_slice()[self.done..self.span_len].fill(0);
                     }
@@ -650,6 +674,7 @@ impl Task {
                 }
                 self.read_span()
             }
+            Phase::ZeroTail => fixed::zeroed(self, res),
             Phase::RmwHead | Phase::RmwTail => {
                 if res < 0 {
                     return self.fail(res);
@@ -769,5 +794,7 @@ fn clamp_u32(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(0xffff_f000)
 }
 
+mod fixed;
+pub use fixed::{fixed_capable, zero_copy_fits};
 #[cfg(test)]
 mod tests;

@@ -338,9 +338,37 @@ impl Reactor {
     /// once every queue said it is ready.
     fn start_ublk_queue(&mut self, q: UblkQueueSetup) {
         io_flusher_once();
-        let queue = match Queue::new(q.export, q.char, q.q_id, q.depth, q.max_io, q.done) {
+        // Zero copy: the queue's slots in this ring's fixed-buffer table,
+        // taken before any of its fetches is submitted.
+        let fixed = if q.zero_copy {
+            match self.io.fixed.take(q.depth) {
+                Some(first) => Some(first),
+                None => {
+                    let why = if self.io.fixed.registered() {
+                        format!(
+                            "no {} free slots left in this reactor's fixed-buffer table \
+                             (zero copy; attach with --no-zero-copy, or fewer/smaller queues)",
+                            q.depth
+                        )
+                    } else {
+                        "this reactor's ring has no fixed-buffer table (zero copy); attach \
+                         with --no-zero-copy"
+                            .to_owned()
+                    };
+                    let _ = q.ready.send(Err(why));
+                    return;
+                }
+            }
+        } else {
+            None
+        };
+        let depth = q.depth;
+        let queue = match Queue::new(q.export, q.char, q.q_id, q.depth, q.max_io, fixed, q.done) {
             Ok(queue) => queue,
             Err(e) => {
+                if let Some(first) = fixed {
+                    self.io.fixed.give_back(first, depth);
+                }
                 let _ = q.ready.send(Err(e.to_string()));
                 return;
             }

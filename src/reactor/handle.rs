@@ -47,6 +47,9 @@ pub struct UblkQueueSetup {
     pub q_id: u16,
     pub depth: u16,
     pub max_io: u32,
+    /// The device was made with `UBLK_F_AUTO_BUF_REG`: the queue takes `depth`
+    /// slots of this reactor's fixed-buffer table and works without copies.
+    pub zero_copy: bool,
     /// Answered once every tag's fetch is submitted (or with why the queue
     /// could not be built).
     pub ready: Sender<Result<(), String>>,

@@ -27,6 +27,8 @@
 //!   the crate's): a forged completion handed to a session would make it free
 //!   memory the kernel may still write.
 
+pub mod fixed;
+
 use crate::backing::{Backend, Completions};
 use crate::device::range_lock::Wake;
 use crate::engine::budget;
@@ -151,6 +153,9 @@ pub struct Io {
     pub(crate) inbox: Arc<Inbox>,
     /// Bytes of requests one connection may hold.
     pub(crate) per_conn_bytes: usize,
+    /// The ring's registered-buffer table (zero-copy ublk queues take their
+    /// slots here).
+    pub(crate) fixed: fixed::FixedTable,
     /// Bytes of request buffers the clients of one device may hold together.
     pub(crate) device_share: usize,
     /// Some request waits for budget: look for connections that hold some
@@ -180,7 +185,9 @@ impl Io {
     pub(crate) fn new(ring: Ring, waker: Arc<dyn Wake>, per_conn_bytes: usize) -> Io {
         let b = budget::global();
         let budget_id = b.register(Arc::downgrade(&waker));
+        let fixed = fixed::FixedTable::register(&ring);
         Io {
+            fixed,
             ring,
             pool: Pool::default(),
             lender: Lender::default(),

@@ -554,7 +554,11 @@ impl Storage for RbdImage {
                     })
                 }
             }
-            IoOp::WillNeed { .. } | IoOp::Size { .. } => {
+            IoOp::WillNeed { .. }
+            | IoOp::Size { .. }
+            | IoOp::ReadFixed { .. }
+            | IoOp::WriteFixed { .. }
+            | IoOp::ZeroFixed { .. } => {
                 // SAFETY: as for Storage::run (the caller's contract); both
                 // are answered at once, without librbd's threads.
                 let res = unsafe { self.run(op) };
@@ -583,6 +587,10 @@ impl Storage for RbdImage {
                 }
                 Err(_) => -libc::EIO,
             },
+            // A ring's registered buffers mean nothing to librbd.
+            IoOp::ReadFixed { .. } | IoOp::WriteFixed { .. } | IoOp::ZeroFixed { .. } => {
+                -libc::EOPNOTSUPP
+            }
             _ => {
                 let done = match Completions::new() {
                     Ok(d) => Arc::new(d),

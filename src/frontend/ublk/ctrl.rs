@@ -45,7 +45,7 @@ use cmd::hint;
 use super::deadline::{self, CmdBuf as Buf, CtrlRing, Undo};
 use super::sys::{
     UBLK_ATTR_FUA, UBLK_ATTR_READ_ONLY, UBLK_ATTR_ROTATIONAL, UBLK_ATTR_VOLATILE_CACHE,
-    UBLK_F_CMD_IOCTL_ENCODE, UBLK_F_NO_AUTO_PART_SCAN, UBLK_F_UPDATE_SIZE, UBLK_F_USER_RECOVERY,
+    UBLK_F_AUTO_BUF_REG, UBLK_F_CMD_IOCTL_ENCODE, UBLK_F_NO_AUTO_PART_SCAN, UBLK_F_UPDATE_SIZE, UBLK_F_USER_RECOVERY,
     UBLK_F_USER_RECOVERY_REISSUE, UBLK_MAX_NR_QUEUES, UBLK_MAX_QUEUE_DEPTH, UBLK_PARAM_TYPE_BASIC,
     UBLK_PARAM_TYPE_DISCARD, UblkParamBasic, UblkParamDiscard, UblkParams, UblksrvCtrlCmd,
     UblksrvCtrlDevInfo,
@@ -171,6 +171,11 @@ pub struct AddDev {
     /// (`UBLK_F_NO_AUTO_PART_SCAN`, 7.0+): set it only when
     /// [`UblkCtrl::features`] has the bit.
     pub no_auto_part_scan: bool,
+    /// Zero copy: each request's pages registered in the serving ring's
+    /// fixed-buffer table (`UBLK_F_AUTO_BUF_REG`, 6.16+): set it only when
+    /// [`UblkCtrl::features`] has the bit, and only for a device whose
+    /// queues serve every read and write with fixed-buffer file I/O.
+    pub auto_buf_reg: bool,
 }
 
 impl Default for AddDev {
@@ -184,6 +189,7 @@ impl Default for AddDev {
             reissue: false,
             resizable: false,
             no_auto_part_scan: false,
+            auto_buf_reg: false,
         }
     }
 }
@@ -213,6 +219,9 @@ impl AddDev {
         }
         if self.no_auto_part_scan {
             flags |= UBLK_F_NO_AUTO_PART_SCAN;
+        }
+        if self.auto_buf_reg {
+            flags |= UBLK_F_AUTO_BUF_REG;
         }
         Ok(UblksrvCtrlDevInfo {
             nr_hw_queues: self.nr_hw_queues,

@@ -10,6 +10,16 @@
 //!   is submitted; in between the tag's task works in it directly (lent to the
 //!   [`Task`]), so data is never copied by loopd unless the request must be
 //!   bounced (a block size below the file's direct-I/O alignment).
+//! - Zero copy (`UBLK_F_AUTO_BUF_REG`, chosen per device when it is made):
+//!   no tag has a buffer. The queue holds a range of its reactor ring's
+//!   fixed-buffer table, one slot per tag (taken when it is built, given
+//!   back when it is finished); every FETCH / COMMIT_AND_FETCH names the
+//!   tag's slot, the kernel registers the request's pages there before the
+//!   command completes and takes them out at the commit, and the task reads
+//!   or writes the file straight from that slot ([`Task::plan_fixed`]). A
+//!   request that cannot go straight (the registration failed, or the
+//!   device no longer has direct, aligned I/O) fails with EIO: there is no
+//!   buffer to copy through, and the bytes are never guessed.
 //! - Memory an SQE refers to (tag buffers, task buffers) lives in the queue's
 //!   boxed slot table, which is not dropped while any command or file operation
 //!   is in flight ([`Queue::ops_in_flight`]).
@@ -29,8 +39,9 @@ use crate::engine::buffer::AlignedBuf;
 use crate::engine::exec::{self, Request};
 use crate::engine::task::{Next, Task};
 use crate::frontend::ublk::chardev::{QueueDescs, UblkChar};
-use crate::frontend::ublk::io_cmd;
+use crate::frontend::ublk::io_cmd::{self, TagBuf};
 use crate::frontend::ublk::iod::{self, Geometry, UblkOp};
+use crate::frontend::ublk::sys::UBLK_IO_F_NEED_REG_BUF;
 use crate::frontend::ublk::tags::{CqeAction, TagTable};
 use crate::ring::{Io, TAG_FILE, TAG_UBLK, ud};
 use std::sync::Arc;
@@ -59,6 +70,11 @@ pub struct Queue {
     slots: Box<[TagSlot]>,
     max_io: u32,
     file_ops: u32,
+    /// Zero copy: the first of this queue's slots in the ring's fixed-buffer
+    /// table (tag `t` uses `first + t`). `None`: copy mode.
+    fixed: Option<u16>,
+    /// The slots are still this queue's (given back once it is finished).
+    fixed_held: bool,
     /// Tags waiting for the export to thaw, oldest first.
     frozen: Vec<u16>,
     /// Dropped with the queue: tells the daemon its commands are all done.
@@ -71,25 +87,34 @@ pub struct Queue {
 unsafe impl Send for Queue {}
 
 impl Queue {
-    /// A queue `q_id` of `depth` tags with `max_io`-byte buffers for the device
-    /// `export` serves; maps its descriptors from `char`.
+    /// A queue `q_id` of `depth` tags for the device `export` serves; maps its
+    /// descriptors from `char`. Copy mode (`fixed` `None`): each tag gets a
+    /// `max_io`-byte buffer. Zero copy: tag `t` uses slot `fixed + t` of the
+    /// reactor ring's fixed-buffer table, which the caller took for this queue
+    /// (given back to `Io::fixed` once the queue is finished).
     pub fn new(
         export: Arc<Export>,
         char: Arc<UblkChar>,
         q_id: u16,
         depth: u16,
         max_io: u32,
+        fixed: Option<u16>,
         done: Sender<()>,
     ) -> Result<Queue, crate::frontend::ublk::chardev::CharError> {
         let descs = QueueDescs::map(&char, q_id, depth)?;
         let (dev, epoch) = export.current();
         let slots = (0..depth)
             .map(|_| {
-                let mut b = AlignedBuf::unbudgeted(max_io as usize);
-                let addr = b.as_mut_ptr() as u64;
+                let (buf, addr) = if fixed.is_some() {
+                    (None, 0)
+                } else {
+                    let mut b = AlignedBuf::unbudgeted(max_io as usize);
+                    let addr = b.as_mut_ptr() as u64;
+                    (Some(b), addr)
+                };
                 TagSlot {
                     req: Request::default(),
-                    buf: Some(b),
+                    buf,
                     addr,
                     op: None,
                     waiting_lock: false,
@@ -107,9 +132,24 @@ impl Queue {
             slots,
             max_io,
             file_ops: 0,
+            fixed,
+            fixed_held: fixed.is_some(),
             frozen: Vec::new(),
             _done: done,
         })
+    }
+
+    /// Where `tag`'s request data lives, as its commands name it.
+    fn tag_buf(&self, tag: u16) -> TagBuf {
+        match self.fixed {
+            Some(first) => TagBuf::AutoReg(first.saturating_add(tag)),
+            None => TagBuf::Copy(self.slots[usize::from(tag)].addr),
+        }
+    }
+
+    /// Whether the queue runs in zero-copy mode.
+    pub fn zero_copy(&self) -> bool {
+        self.fixed.is_some()
     }
 
     fn geometry(&self) -> Geometry {
@@ -141,11 +181,11 @@ impl Queue {
                 let _ = self.tags.complete(tag, -libc::ENODEV);
                 continue;
             }
-            let slot = &self.slots[usize::from(tag)];
-            let e = io_cmd::fetch(self.char.raw_fd(), self.q_id, tag, slot.addr)
+            let e = io_cmd::fetch(self.char.raw_fd(), self.q_id, tag, self.tag_buf(tag))
                 .user_data(ud(TAG_UBLK, si, tag));
             // SAFETY: the tag's buffer lives in this queue's slot table, which
-            // outlives the command (see the module contract).
+            // outlives the command (see the module contract); a zero-copy
+            // fetch names no memory of ours.
             unsafe { io.push(e) };
         }
     }
@@ -191,6 +231,18 @@ impl Queue {
                 return;
             }
         };
+        if self.fixed.is_some() && desc.flags() & UBLK_IO_F_NEED_REG_BUF != 0 {
+            // The kernel could not register the request's pages in the tag's
+            // slot: no buffer to work in. Fail this one request.
+            tracing::warn!(
+                "ublk queue {} of {:?} tag {tag}: the kernel could not register the \
+                 request's buffer (zero copy); failed with EIO",
+                self.q_id,
+                self.dev.name
+            );
+            self.commit(io, si, tag, -libc::EIO);
+            return;
+        }
         self.slots[usize::from(tag)].op = Some(op);
         self.begin(io, si, tag);
     }
@@ -223,16 +275,41 @@ impl Queue {
             self.commit(io, si, tag, -libc::EINVAL);
             return;
         }
+        let fixed = match self.fixed {
+            Some(first) if bop.has_data() => {
+                let index = first.saturating_add(tag);
+                match Task::plan_fixed(&self.dev, bop, flags, offset, len, index) {
+                    Some(t) => Some(t),
+                    None => {
+                        // Zero copy was chosen for direct, aligned I/O; the
+                        // device no longer has it. Nothing to copy through.
+                        tracing::error!(
+                            "ublk queue {} of {:?}: a {bop:?} at {offset} cannot go straight \
+                             to the file (zero copy needs direct, aligned I/O); failed with EIO",
+                            self.q_id,
+                            self.dev.name
+                        );
+                        self.export.leave();
+                        self.commit(io, si, tag, -libc::EIO);
+                        return;
+                    }
+                }
+            }
+            _ => None,
+        };
         let slot = &mut self.slots[usize::from(tag)];
-        let mut task = Task::plan_lent(
-            &self.dev,
-            bop,
-            flags,
-            offset,
-            len,
-            &mut io.pool,
-            &mut slot.buf,
-        );
+        let mut task = match fixed {
+            Some(t) => t,
+            None => Task::plan_lent(
+                &self.dev,
+                bop,
+                flags,
+                offset,
+                len,
+                &mut io.pool,
+                &mut slot.buf,
+            ),
+        };
         if bop == Op::Write && !task.is_lent() {
             // Bounced: the kernel put the data in the tag's buffer.
             if let Some(b) = slot.buf.as_ref() {
@@ -331,8 +408,9 @@ impl Queue {
             return;
         }
         let max_io = self.max_io as usize;
+        let copy_mode = self.fixed.is_none();
         let slot = &mut self.slots[usize::from(tag)];
-        if slot.buf.is_none() {
+        if copy_mode && slot.buf.is_none() {
             // Cannot happen (the task gives the buffer back before the commit);
             // never hand the kernel an address this queue does not own: give the
             // tag a new buffer (the kernel takes the address from every command).
@@ -341,10 +419,11 @@ impl Queue {
             slot.addr = b.as_mut_ptr() as u64;
             slot.buf = Some(b);
         }
-        let e = io_cmd::commit_and_fetch(self.char.raw_fd(), self.q_id, tag, res, slot.addr)
+        let e = io_cmd::commit_and_fetch(self.char.raw_fd(), self.q_id, tag, res, self.tag_buf(tag))
             .user_data(ud(TAG_UBLK, si, tag));
         // SAFETY: `addr` is the tag's buffer, held in this queue's slot table,
-        // which outlives the command (see the module contract).
+        // which outlives the command (see the module contract); a zero-copy
+        // command names no memory of ours.
         unsafe { io.push(e) };
     }
 
@@ -358,7 +437,16 @@ impl Queue {
         }
         // Once the device is stopped the kernel aborts every command: nothing
         // in flight any more means the queue is done.
-        self.tags.all_fetched() && self.tags.is_drained() && self.file_ops == 0
+        let finished = self.tags.all_fetched() && self.tags.is_drained() && self.file_ops == 0;
+        if finished
+            && std::mem::take(&mut self.fixed_held)
+            && let Some(first) = self.fixed
+        {
+            // Every request was committed, so the kernel took its pages out
+            // of these slots: the next queue here may use them.
+            io.fixed.give_back(first, self.tags.depth());
+        }
+        finished
     }
 
     /// Whether any command or file operation of the queue is in flight.

@@ -211,6 +211,25 @@ pub const UBLK_IO_F_META: u32 = 1 << 11;
 pub const UBLK_IO_F_FUA: u32 = 1 << 13;
 pub const UBLK_IO_F_NOUNMAP: u32 = 1 << 15;
 pub const UBLK_IO_F_SWAP: u32 = 1 << 16;
+/// 6.16+, with `UBLK_F_AUTO_BUF_REG` and `UBLK_AUTO_BUF_REG_FALLBACK`: the
+/// automatic registration of this request's buffer failed; the server must
+/// register it itself or fail the request.
+pub const UBLK_IO_F_NEED_REG_BUF: u32 = 1 << 17;
+
+// ---- automatic buffer registration (6.16+, `UBLK_F_AUTO_BUF_REG`) ----
+
+/// `ublk_auto_buf_reg.flags`: a failed registration completes the fetch
+/// normally with `UBLK_IO_F_NEED_REG_BUF` in the descriptor, instead of
+/// failing the request.
+pub const UBLK_AUTO_BUF_REG_FALLBACK: u8 = 1 << 0;
+
+/// `struct ublk_auto_buf_reg` as the driver reads it from the FETCH /
+/// COMMIT_AND_FETCH SQE's own `addr` field (`sqe->addr`, not the command's
+/// `ublksrv_io_cmd.addr`): `index` in bits 0-15, `flags` in bits 16-23, the
+/// reserved bits 24-63 zero (`ublk_auto_buf_reg_to_sqe_addr` in the header).
+pub const fn auto_buf_reg_sqe_addr(index: u16, flags: u8) -> u64 {
+    (index as u64) | ((flags as u64) << 16)
+}
 
 // ---- parameter attributes and types ----
 
