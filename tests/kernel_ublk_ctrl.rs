@@ -125,7 +125,8 @@ fn serve_queue(
     for tag in 0..DEPTH {
         tags.fetch(tag)?;
         let addr = bufs[usize::from(tag)].as_mut_ptr() as u64;
-        let sqe = io_cmd::fetch(ch.raw_fd(), q_id, tag, io_cmd::TagBuf::Copy(addr)).user_data(u64::from(tag));
+        let sqe = io_cmd::fetch(ch.raw_fd(), q_id, tag, io_cmd::TagBuf::Copy(addr))
+            .user_data(u64::from(tag));
         // SAFETY: the char fd outlives the ring (ring dropped first below); the
         // buffer lives in `bufs` until the end of this function, after the ring.
         unsafe { ring.submission().push(&sqe) }.map_err(|_| anyhow::anyhow!("SQ full"))?;

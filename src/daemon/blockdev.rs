@@ -34,15 +34,15 @@ use crate::device::Device;
 use crate::device::export::Export;
 use crate::device::spec::DeviceSpec;
 use crate::engine::admit::Admission;
+use crate::engine::task::zero_copy_fits;
 use crate::frontend::nbd::affinity::Peer;
 use crate::frontend::nbd::conn::{Conn, NewConn};
 use crate::frontend::nbd::handshake::transmission_flags;
 use crate::frontend::ublk::chardev::{CharError, UblkChar};
 use crate::frontend::ublk::ctrl::{AddDev, CtrlError, DeviceParams, UblkCtrl};
-use crate::engine::task::zero_copy_fits;
 use crate::frontend::ublk::sys::{
-    UBLK_F_AUTO_BUF_REG, UBLK_F_NO_AUTO_PART_SCAN, UBLK_F_UPDATE_SIZE, UBLK_S_DEV_FAIL_IO, UBLK_S_DEV_QUIESCED,
-    UblksrvCtrlDevInfo, feature_names,
+    UBLK_F_AUTO_BUF_REG, UBLK_F_NO_AUTO_PART_SCAN, UBLK_F_UPDATE_SIZE, UBLK_S_DEV_FAIL_IO,
+    UBLK_S_DEV_QUIESCED, UblksrvCtrlDevInfo, feature_names,
 };
 use crate::kernel_nbd::{ConnectParams, KernelNbd, KernelNbdError, ReconfigureParams};
 use crate::reactor::handle::UblkQueueSetup;
@@ -148,6 +148,13 @@ impl UblkDevice {
     /// none.
     pub fn fast_paths(&self) -> Vec<String> {
         self.fast_paths.iter().map(|p| (*p).to_owned()).collect()
+    }
+
+    /// Whether the device was made with zero copy (`UBLK_F_AUTO_BUF_REG`):
+    /// its queues have no buffer to copy through, so every configuration it
+    /// is given must keep reads and writes direct and aligned.
+    pub fn zero_copy(&self) -> bool {
+        self.fast_paths.contains(&"auto_buf_reg")
     }
 
     /// Whether the kernel can change this device's size: it was made with
@@ -337,13 +344,13 @@ fn zero_copy_wanted(export: &Export, spec: &DeviceSpec, dev: &Device, features: 
 }
 
 /// The optional kernel paths a device made with `flags` uses, by feature
-/// name: `zero_copy` (`UBLK_F_AUTO_BUF_REG`: request pages go to the file
-/// without a copy, 6.16+), `no_auto_part_scan` (no partition scan at
+/// name: `auto_buf_reg` (zero copy: request pages go to the file without a
+/// copy, 6.16+), `no_auto_part_scan` (no partition scan at
 /// START_DEV, 7.0+).
 fn fast_paths_of(flags: u64) -> Vec<&'static str> {
     let mut paths = Vec::new();
     if flags & UBLK_F_AUTO_BUF_REG != 0 {
-        paths.push("zero_copy");
+        paths.push("auto_buf_reg");
     }
     if flags & UBLK_F_NO_AUTO_PART_SCAN != 0 {
         paths.push("no_auto_part_scan");

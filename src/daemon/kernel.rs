@@ -19,6 +19,7 @@ use super::pool;
 use super::registry::Daemon;
 use crate::device::Device;
 use crate::device::export::Export;
+use crate::engine::task::zero_copy_fits;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -128,6 +129,17 @@ impl Daemon {
         };
         if new.block_size != cur.block_size {
             return Err(refuse("a change of block size"));
+        }
+        if let KernelDev::Ublk(u) = &*b
+            && u.zero_copy()
+            && let Err(why) = zero_copy_fits(new)
+        {
+            // Its queues have no buffer of their own to copy through.
+            return Err(refuse(&format!(
+                "this change: it uses zero copy (made with UBLK_F_AUTO_BUF_REG), which needs \
+                 every read and write direct and aligned, and with it {why}; attach with \
+                 --no-zero-copy for a ublk device whose cache mode can change"
+            )));
         }
         if new.read_only != cur.read_only {
             return Err(refuse("a change of read-only (set when the disk is made)"));

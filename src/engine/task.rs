@@ -145,37 +145,6 @@ pub struct Task {
     fixed: Option<u16>,
 }
 
-/// The system's page size (for "whole pages": on 16K/64K-page kernels a 4 KiB write
-/// is a partial page, which may need a read first).
-fn page_size() -> u64 {
-    rustix::param::page_size() as u64
-}
-
-fn align_down(x: u64, a: u64) -> u64 {
-    x - x % a
-}
-
-fn align_up(x: u64, a: u64) -> u64 {
-    x.div_ceil(a) * a
-}
-
-/// Bytes of data buffer [`Task::plan`] takes for `op` at export `offset`,
-/// `len` (0 for operations without data): the request's bytes, widened to
-/// direct-I/O blocks when they are bounced.
-pub fn buffer_len(dev: &Device, op: Op, offset: u64, len: u32) -> usize {
-    if !op.has_data() {
-        return 0;
-    }
-    let foff = dev.file_offset(offset);
-    let fend = foff.saturating_add(u64::from(len));
-    let align = u64::from(dev.dio_align.max(1));
-    if dev.direct && (foff % align != 0 || fend % align != 0) {
-        to_len(align_up(fend, align) - align_down(foff, align))
-    } else {
-        len as usize
-    }
-}
-
 impl Task {
     /// Plan a validated request (the caller has checked bounds against the export
     /// size, so `offset + len` fits). Takes buffers from `pool`.
@@ -218,6 +187,30 @@ impl Task {
             };
         }
         t
+    }
+
+    /// Plan a read or write whose data is the ring's registered buffer
+    /// `index` (a ublk request's pages, see [`fixed`]); `None` if it cannot
+    /// go straight between that buffer and the file (not a read or write,
+    /// buffered, bounced, or a backend the ring does not run), and must not
+    /// be started with it.
+    pub fn plan_fixed(
+        dev: &Device,
+        op: Op,
+        flags: ReqFlags,
+        offset: u64,
+        len: u32,
+        index: u16,
+    ) -> Option<Task> {
+        if !matches!(op, Op::Read | Op::Write) || !fixed_capable(dev) {
+            return None;
+        }
+        let mut t = Task::plan_span(dev, op, flags, offset, len);
+        if t.path != Path::Direct || t.data_at != 0 || t.span_len != len as usize {
+            return None;
+        }
+        t.fixed = Some(index);
+        Some(t)
     }
 
     /// Everything of a plan but the data buffer.
@@ -489,7 +482,8 @@ impl Task {
         }
         self.phase = Phase::ReadSpan;
         if let Some(index) = self.fixed {
-            return fixed::read(self, index);
+            let op = fixed::read(index, self.span_start, self.span_len, self.done);
+            return Next::Submit(FileOp(op));
         }
         let Some(buf) = self.buf.as_mut() else {
             return Next::Done(Err(Errno::Io));
@@ -510,7 +504,14 @@ impl Task {
         }
         self.phase = Phase::WriteSpan;
         if let Some(index) = self.fixed {
-            return fixed::write(self, index);
+            let op = fixed::write(
+                index,
+                self.span_start,
+                self.span_len,
+                self.done,
+                self.dsync(),
+            );
+            return Next::Submit(FileOp(op));
         }
         let Some(buf) = self.buf.as_ref() else {
             return Next::Done(Err(Errno::Io));
@@ -665,7 +666,8 @@ impl Task {
                 // unaligned boundary, or returns 0 past it): the rest reads as zeros.
                 if self.done < self.span_len && (n == 0 || n as u64 % self.align != 0) {
                     if let Some(index) = self.fixed {
-                        return fixed::zero_tail(self, index);
+                        self.phase = Phase::ZeroTail;
+                        return Next::Submit(FileOp(fixed::zero(index, self.span_len, self.done)));
                     }
                     if let Some(b) = self.buf.as_mut() {
                         b.as_mut_slice()[self.done..self.span_len].fill(0);
@@ -674,7 +676,19 @@ impl Task {
                 }
                 self.read_span()
             }
-            Phase::ZeroTail => fixed::zeroed(self, res),
+            Phase::ZeroTail => {
+                // /dev/zero never ends: nothing read is an error too.
+                if res <= 0 {
+                    return self.fail(if res == 0 { -libc::EIO } else { res });
+                }
+                self.done = (self.done + res as usize).min(self.span_len);
+                match self.fixed {
+                    Some(i) if self.done < self.span_len => {
+                        Next::Submit(FileOp(fixed::zero(i, self.span_len, self.done)))
+                    }
+                    _ => self.read_span(),
+                }
+            }
             Phase::RmwHead | Phase::RmwTail => {
                 if res < 0 {
                     return self.fail(res);
@@ -784,17 +798,10 @@ impl Task {
     }
 }
 
-/// A span length or offset inside a request buffer as `usize`: bounded by the
-/// largest request plus two alignment blocks, so it always fits.
-fn to_len(x: u64) -> usize {
-    usize::try_from(x).unwrap_or(usize::MAX)
-}
-
-fn clamp_u32(n: usize) -> u32 {
-    u32::try_from(n).unwrap_or(0xffff_f000)
-}
-
 mod fixed;
+mod span;
 pub use fixed::{fixed_capable, zero_copy_fits};
+pub use span::buffer_len;
+use span::{align_down, align_up, clamp_u32, page_size, to_len};
 #[cfg(test)]
 mod tests;

@@ -26,11 +26,12 @@ pub struct FixedTable {
 }
 
 impl FixedTable {
-    /// Register a sparse table of [`FIXED_SLOTS`] on `ring` (from the
-    /// thread that submits on it). A kernel that cannot (before 5.19, or
-    /// out of memory) leaves the table unregistered: nothing can be taken.
-    pub fn register(ring: &super::Ring) -> FixedTable {
-        match ring.submitter().register_buffers_sparse(FIXED_SLOTS) {
+    /// Register a sparse table of [`FIXED_SLOTS`] on the ring of
+    /// `submitter` (from the thread that submits on it). A kernel that
+    /// cannot (before 5.19, or out of memory) leaves the table unregistered:
+    /// nothing can be taken.
+    pub fn register(submitter: io_uring::Submitter<'_>) -> FixedTable {
+        match submitter.register_buffers_sparse(FIXED_SLOTS) {
             Ok(()) => FixedTable::with_slots(FIXED_SLOTS),
             Err(e) => {
                 tracing::debug!("no fixed-buffer table on this reactor's ring: {e}");

@@ -23,6 +23,9 @@
 //!   [`TAG_FILE`] completions of the same shape, so a session cannot tell
 //!   which backend ran its operation. [`Io::file_ops`] counts backend
 //!   operations in flight on this reactor (submitted here, decremented there).
+//! - Each ring has one sparse registered-buffer table ([`fixed`]), made with
+//!   the ring on its thread; zero-copy ublk queues take slot ranges of it
+//!   for the kernel to register their requests' pages in.
 //! - Outside the crate an `Io` cannot be made (its fields and constructor are
 //!   the crate's): a forged completion handed to a session would make it free
 //!   memory the kernel may still write.
@@ -185,7 +188,7 @@ impl Io {
     pub(crate) fn new(ring: Ring, waker: Arc<dyn Wake>, per_conn_bytes: usize) -> Io {
         let b = budget::global();
         let budget_id = b.register(Arc::downgrade(&waker));
-        let fixed = fixed::FixedTable::register(&ring);
+        let fixed = fixed::FixedTable::register(ring.submitter());
         Io {
             fixed,
             ring,

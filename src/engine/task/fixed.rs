@@ -9,45 +9,12 @@
 //! nothing for loopd to copy), on a ring-native backend. Everything loopd
 //! would otherwise do to the bytes in memory is an operation here too: the
 //! part of a read past the end of the file is filled from `/dev/zero` by a
-//! fixed read into the same buffer ([`zero_tail`]).
+//! fixed read into the same buffer ([`zero`]). The task (`Task::plan_fixed`)
+//! keeps the state; this module checks whether a device can have it and
+//! builds the operations.
 
-use super::{FileOp, Next, Phase, Task, clamp_u32};
 use crate::backing::IoOp;
-use crate::block::{Errno, Op, ReqFlags};
 use crate::device::Device;
-use crate::device::stats::Path;
-
-impl Task {
-    /// Plan a read or write whose data is the ring's registered buffer
-    /// `index` (see the module documentation); `None` if this request cannot
-    /// go straight between that buffer and the file (not a read or write,
-    /// buffered, bounced, or a backend the ring does not run), and must not
-    /// be started with it.
-    pub fn plan_fixed(
-        dev: &Device,
-        op: Op,
-        flags: ReqFlags,
-        offset: u64,
-        len: u32,
-        index: u16,
-    ) -> Option<Task> {
-        if !matches!(op, Op::Read | Op::Write) || !fixed_capable(dev) {
-            return None;
-        }
-        let mut t = Task::plan_span(dev, op, flags, offset, len);
-        if t.path != Path::Direct || t.data_at != 0 || t.span_len != len as usize {
-            return None;
-        }
-        t.fixed = Some(index);
-        Some(t)
-    }
-
-    /// Whether the task's data is a registered buffer (no bytes in memory:
-    /// [`Task::read_data`] and [`Task::payload_mut`] are empty).
-    pub fn is_fixed(&self) -> bool {
-        self.fixed.is_some()
-    }
-}
 
 /// Whether `dev`'s backend runs fixed-buffer operations: a local file, with
 /// direct I/O, on the reactor's ring.
@@ -87,57 +54,39 @@ pub fn zero_copy_fits(dev: &Device) -> Result<(), String> {
     Ok(())
 }
 
-/// The rest of the span into the registered buffer.
-pub(super) fn read(t: &mut Task, index: u16) -> Next {
-    Next::Submit(FileOp(IoOp::ReadFixed {
-        index,
-        at: t.done as u64,
-        len: clamp_u32(t.span_len - t.done),
-        off: t.span_start + t.done as u64,
-    }))
+/// An op length: spans are at most a request plus two alignment blocks.
+fn len32(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(0xffff_f000)
 }
 
-/// The rest of the span from the registered buffer.
-pub(super) fn write(t: &mut Task, index: u16) -> Next {
-    Next::Submit(FileOp(IoOp::WriteFixed {
+/// Read the span's bytes from `done` on (of `span_len`, at file offset
+/// `span_start`) into registered buffer `index`, at the same place in it.
+pub fn read(index: u16, span_start: u64, span_len: usize, done: usize) -> IoOp {
+    IoOp::ReadFixed {
         index,
-        at: t.done as u64,
-        len: clamp_u32(t.span_len - t.done),
-        off: t.span_start + t.done as u64,
-        dsync: t.dsync(),
-    }))
+        at: done as u64,
+        len: len32(span_len - done),
+        off: span_start + done as u64,
+    }
 }
 
-/// A read stopped at the end of the file after `t.done` bytes: the rest of
-/// the buffer must read as zeros.
-pub(super) fn zero_tail(t: &mut Task, index: u16) -> Next {
-    t.phase = Phase::ZeroTail;
-    Next::Submit(FileOp(IoOp::ZeroFixed {
+/// Write the span's bytes from `done` on from registered buffer `index`.
+pub fn write(index: u16, span_start: u64, span_len: usize, done: usize, dsync: bool) -> IoOp {
+    IoOp::WriteFixed {
         index,
-        at: t.done as u64,
-        len: clamp_u32(t.span_len - t.done),
-    }))
+        at: done as u64,
+        len: len32(span_len - done),
+        off: span_start + done as u64,
+        dsync,
+    }
 }
 
-/// The result of a [`zero_tail`] read.
-pub(super) fn zeroed(t: &mut Task, res: i32) -> Next {
-    if res < 0 {
-        return t.fail(res);
+/// Zeros into registered buffer `index` from `done` to `span_len` (the
+/// part of a read past the end of the file).
+pub fn zero(index: u16, span_len: usize, done: usize) -> IoOp {
+    IoOp::ZeroFixed {
+        index,
+        at: done as u64,
+        len: len32(span_len - done),
     }
-    let Some(index) = t.fixed else {
-        return Next::Done(Err(Errno::Io));
-    };
-    // /dev/zero never ends: nothing read means something is wrong.
-    let Ok(n) = usize::try_from(res) else {
-        return Next::Done(Err(Errno::Io));
-    };
-    if n == 0 {
-        return t.fail(-libc::EIO);
-    }
-    t.done = (t.done + n).min(t.span_len);
-    if t.done < t.span_len {
-        return zero_tail(t, index);
-    }
-    t.phase = Phase::Finished;
-    Next::Done(Ok(t.len))
 }

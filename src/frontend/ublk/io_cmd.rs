@@ -13,8 +13,8 @@ use io_uring::{opcode, squeue, types};
 use std::os::fd::RawFd;
 
 use super::sys::{
-    UBLK_AUTO_BUF_REG_FALLBACK, UBLK_U_IO_COMMIT_AND_FETCH_REQ, UBLK_U_IO_FETCH_REQ,
-    UblksrvIoCmd, auto_buf_reg_sqe_addr,
+    UBLK_AUTO_BUF_REG_FALLBACK, UBLK_U_IO_COMMIT_AND_FETCH_REQ, UBLK_U_IO_FETCH_REQ, UblksrvIoCmd,
+    auto_buf_reg_sqe_addr,
 };
 
 /// Where a tag's request data lives while the server owns it.
@@ -36,7 +36,14 @@ fn cmd_bytes(cmd: &UblksrvIoCmd) -> [u8; 80] {
     b
 }
 
-fn io_cmd(char_fd: RawFd, op: u32, q_id: u16, tag: u16, result: i32, buf: TagBuf) -> squeue::Entry128 {
+fn io_cmd(
+    char_fd: RawFd,
+    op: u32,
+    q_id: u16,
+    tag: u16,
+    result: i32,
+    buf: TagBuf,
+) -> squeue::Entry128 {
     let (addr, sqe_addr) = match buf {
         TagBuf::Copy(a) => (a, None),
         TagBuf::AutoReg(index) => (
@@ -70,7 +77,14 @@ pub fn commit_and_fetch(
     result: i32,
     buf: TagBuf,
 ) -> squeue::Entry128 {
-    io_cmd(char_fd, UBLK_U_IO_COMMIT_AND_FETCH_REQ, q_id, tag, result, buf)
+    io_cmd(
+        char_fd,
+        UBLK_U_IO_COMMIT_AND_FETCH_REQ,
+        q_id,
+        tag,
+        result,
+        buf,
+    )
 }
 
 #[cfg(test)]
@@ -84,7 +98,10 @@ mod tests {
         // command); reading its bytes is reading initialised memory.
         let b: [u8; 128] = unsafe { std::mem::transmute(e) };
         let sqe_addr = u64::from_ne_bytes(b[16..24].try_into().unwrap());
-        assert_eq!(sqe_addr, 0x1234 | (u64::from(UBLK_AUTO_BUF_REG_FALLBACK) << 16));
+        assert_eq!(
+            sqe_addr,
+            0x1234 | (u64::from(UBLK_AUTO_BUF_REG_FALLBACK) << 16)
+        );
         // sqe->cmd starts at byte 48: q_id, tag, result, addr.
         assert_eq!(u16::from_ne_bytes([b[48], b[49]]), 1);
         assert_eq!(u16::from_ne_bytes([b[50], b[51]]), 7);
@@ -93,6 +110,9 @@ mod tests {
         // SAFETY: as above.
         let b: [u8; 128] = unsafe { std::mem::transmute(c) };
         assert_eq!(u64::from_ne_bytes(b[16..24].try_into().unwrap()), 0);
-        assert_eq!(u64::from_ne_bytes(b[56..64].try_into().unwrap()), 0xdead_0000);
+        assert_eq!(
+            u64::from_ne_bytes(b[56..64].try_into().unwrap()),
+            0xdead_0000
+        );
     }
 }

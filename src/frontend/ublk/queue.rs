@@ -419,8 +419,9 @@ impl Queue {
             slot.addr = b.as_mut_ptr() as u64;
             slot.buf = Some(b);
         }
-        let e = io_cmd::commit_and_fetch(self.char.raw_fd(), self.q_id, tag, res, self.tag_buf(tag))
-            .user_data(ud(TAG_UBLK, si, tag));
+        let e =
+            io_cmd::commit_and_fetch(self.char.raw_fd(), self.q_id, tag, res, self.tag_buf(tag))
+                .user_data(ud(TAG_UBLK, si, tag));
         // SAFETY: `addr` is the tag's buffer, held in this queue's slot table,
         // which outlives the command (see the module contract); a zero-copy
         // command names no memory of ours.
