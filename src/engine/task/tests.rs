@@ -92,7 +92,7 @@ fn a_fixed_plan_names_the_slot_zero_fills_the_tail_and_never_bounces() {
     // A whole-block part, then end of file: the rest comes from /dev/zero.
     assert_eq!(
         r.complete(i32::try_from(a).expect("align"), &mut pool),
-        fixed_read(a as u64, 16384 - a as u32, 8192 + a as u64)
+        fixed_read(a as u64, 16384 - dev.dio_align, 8192 + a as u64)
     );
     let zero = |at: usize| {
         Next::Submit(FileOp(IoOp::ZeroFixed {
