@@ -3,12 +3,18 @@
 # ext4 on the block device, fio psync inside the filesystem, 16 jobs and 1 job,
 # randread/read/randwrite/write — for kernel loop (direct I/O and buffered),
 # loopd ublk (direct and buffered), loopd --blockdev nbd and nbd-client -> loopd,
-# plus 4k randread/randwrite at QD1 and QD32 on the raw device. Records IOPS,
+# plus 4k randread/randwrite at QD1 and QD32 and 1 MiB sequential writes (QD4)
+# on the raw device; ublk-direct-nozc is ublk-direct with --no-zero-copy (the
+# same as ublk-direct on a kernel without UBLK_F_AUTO_BUF_REG). Records IOPS,
 # context switches (/proc/stat) and the image's page-cache footprint (fincore).
 set -u
 OUT=$1          # a host-visible directory for results
 LOOPD=$2        # the loopd binary
 RUNTIME=${3:-5}
+SYSTEMS=${4:-all} # the systems to run (space- or comma-separated), or all
+RAW_ONLY=${5:-0}  # 1: only the raw-device cases, no ext4
+SYSTEMS=${SYSTEMS//,/ }
+want() { [ "$SYSTEMS" = all ] || [[ " $SYSTEMS " == *" $1 "* ]]; }
 exec > "$OUT/guest.log" 2>&1
 set -x
 modprobe loop && modprobe ublk_drv && modprobe nbd || { echo "modules missing"; exit 1; }
@@ -48,6 +54,9 @@ bench_device() { # system device
                 --rw=$rw --bs=4k --iodepth=$qd --size=512M --time_based --runtime="$RUNTIME"
         done
     done
+    run_fio "$sys" "raw-write-1m-qd4" --name=s --filename="$dev" --direct=1 --ioengine=io_uring \
+        --rw=write --bs=1M --iodepth=4 --size=512M --time_based --runtime="$RUNTIME"
+    [ "$RAW_ONLY" = 1 ] && return
     mkfs.ext4 -q -F "$dev" && mount "$dev" $MNT || { echo "mount failed for $sys"; return; }
     for rw in randread read randwrite write; do
         run_fio "$sys" "ext4-$rw-16j" --name=j --directory=$MNT --ioengine=psync --rw=$rw --bs=4k \
@@ -62,6 +71,7 @@ fresh_image() { rm -f "$IMG"; truncate -s 1G "$IMG"; }
 
 # kernel loop, direct I/O and buffered
 for mode in on off; do
+    want "loop-$( [ $mode = on ] && echo dio || echo buffered)" || continue
     fresh_image
     dev=$(losetup --direct-io=$mode -f --show "$IMG")
     bench_device "loop-$( [ $mode = on ] && echo dio || echo buffered)" "$dev"
@@ -69,12 +79,16 @@ for mode in on off; do
 done
 
 # loopd: ublk direct/buffered, --blockdev nbd, nbd-client -> loopd serve
-for sys in ublk-direct ublk-buffered knbd-direct nbdclient-direct; do
+for sys in ublk-direct ublk-direct-nozc ublk-buffered knbd-direct nbdclient-direct; do
+    want "$sys" || continue
     fresh_image
     cache=${sys#*-}
+    cache=${cache%-nozc}
+    extra=
+    case $sys in *-nozc) extra=--no-zero-copy ;; esac
     S=/tmp/b.sock
     case $sys in
-        ublk-*) "$LOOPD" serve "$IMG" --cache "$cache" --blockdev ublk --socket $S --state /tmp/b.state > /tmp/serve.out 2>/tmp/serve.err & ;;
+        ublk-*) "$LOOPD" serve "$IMG" --cache "$cache" --blockdev ublk $extra --socket $S --state /tmp/b.state > /tmp/serve.out 2>/tmp/serve.err & ;;
         knbd-*) "$LOOPD" serve "$IMG" --cache "$cache" --blockdev nbd --socket $S --state /tmp/b.state > /tmp/serve.out 2>/tmp/serve.err & ;;
         nbdclient-*) "$LOOPD" serve "$IMG" --cache "$cache" --socket $S --state /tmp/b.state > /tmp/serve.out 2>/tmp/serve.err & ;;
     esac
@@ -84,6 +98,8 @@ for sys in ublk-direct ublk-buffered knbd-direct nbdclient-direct; do
         nbdclient-*) nbd-client -unix $S -N img /dev/nbd5 -b 512 >/dev/null && dev=/dev/nbd5 ;;
         *) dev=$(grep '^/dev/' /tmp/serve.out | head -1) ;;
     esac
+    # Which ublk fast paths the device uses (zero copy: auto_buf_reg).
+    "$LOOPD" status img 2>&1 | grep -E 'ublk_(fast_paths|kernel_features)' || true
     bench_device "$sys" "$dev"
     case $sys in nbdclient-*) nbd-client -d /dev/nbd5 ;; esac
     kill $P; wait $P
