@@ -147,11 +147,6 @@ impl Queue {
         }
     }
 
-    /// Whether the queue runs in zero-copy mode.
-    pub fn zero_copy(&self) -> bool {
-        self.fixed.is_some()
-    }
-
     fn geometry(&self) -> Geometry {
         Geometry {
             dev_bytes: self.dev.size,
