@@ -319,3 +319,86 @@ fn zero_copy_kill_9_and_restart_recovers() {
     srv.ctl_ok(&["detach", "rec"]);
     assert!(gone(&dev));
 }
+
+/// One reactor: four queues of 4096 tags fill its fixed-buffer table
+/// (16,384 slots), so a fifth device is made in copy mode (and works); once
+/// one of the four is detached its slots are free again and the next device
+/// has zero copy.
+#[test]
+fn a_full_fixed_buffer_table_makes_the_next_device_in_copy_mode() {
+    require_root();
+    require_module("ublk_drv");
+    let t = scratch();
+    let srv = Server::daemon()
+        .socket_path(&t.path().join("nbd.sock"))
+        .args([
+            std::ffi::OsString::from("--state"),
+            t.path().join("loopd.state").into(),
+            "--reactors".into(),
+            "1".into(),
+        ])
+        .start();
+    let deep = [
+        "--cache",
+        "direct",
+        "--queues",
+        "1",
+        "--queue-depth",
+        "4096",
+    ];
+    let mut devs = Vec::new();
+    let mut offered = false;
+    for i in 0..4 {
+        let img = t.path().join(format!("d{i}.img"));
+        create_sparse_image(&img, 8 << 20);
+        devs.push(attach(&srv, &img, &deep));
+        let st = srv.ctl_json(&["status", &format!("d{i}")]);
+        offered = kernel_offers(&st);
+        assert_eq!(zero_copy(&st), offered, "d{i}: {st}");
+    }
+    let small = ["--cache", "direct", "--queues", "1", "--queue-depth", "64"];
+    let img = t.path().join("e.img");
+    create_sparse_image(&img, 8 << 20);
+    let e = attach(&srv, &img, &small);
+    let st = srv.ctl_json(&["status", "e"]);
+    assert!(!zero_copy(&st), "no slot left: copy mode: {st}");
+    if offered {
+        assert!(
+            srv.stderr_text().contains("made without zero copy"),
+            "the log says why:\n{}",
+            srv.stderr_text()
+        );
+    }
+    // It serves I/O: bytes in, the same bytes out (O_DIRECT both ways).
+    let pattern = t.path().join("pattern");
+    write_random(&pattern, 1);
+    sh(
+        KCMD_TIMEOUT,
+        "dd",
+        [
+            format!("if={}", pattern.display()),
+            format!("of={}", e.display()),
+            "bs=1M".into(),
+            "oflag=direct".into(),
+        ],
+    );
+    let mut got = vec![0u8; 1 << 20];
+    fs::File::open(&img)
+        .expect("image")
+        .read_exact_at(&mut got, 0)
+        .expect("image bytes");
+    assert!(
+        got == fs::read(&pattern).expect("pattern"),
+        "e's image holds the bytes"
+    );
+    srv.ctl_ok(&["detach", "d0"]);
+    assert!(gone(&devs[0]));
+    let img = t.path().join("f.img");
+    create_sparse_image(&img, 8 << 20);
+    let _f = attach(&srv, &img, &small);
+    let st = srv.ctl_json(&["status", "f"]);
+    assert_eq!(zero_copy(&st), offered, "d0's slots came back: {st}");
+    for n in ["d1", "d2", "d3", "e", "f"] {
+        srv.ctl_ok(&["detach", n]);
+    }
+}

@@ -45,7 +45,7 @@ use crate::frontend::ublk::sys::{
     UBLK_S_DEV_QUIESCED, UblksrvCtrlDevInfo, feature_names,
 };
 use crate::kernel_nbd::{ConnectParams, KernelNbd, KernelNbdError, ReconfigureParams};
-use crate::reactor::handle::UblkQueueSetup;
+use crate::reactor::handle::{NO_FIXED_SLOTS, UblkQueueSetup};
 use crate::reactor::{ReactorHandle, Session};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
@@ -290,30 +290,40 @@ pub fn start_ublk(
         no_auto_part_scan: kernel_features & UBLK_F_NO_AUTO_PART_SCAN != 0,
         auto_buf_reg: zero_copy_wanted(export, spec, &dev, kernel_features),
     };
-    let info = match ctrl.add_dev(&add) {
-        Err(e) if add.dev_id.is_some() && e.errno() == Some(libc::EEXIST) => {
-            add.dev_id = None;
-            ctrl.add_dev(&add)?
-        }
-        r => r?,
-    };
-    let (done_tx, done_rx) = channel();
-    let made = (|| -> Result<(), BlockdevError> {
-        ctrl.set_params(&uapi)?;
-        serve_queues(export, &info, reactors, &done_tx)?;
-        ctrl.start_dev(my_pid())?;
-        Ok(())
-    })();
-    drop(done_tx);
-    if let Err(e) = made {
+    let (info, done_rx) = loop {
+        let info = match ctrl.add_dev(&add) {
+            Err(e) if add.dev_id.is_some() && e.errno() == Some(libc::EEXIST) => {
+                add.dev_id = None;
+                ctrl.add_dev(&add)?
+            }
+            r => r?,
+        };
+        let (done_tx, done_rx) = channel();
+        let made = (|| -> Result<(), BlockdevError> {
+            ctrl.set_params(&uapi)?;
+            serve_queues(export, &info, reactors, &done_tx)?;
+            ctrl.start_dev(my_pid())?;
+            Ok(())
+        })();
+        drop(done_tx);
+        let Err(e) = made else {
+            break (info, done_rx);
+        };
         // Undo: stopping aborts the queues' fetches, and they end. On a new
         // handle: a command past its deadline may still hold this one's ring.
         let mut undo = UblkCtrl::open().map_or(ctrl, |c| c.for_device(info.dev_id));
         let _ = undo.stop_dev();
         wait_gone(&done_rx);
         let _ = undo.del_dev();
-        return Err(e);
-    }
+        if !(add.auto_buf_reg && no_fixed_slots(&e)) {
+            return Err(e);
+        }
+        // Zero copy is a speed-up, not a need: a reactor whose fixed-buffer
+        // table is taken by other devices' queues serves this one in copy mode.
+        tracing::info!("device {:?}: {e}; made without zero copy", export.name);
+        add.auto_buf_reg = false;
+        ctrl = UblkCtrl::open()?;
+    };
     Ok(UblkDevice {
         dev_id: info.dev_id,
         resizable: info.flags & UBLK_F_UPDATE_SIZE != 0,
@@ -323,6 +333,12 @@ pub fn start_ublk(
         ctrl: Mutex::new(ctrl),
         done: Mutex::new(done_rx),
     })
+}
+
+/// Whether a queue could not be built for want of fixed-buffer slots on its
+/// reactor (zero copy only).
+fn no_fixed_slots(e: &BlockdevError) -> bool {
+    matches!(e, BlockdevError::Queue { why, .. } if why.starts_with(NO_FIXED_SLOTS))
 }
 
 /// Whether a new ublk device for `dev` gets zero copy

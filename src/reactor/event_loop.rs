@@ -5,7 +5,9 @@
 
 #[cfg(test)]
 use super::handle::STUCK_AFTER_MS;
-use super::handle::{EventWaker, Msg, ReactorError, ReactorHandle, UblkQueueSetup, now_ms};
+use super::handle::{
+    EventWaker, Msg, NO_FIXED_SLOTS, ReactorError, ReactorHandle, UblkQueueSetup, now_ms,
+};
 use super::poll::AdaptivePoll;
 use super::session::{CONN_BYTES_BUDGET, Session};
 use crate::device::range_lock::Wake;
@@ -346,14 +348,12 @@ impl Reactor {
                 None => {
                     let why = if self.io.fixed.registered() {
                         format!(
-                            "no {} free slots left in this reactor's fixed-buffer table \
-                             (zero copy; attach with --no-zero-copy, or fewer/smaller queues)",
-                            q.depth
+                            "{NO_FIXED_SLOTS} ({} slots for zero copy, {} free)",
+                            q.depth,
+                            self.io.fixed.free_slots()
                         )
                     } else {
-                        "this reactor's ring has no fixed-buffer table (zero copy); attach \
-                         with --no-zero-copy"
-                            .to_owned()
+                        format!("{NO_FIXED_SLOTS} (the ring has none)")
                     };
                     let _ = q.ready.send(Err(why));
                     return;

@@ -40,6 +40,10 @@ pub(super) enum Msg {
     Shutdown,
 }
 
+/// How a zero-copy queue's refusal begins when its reactor's fixed-buffer
+/// table has no room for it (the daemon then makes the device in copy mode).
+pub const NO_FIXED_SLOTS: &str = "no room in this reactor's fixed-buffer table";
+
 /// What a reactor needs to build and serve one ublk queue.
 pub struct UblkQueueSetup {
     pub export: Arc<Export>,
