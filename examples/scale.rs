@@ -45,6 +45,10 @@ mod ublk;
 
 use common::{Ctl, nbd_go, run_timed, us};
 
+const USAGE: &str = "usage: bench/scale [--before BIN] [--restart N[,N…]] [--many N] \
+[--cli ROUNDS] [--ublk N] [--rounds R] [--only restart|many|cli|ublk[,…]]\n\
+Prints a markdown report (see the top of examples/scale.rs and bench/RESULTS.md).";
+
 /// Devices per `attach_batch` when a state file is made for the restart.
 const MAKE_BATCH: usize = 1000;
 
@@ -208,7 +212,14 @@ fn args() -> Args {
             "--cli" => a.cli = v().parse().expect("--cli ROUNDS"),
             "--rounds" => a.rounds = v().parse().expect("--rounds R"),
             "--only" => a.only = Some(v()),
-            other => panic!("unknown argument {other}"),
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => {
+                eprintln!("scale: unknown argument {other:?}\n{USAGE}");
+                std::process::exit(2);
+            }
         }
     }
     a.bins.push(("after".into(), this_loopd()));

@@ -206,6 +206,14 @@ pub struct ServeArgs {
     /// request and the time waited; the daemon and the other devices go on.
     #[arg(long, value_name = "SECS", default_value_t = loopd::blockdev::kernel_timeout::DEFAULT.as_secs_f64())]
     kernel_timeout: f64,
+    /// On stop (SIGTERM, Ctrl-C), leave the block devices (ublk, kernel NBD)
+    /// to the next daemon started on the same state file instead of removing
+    /// them: a mounted filesystem on /dev/ublkbN or /dev/nbdN survives a
+    /// restart or an upgrade of loopd. Its I/O waits meanwhile (a ublk device
+    /// is quiesced first where the kernel can, 6.15+: nothing is left in
+    /// flight). Without it a stop removes them, as `detach` would
+    #[arg(long)]
+    keep_blockdevs: bool,
     /// Benchmark switch: one lock for the whole device instead of byte ranges.
     #[arg(long, hide = true)]
     whole_device_lock: bool,
@@ -533,6 +541,7 @@ fn start(
         reply_timeout: std::time::Duration::from_secs_f64(a.reply_timeout),
         metrics: a.metrics.clone(),
         metrics_mode: a.metrics_mode,
+        keep_blockdevs: a.keep_blockdevs,
     };
     if !act.nbd.is_empty() && (a.socket.is_some() || !a.listen.is_empty()) {
         bail!(Classed::new(

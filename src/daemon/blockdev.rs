@@ -9,50 +9,48 @@
 //! `--partscan`, as `losetup -P` does). Removal: STOP_DEV (the disk goes away; the kernel
 //! aborts the queues' commands) → wait until every queue is gone (they hold the
 //! char device) → DEL_DEV_ASYNC (the id is freed once the last opener of the
-//! disk lets go; the daemon does not wait for that).
+//! disk lets go; the daemon does not wait for that). A detach without
+//! `--force` stops with TRY_STOP_DEV where the kernel has it (7.0+), so a disk
+//! opened after loopd looked for users is refused, not pulled away.
+//! Leaving (`serve --keep-blockdevs`, a daemon stopping for a restart): the
+//! disk stays for the next daemon on the same state file; where the device
+//! was made with `UBLK_F_QUIESCE` (6.15+) QUIESCE_DEV first lets every request
+//! in flight finish and holds new ones in the kernel, elsewhere the requests
+//! in flight are re-issued to the next daemon (user recovery), as after
+//! `kill -9`. An nbd device is left with dead connections, which the next
+//! daemon replaces (NBD_CMD_RECONFIGURE).
 //!
-//! NBD: socket pairs, one end handed to a reactor as an already negotiated
-//! connection (no handshake round trip), the other to the kernel over netlink
-//! (NBD_CMD_CONNECT) with the export's size, block size and transmission flags
-//! and a backend identifier; a dead-connection timeout keeps I/O waiting when the
-//! daemon dies, and a restarted daemon finds the device by its identifier and
-//! hands it new connections (NBD_CMD_RECONFIGURE). Removal: NBD_CMD_DISCONNECT.
+//! NBD (`/dev/nbdN`, the kernel's client connected in one step): see
+//! [`super::nbd_dev`]. The errors of both kinds: [`super::blockdev_error`].
 //!
 //! Everything here runs on control threads and may block (control commands,
 //! the char device's appearance, START_DEV); the reactors never wait for it.
 //! Every kernel request is bounded by `--kernel-timeout` (ublk commands by
 //! their handle's deadline, netlink answers by the socket's): past it the
 //! attach fails, and a ublk attach is undone on a new control handle (the
-//! old one may still hold a command the kernel has not answered). A
-//! reconnect of `/dev/nbdN` checks that the kernel kept every new socket
-//! (it silently drops one while the old connection lives) and gives dropped
-//! ones again until the deadline ([`reconnect_nbd`]).
+//! old one may still hold a command the kernel has not answered).
 //! A failure part-way removes what was made: no half-made device is left.
 
-use crate::blockdev::partitions::{self, PartitionError, Rescan};
+pub use super::blockdev_error::BlockdevError;
+use super::nbd_dev::{NbdDevice, start_nbd};
+use crate::blockdev::partitions::{self, Rescan};
 use crate::device::Device;
 use crate::device::export::Export;
 use crate::device::spec::DeviceSpec;
-use crate::engine::admit::Admission;
 use crate::engine::task::zero_copy_fits;
-use crate::frontend::nbd::affinity::Peer;
-use crate::frontend::nbd::conn::{Conn, NewConn};
-use crate::frontend::nbd::handshake::transmission_flags;
-use crate::frontend::ublk::chardev::{CharError, UblkChar};
-use crate::frontend::ublk::ctrl::{AddDev, CtrlError, DeviceParams, UblkCtrl};
+use crate::frontend::ublk::chardev::UblkChar;
+use crate::frontend::ublk::ctrl::{AddDev, DeviceParams, UblkCtrl};
 use crate::frontend::ublk::sys::{
-    UBLK_F_AUTO_BUF_REG, UBLK_F_NO_AUTO_PART_SCAN, UBLK_F_UPDATE_SIZE, UBLK_S_DEV_FAIL_IO,
-    UBLK_S_DEV_QUIESCED, UblksrvCtrlDevInfo, feature_names,
+    UBLK_F_AUTO_BUF_REG, UBLK_F_NO_AUTO_PART_SCAN, UBLK_F_QUIESCE, UBLK_F_SAFE_STOP_DEV,
+    UBLK_F_UPDATE_SIZE, UBLK_S_DEV_FAIL_IO, UBLK_S_DEV_LIVE, UBLK_S_DEV_QUIESCED,
+    UblksrvCtrlDevInfo, feature_names,
 };
-use crate::kernel_nbd::{ConnectParams, KernelNbd, KernelNbdError, ReconfigureParams};
+use crate::reactor::ReactorHandle;
 use crate::reactor::handle::{NO_FIXED_SLOTS, UblkQueueSetup};
-use crate::reactor::{ReactorHandle, Session};
-use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use thiserror::Error;
 
 /// Requests in flight per queue unless `--queue-depth` says otherwise.
 pub const DEFAULT_DEPTH: u16 = 128;
@@ -62,55 +60,6 @@ pub const MAX_IO: u32 = 512 << 10;
 const MAX_ZEROES: u32 = 1 << 30;
 /// How long to wait for the char device, the queues, or their end.
 const WAIT: Duration = Duration::from_secs(10);
-
-/// Per-request timeout the kernel NBD client applies (a request in flight when
-/// a connection dies is sent again after it).
-const NBD_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long the kernel NBD client keeps I/O waiting for a restarted daemon.
-const NBD_DEAD_CONN_TIMEOUT: Duration = Duration::from_secs(300);
-
-#[derive(Debug, Error)]
-pub enum BlockdevError {
-    #[error(transparent)]
-    Nbd(#[from] KernelNbdError),
-    #[error("cannot make a socket pair for the kernel NBD connection")]
-    SocketPair(#[source] std::io::Error),
-    #[error("--connections must be 1..=64, not {0}")]
-    Connections(u16),
-    #[error("the partition devices did not appear")]
-    Partitions(#[source] PartitionError),
-    #[error(transparent)]
-    Ctrl(#[from] CtrlError),
-    #[error(transparent)]
-    Char(#[from] CharError),
-    #[error(
-        "--queues {asked} is more than this daemon's {reactors} reactor(s): each ublk queue is \
-         served by one reactor (raise --reactors)"
-    )]
-    TooManyQueues { asked: u16, reactors: usize },
-    #[error("--queue-depth must be 1..=4096, not {0}")]
-    Depth(u16),
-    #[error("ublk queue {q_id} could not be started: {why}")]
-    Queue { q_id: u16, why: String },
-    #[error("the daemon's reactors are not running")]
-    NoReactors,
-    #[error("{0}")]
-    Unfollowable(String),
-    #[error(
-        "/dev/nbd{index} (backend {backend:?}) still has live connections after {:.1}s: the \
-         kernel took {taken} of {n} new connections (it replaces only dead ones), so another \
-         server still serves it (another loopd with a device of this name?); detach it there, \
-         or give this device another name",
-        waited.as_secs_f64()
-    )]
-    NbdLive {
-        index: u32,
-        backend: String,
-        taken: u16,
-        n: u16,
-        waited: Duration,
-    },
-}
 
 /// A live ublk device of one export.
 pub struct UblkDevice {
@@ -127,6 +76,8 @@ pub struct UblkDevice {
     /// The optional fast paths this device uses (names, see
     /// [`UblkDevice::fast_paths`]).
     fast_paths: Vec<&'static str>,
+    /// The `UBLK_F_*` flags the device was made with.
+    flags: u64,
     ctrl: Mutex<UblkCtrl>,
     /// Disconnected once every queue of the device is gone.
     done: Mutex<Receiver<()>>,
@@ -177,15 +128,64 @@ impl UblkDevice {
     }
 
     /// Remove the block device: STOP_DEV, wait for the queues, DEL_DEV_ASYNC.
-    pub fn remove(&self) -> Result<(), BlockdevError> {
+    /// `unless_open`: refuse ([`BlockdevError::Open`]) if the disk is open,
+    /// decided by the kernel (TRY_STOP_DEV) where it can (the device was made
+    /// with `UBLK_F_SAFE_STOP_DEV`, 7.0+); elsewhere the caller's check of
+    /// the disk's users is all there is.
+    pub fn remove(&self, unless_open: bool) -> Result<(), BlockdevError> {
         let mut ctrl = self.ctrl.lock().unwrap_or_else(|p| p.into_inner());
-        ctrl.stop_dev()?;
+        if unless_open && self.flags & UBLK_F_SAFE_STOP_DEV != 0 {
+            match ctrl.try_stop_dev() {
+                Err(e) if e.errno() == Some(libc::EBUSY) => {
+                    return Err(BlockdevError::Open(self.path()));
+                }
+                r => r?,
+            }
+        } else {
+            ctrl.stop_dev()?;
+        }
         wait_gone(&self.done.lock().unwrap_or_else(|p| p.into_inner()));
         // Not DEL_DEV: it waits for every opener of /dev/ublkbN, and a process
         // holding a force-detached disk may never close it.
         ctrl.del_dev_async()?;
         Ok(())
     }
+
+    /// Leave the disk to the next daemon (see the module documentation):
+    /// QUIESCE_DEV and wait for the queues to end where the device allows it
+    /// (then `Left::Quiesced`), else nothing (`Left::InFlight`: the queues'
+    /// commands end when their reactor's ring closes, and whatever was in
+    /// flight is re-issued to the next daemon). The queues must still be
+    /// served while this runs.
+    pub fn leave(&self) -> Left {
+        if self.flags & UBLK_F_QUIESCE == 0 {
+            return Left::InFlight;
+        }
+        let mut ctrl = self.ctrl.lock().unwrap_or_else(|p| p.into_inner());
+        match ctrl.quiesce_dev() {
+            Ok(()) => {
+                wait_gone(&self.done.lock().unwrap_or_else(|p| p.into_inner()));
+                Left::Quiesced
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "{}: {e}; requests in flight go to the next daemon again",
+                    self.path().display()
+                );
+                Left::InFlight
+            }
+        }
+    }
+}
+
+/// How a block device was left to the next daemon ([`UblkDevice::leave`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Left {
+    /// Nothing in flight; new requests wait in the kernel.
+    Quiesced,
+    /// Requests in flight (if any) are re-issued to the next daemon; new ones
+    /// wait in the kernel (ublk) or for new connections (nbd).
+    InFlight,
 }
 
 /// Wait (bounded) until every sender of `done` is dropped.
@@ -260,6 +260,17 @@ pub fn start_ublk(
             Ok(info) if info.state == UBLK_S_DEV_QUIESCED || info.state == UBLK_S_DEV_FAIL_IO => {
                 return recover(export, ctrl, &info, reactors);
             }
+            // Its server is gone but the kernel has not noticed yet: 6.12
+            // looks every 5 s (later kernels as the server's ring closes).
+            Ok(info) if info.state == UBLK_S_DEV_LIVE && !process_alive(info.ublksrv_pid) => {
+                match ctrl.wait_for_state(UBLK_S_DEV_QUIESCED, RECOVER_WAIT) {
+                    Ok(info) => return recover(export, ctrl, &info, reactors),
+                    Err(e) => tracing::warn!(
+                        "ublk device {id}: its server (pid {}) is gone, but the device did                          not wait for recovery ({e}); making a new device",
+                        info.ublksrv_pid
+                    ),
+                }
+            }
             Ok(info) => {
                 tracing::warn!(
                     "ublk device {id} exists in state {} (not waiting for recovery); \
@@ -288,6 +299,10 @@ pub fn start_ublk(
         // through the queues while START_DEV waits, and partition devices
         // only when asked (`--partscan`, as losetup -P), by BLKRRPART.
         no_auto_part_scan: kernel_features & UBLK_F_NO_AUTO_PART_SCAN != 0,
+        // A restart can hand the disk over with nothing in flight, and a
+        // detach can stop it only if nobody opened it meanwhile.
+        quiesce: kernel_features & UBLK_F_QUIESCE != 0,
+        safe_stop: kernel_features & UBLK_F_SAFE_STOP_DEV != 0,
         auto_buf_reg: zero_copy_wanted(export, spec, &dev, kernel_features),
     };
     let (info, done_rx) = loop {
@@ -330,6 +345,7 @@ pub fn start_ublk(
         kernel_scanned: info.flags & UBLK_F_NO_AUTO_PART_SCAN == 0,
         kernel_features,
         fast_paths: fast_paths_of(info.flags),
+        flags: info.flags,
         ctrl: Mutex::new(ctrl),
         done: Mutex::new(done_rx),
     })
@@ -361,8 +377,9 @@ fn zero_copy_wanted(export: &Export, spec: &DeviceSpec, dev: &Device, features: 
 
 /// The optional kernel paths a device made with `flags` uses, by feature
 /// name: `auto_buf_reg` (zero copy: request pages go to the file without a
-/// copy, 6.16+), `no_auto_part_scan` (no partition scan at
-/// START_DEV, 7.0+).
+/// copy, 6.16+), `no_auto_part_scan` (no partition scan at START_DEV, 7.0+),
+/// `quiesce` (a restart hands the disk over with nothing in flight, 6.15+),
+/// `safe_stop_dev` (a detach stops it only if nobody has it open, 7.0+).
 fn fast_paths_of(flags: u64) -> Vec<&'static str> {
     let mut paths = Vec::new();
     if flags & UBLK_F_AUTO_BUF_REG != 0 {
@@ -371,7 +388,23 @@ fn fast_paths_of(flags: u64) -> Vec<&'static str> {
     if flags & UBLK_F_NO_AUTO_PART_SCAN != 0 {
         paths.push("no_auto_part_scan");
     }
+    if flags & UBLK_F_QUIESCE != 0 {
+        paths.push("quiesce");
+    }
+    if flags & UBLK_F_SAFE_STOP_DEV != 0 {
+        paths.push("safe_stop_dev");
+    }
     paths
+}
+
+/// Whether process `pid` exists (signal 0: `EPERM` means it does).
+fn process_alive(pid: i32) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    // SAFETY: kill with signal 0 only checks that the process exists.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
 fn my_pid() -> i32 {
@@ -475,213 +508,10 @@ fn recover(
         kernel_scanned: true,
         kernel_features,
         fast_paths: fast_paths_of(info.flags),
+        flags: info.flags,
         ctrl: Mutex::new(ctrl),
         done: Mutex::new(done_rx),
     })
-}
-
-/// A device's kernel NBD client (`/dev/nbdN`) connected to its export.
-pub struct NbdDevice {
-    pub index: u32,
-    kn: Mutex<KernelNbd>,
-    export: Arc<Export>,
-    /// Connections handed to the kernel.
-    conns: u32,
-}
-
-impl NbdDevice {
-    pub fn path(&self) -> PathBuf {
-        crate::kernel_nbd::device_path(self.index)
-    }
-
-    /// Disconnect the kernel client (the device goes back to size 0) and wait
-    /// until its connections are gone from the reactors.
-    pub fn remove(&self) -> Result<(), BlockdevError> {
-        let goal = self.export.clients().saturating_sub(self.conns);
-        let mut kn = self.kn.lock().unwrap_or_else(|p| p.into_inner());
-        kn.disconnect(self.index)?;
-        let deadline = Instant::now() + WAIT;
-        // The kernel shuts its sockets; their reactor connections see EOF.
-        while self.export.clients() > goal && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        Ok(())
-    }
-}
-
-/// The identifier the kernel keeps in `/sys/block/nbdN/backend`, by which a
-/// restarted daemon finds its device again.
-fn nbd_backend(export: &Export) -> String {
-    format!("loopd:{}", export.name)
-}
-
-/// Connect the kernel's NBD client to `export` over `n` socket pairs, the
-/// loopd ends served by `reactors` as negotiated connections; or, where a
-/// device with this export's backend identifier waits for its dead connections
-/// (the daemon died), hand it new ones.
-pub fn start_nbd(
-    export: &Arc<Export>,
-    spec: &DeviceSpec,
-    reactors: &[Arc<ReactorHandle>],
-) -> Result<NbdDevice, BlockdevError> {
-    if reactors.is_empty() {
-        return Err(BlockdevError::NoReactors);
-    }
-    let n = spec.connections.unwrap_or(1);
-    if !(1..=64).contains(&n) {
-        return Err(BlockdevError::Connections(n));
-    }
-    let mut kn = KernelNbd::open()?;
-    let backend = nbd_backend(export);
-    let existing = kn.find_backend(&backend)?;
-    let (dev, _) = export.current();
-    let index = match existing {
-        Some(index) => {
-            reconnect_nbd(&mut kn, export, reactors, index, n, &backend)?;
-            tracing::info!(
-                "device {:?}: reconnected /dev/nbd{index} left by the previous server",
-                export.name
-            );
-            index
-        }
-        None => {
-            let (kernel_ends, _) = nbd_pairs(export, reactors, n)?;
-            let fds: Vec<_> = kernel_ends.iter().map(|f| f.as_fd()).collect();
-            // The kernel holds its own references to the sockets once this returns.
-            kn.connect(
-                &ConnectParams {
-                    index: None,
-                    size_bytes: dev.size - dev.size % u64::from(dev.block_size),
-                    block_size: dev.block_size,
-                    server_flags: transmission_flags(&dev, false),
-                    timeout: Some(NBD_TIMEOUT),
-                    dead_conn_timeout: Some(NBD_DEAD_CONN_TIMEOUT),
-                    destroy_on_disconnect: false,
-                    backend: Some(backend),
-                },
-                &fds,
-            )?
-        }
-    };
-    Ok(NbdDevice {
-        index,
-        kn: Mutex::new(kn),
-        export: Arc::clone(export),
-        conns: u32::from(n),
-    })
-}
-
-/// `n` socket pairs: each loopd end adopted by a reactor as a negotiated
-/// connection. Returns the kernel ends, and a duplicate of each loopd end by
-/// which to see whether the kernel kept its end ([`hung_up`]).
-fn nbd_pairs(
-    export: &Arc<Export>,
-    reactors: &[Arc<ReactorHandle>],
-    n: u16,
-) -> Result<(Vec<OwnedFd>, Vec<OwnedFd>), BlockdevError> {
-    let mut kernel_ends = Vec::new();
-    let mut watch = Vec::new();
-    // Kernel connections are the daemon's own: outside --max-connections.
-    let admission = Admission::new(usize::MAX);
-    for i in 0..usize::from(n) {
-        let (k, u) = rustix::net::socketpair(
-            rustix::net::AddressFamily::UNIX,
-            rustix::net::SocketType::STREAM,
-            rustix::net::SocketFlags::CLOEXEC,
-            None,
-        )
-        .map_err(|e| BlockdevError::SocketPair(e.into()))?;
-        watch.push(u.try_clone().map_err(BlockdevError::SocketPair)?);
-        let (Some(client), Some(permit)) = (export.join(), admission.try_admit()) else {
-            return Err(BlockdevError::NoReactors);
-        };
-        reactors[i % reactors.len()].adopt(Session::nbd(Conn::new(NewConn {
-            sock: u,
-            client,
-            permit,
-            structured: false,
-            extended: false,
-            meta_context: false,
-            peer: Peer::Unknown,
-            tls: None,
-            encrypted: false,
-        })));
-        kernel_ends.push(k);
-    }
-    Ok((kernel_ends, watch))
-}
-
-/// Whether the other end of the socket `fd` is closed: after a netlink call
-/// returned and loopd closed its copy of the kernel end, the kernel did not
-/// keep it.
-fn hung_up(fd: &OwnedFd) -> bool {
-    use rustix::event::{PollFd, PollFlags, Timespec, poll};
-    let mut p = [PollFd::new(fd, PollFlags::RDHUP)];
-    let now = Timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    matches!(poll(&mut p, Some(&now)), Ok(1))
-        && p[0].revents().intersects(PollFlags::HUP | PollFlags::RDHUP)
-}
-
-/// How often a reconnect retries sockets the kernel dropped.
-const RECONNECT_RETRY: Duration = Duration::from_millis(50);
-
-/// Hand device `index` (found by its backend identifier: the previous server
-/// died) `n` new connections. The kernel replaces only connections it has
-/// marked dead and silently drops a socket given while none is (nbd.c turns
-/// `ENOSPC` into success): a daemon restarted before the kernel saw the old
-/// one's EOF, or a second daemon with a device of the same name while the
-/// first one lives, would be told "reconnected" while the device stayed with
-/// the old connections. So each socket's loopd end is watched: a socket the
-/// kernel dropped is given again (a new pair) every [`RECONNECT_RETRY`] until
-/// all are taken, for at most the kernel deadline (`--kernel-timeout`); then
-/// the attach fails, naming the device.
-fn reconnect_nbd(
-    kn: &mut KernelNbd,
-    export: &Arc<Export>,
-    reactors: &[Arc<ReactorHandle>],
-    index: u32,
-    n: u16,
-    backend: &str,
-) -> Result<(), BlockdevError> {
-    let start = Instant::now();
-    let limit = crate::kernel_nbd::socket::reply_timeout();
-    let mut left = n;
-    loop {
-        let (kernel_ends, watch) = nbd_pairs(export, reactors, left)?;
-        let fds: Vec<_> = kernel_ends.iter().map(|f| f.as_fd()).collect();
-        kn.reconfigure(
-            index,
-            &ReconfigureParams {
-                timeout: Some(NBD_TIMEOUT),
-                dead_conn_timeout: Some(NBD_DEAD_CONN_TIMEOUT),
-                backend: Some(backend.to_owned()),
-            },
-            &fds,
-        )?;
-        drop(fds);
-        drop(kernel_ends);
-        let dropped = watch.iter().filter(|w| hung_up(w)).count();
-        if dropped == 0 {
-            return Ok(());
-        }
-        left = u16::try_from(dropped).unwrap_or(n);
-        if start.elapsed() >= limit {
-            return Err(BlockdevError::NbdLive {
-                index,
-                backend: backend.to_owned(),
-                taken: n - left,
-                n,
-                waited: limit,
-            });
-        }
-        tracing::debug!(
-            "/dev/nbd{index}: the kernel dropped {dropped} new connection(s); retrying"
-        );
-        std::thread::sleep(RECONNECT_RETRY);
-    }
 }
 
 /// A device's kernel block device, of either kind.
@@ -706,10 +536,21 @@ impl KernelDev {
         }
     }
 
-    pub fn remove(&self) -> Result<(), BlockdevError> {
+    /// Remove the block device; `unless_open`: see [`UblkDevice::remove`]
+    /// (an nbd device has no such check in the kernel).
+    pub fn remove(&self, unless_open: bool) -> Result<(), BlockdevError> {
         match self {
-            KernelDev::Ublk(u) => u.remove(),
+            KernelDev::Ublk(u) => u.remove(unless_open),
             KernelDev::Nbd(n) => n.remove(),
+        }
+    }
+
+    /// Leave the block device to the next daemon (see the module
+    /// documentation).
+    pub fn leave(&self) -> Left {
+        match self {
+            KernelDev::Ublk(u) => u.leave(),
+            KernelDev::Nbd(_) => Left::InFlight,
         }
     }
 
@@ -766,7 +607,7 @@ pub fn start(
     if spec.partscan
         && let Err(e) = partitions::settle(&k.path(), rescan, PARTSCAN_WAIT)
     {
-        let _ = k.remove();
+        let _ = k.remove(false);
         return Err(BlockdevError::Partitions(e));
     }
     Ok(Some(k))

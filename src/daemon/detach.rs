@@ -56,7 +56,8 @@ impl Daemon {
                     path.display()
                 )));
             }
-            self.remove_blockdev(name)?;
+            // Without --force the kernel refuses if the disk was opened since.
+            self.remove_blockdev(name, !force)?;
         }
         self.detach_export(&e, force)
     }

@@ -114,7 +114,7 @@ impl CtlError {
                 | BlockdevError::SocketPair(_)
                 | BlockdevError::Partitions(_) => ErrorCode::Io,
                 BlockdevError::Unfollowable(_) => ErrorCode::Unavailable,
-                BlockdevError::NbdLive { .. } => ErrorCode::Busy,
+                BlockdevError::NbdLive { .. } | BlockdevError::Open(_) => ErrorCode::Busy,
                 BlockdevError::Ctrl(CtrlError::Params(_)) => ErrorCode::Invalid,
                 BlockdevError::Ctrl(
                     CtrlError::NotAvailable { .. }

@@ -13,7 +13,7 @@
 //! the pure [`super::pool`]: at start, several block devices are made at
 //! once, each on a thread of a small pool, none holding a table lock).
 
-use super::blockdev::{self, BlockdevError, KernelDev};
+use super::blockdev::{self, BlockdevError, KernelDev, Left};
 use super::error::CtlError;
 use super::pool;
 use super::registry::Daemon;
@@ -170,12 +170,13 @@ impl Daemon {
         }
     }
 
-    /// Remove device `name`'s block device, if it has one.
-    pub(super) fn remove_blockdev(&self, name: &str) -> Result<(), CtlError> {
+    /// Remove device `name`'s block device, if it has one; `unless_open`:
+    /// not if it is open, where the kernel can tell ([`KernelDev::remove`]).
+    pub(super) fn remove_blockdev(&self, name: &str, unless_open: bool) -> Result<(), CtlError> {
         let Some(u) = self.blockdev(name) else {
             return Ok(());
         };
-        u.remove().map_err(|source| CtlError::Blockdev {
+        u.remove(unless_open).map_err(|source| CtlError::Blockdev {
             name: name.to_owned(),
             source,
         })?;
@@ -192,9 +193,33 @@ impl Daemon {
             g.keys().cloned().collect()
         };
         for n in names {
-            if let Err(e) = self.remove_blockdev(&n) {
+            if let Err(e) = self.remove_blockdev(&n, false) {
                 tracing::warn!("{e}");
             }
+        }
+    }
+
+    /// Leave every block device to the next daemon on this state file (the
+    /// daemon is stopping with `--keep-blockdevs`; its reactors still run):
+    /// each is quiesced where the kernel can ([`KernelDev::leave`]) and taken
+    /// out of the table without being removed. The next daemon takes them
+    /// back as after `kill -9`.
+    pub fn leave_blockdevs(&self) {
+        let all: Vec<(String, Arc<KernelDev>)> = {
+            let mut g = self.blockdevs.lock().unwrap_or_else(|p| p.into_inner());
+            std::mem::take(&mut *g).into_iter().collect()
+        };
+        for (name, k) in all {
+            let how = match k.leave() {
+                Left::Quiesced => "quiesced: nothing in flight, new I/O waits in the kernel",
+                Left::InFlight => "I/O waits for it; requests in flight are given to it again",
+            };
+            tracing::info!(
+                "device {name:?}: {} left for the next daemon on this state file ({how})",
+                k.path().display()
+            );
+            // Dropped without a removal: nothing of it stops the disk.
+            drop(k);
         }
     }
 }

@@ -73,6 +73,7 @@
 mod attach;
 pub mod audit;
 pub mod blockdev;
+mod blockdev_error;
 pub mod bring_back;
 pub mod config;
 pub mod control_socket;
@@ -84,6 +85,7 @@ mod group_commit;
 pub mod info;
 mod janitor;
 mod kernel;
+mod nbd_dev;
 mod params;
 mod pool;
 pub mod rbd_owners;

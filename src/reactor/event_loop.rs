@@ -45,6 +45,9 @@ pub(super) struct Reactor {
     /// Sessions to service after this batch of completions.
     dirty: Vec<u32>,
     stopping: Option<Instant>,
+    /// Stopping with the ublk devices left to the next daemon
+    /// ([`Reactor::let_go_of_ublk_queues`]).
+    leave_ublk: bool,
     timer: Box<types::Timespec>,
     timer_armed: bool,
     poll: AdaptivePoll,
@@ -77,6 +80,7 @@ impl Reactor {
             retry_locks: false,
             dirty: Vec::new(),
             stopping: None,
+            leave_ublk: false,
             timer: Box::new(types::Timespec::new().sec(1)),
             timer_armed: false,
             poll: AdaptivePoll::new(poll_max),
@@ -153,6 +157,9 @@ impl Reactor {
                 }
             }
             if let Some(since) = self.stopping {
+                if self.leave_ublk {
+                    self.let_go_of_ublk_queues();
+                }
                 if self.sessions.iter().all(Option::is_none) && !self.adopt_stragglers() {
                     return Ok(());
                 }
@@ -332,7 +339,10 @@ impl Reactor {
                 self.follow_idle = always;
             }
             Msg::Ublk(q) => self.start_ublk_queue(q),
-            Msg::Shutdown => self.begin_stop(),
+            Msg::Shutdown { leave_ublk } => {
+                self.leave_ublk |= leave_ublk;
+                self.begin_stop();
+            }
         }
     }
 
@@ -495,6 +505,26 @@ impl Reactor {
                 let ci = conn_id(ci);
                 s.stop_taking(&mut self.io, ci);
                 self.dirty.push(ci);
+            }
+        }
+    }
+
+    /// Stopping with the ublk devices left to the next daemon: once every
+    /// other session is gone, forget the ublk queues. Their fetches stay with
+    /// the kernel (ended when this ring closes) and the buffers those name
+    /// are never freed; what was in flight goes to the next daemon again.
+    fn let_go_of_ublk_queues(&mut self) {
+        let others = self
+            .sessions
+            .iter()
+            .flatten()
+            .any(|s| !matches!(s, Session::Ublk(_)));
+        if others {
+            return;
+        }
+        for slot in &mut self.sessions {
+            if let Some(s) = slot.take() {
+                std::mem::forget(s);
             }
         }
     }

@@ -37,7 +37,8 @@ pub(super) enum Msg {
     Peers(Vec<Arc<ReactorHandle>>, bool),
     /// A ublk queue to build and serve here.
     Ublk(UblkQueueSetup),
-    Shutdown,
+    /// Stop; `leave_ublk`: see [`ReactorHandle::shutdown_leaving_ublk`].
+    Shutdown { leave_ublk: bool },
 }
 
 /// How a zero-copy queue's refusal begins when its reactor's fixed-buffer
@@ -202,7 +203,20 @@ impl ReactorHandle {
     /// Ask the reactor to stop: no new requests are read, in-flight requests
     /// finish and are answered, then the thread exits. Returns after it has.
     pub fn shutdown(&self) {
-        let _ = self.post(Msg::Shutdown);
+        self.stop(false);
+    }
+
+    /// [`ReactorHandle::shutdown`], but ublk queues whose device was left to
+    /// the next daemon (not stopped, so their commands never end) do not hold
+    /// it up: once only such queues are left, they are let go without freeing
+    /// anything the kernel may still write (the process is about to exit,
+    /// which ends their commands).
+    pub fn shutdown_leaving_ublk(&self) {
+        self.stop(true);
+    }
+
+    fn stop(&self, leave_ublk: bool) {
+        let _ = self.post(Msg::Shutdown { leave_ublk });
         let handle = self.thread.lock().ok().and_then(|mut t| t.take());
         if let Some(h) = handle {
             let _ = h.join();

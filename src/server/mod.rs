@@ -130,6 +130,9 @@ pub struct ServeOptions {
     pub metrics: Option<String>,
     /// Mode of the metrics Unix socket.
     pub metrics_mode: u32,
+    /// A stop leaves the block devices to the next daemon on the same state
+    /// file instead of removing them (`--keep-blockdevs`).
+    pub keep_blockdevs: bool,
 }
 
 impl Default for ServeOptions {
@@ -157,6 +160,7 @@ impl Default for ServeOptions {
             reply_timeout: crate::engine::budget::DEFAULT_REPLY_TIMEOUT,
             metrics: None,
             metrics_mode: DEFAULT_SOCKET_MODE,
+            keep_blockdevs: false,
         }
     }
 }
@@ -506,7 +510,8 @@ pub fn run(
         }
     }
     if let Some(e) = failed {
-        let closed = stop(&daemon, &reactors);
+        // A start that failed removes what it made.
+        let closed = stop(&daemon, &reactors, false);
         let_go(&daemon, closed);
         drop(files);
         return Err(ServerError::Blockdev(Box::new(e)));
@@ -554,7 +559,7 @@ pub fn run(
         f();
     }
     tracing::info!("stopping: finishing in-flight requests");
-    let closed = stop(&daemon, &reactors);
+    let closed = stop(&daemon, &reactors, opts.keep_blockdevs);
     let_go(&daemon, closed);
     drop(files);
     result
@@ -607,15 +612,25 @@ fn tls_context(opts: &ServeOptions) -> Result<Option<Arc<TlsContext>>, ServerErr
 }
 
 /// Stop serving: no new requests, block devices removed (their queues keep
-/// commands in the reactors' rings until the kernel is told to stop them), the
-/// state file closed to changes (still locked: see [`let_go`]), then every
-/// reactor drained and stopped.
-fn stop(daemon: &Daemon, reactors: &[Arc<ReactorHandle>]) -> ClosedState {
+/// commands in the reactors' rings until the kernel is told to stop them) or,
+/// with `keep_blockdevs`, left to the next daemon (quiesced where the kernel
+/// can; their queues are let go of, not stopped), the state file closed to
+/// changes (still locked: see [`let_go`]), then every reactor drained and
+/// stopped.
+fn stop(daemon: &Daemon, reactors: &[Arc<ReactorHandle>], keep_blockdevs: bool) -> ClosedState {
     daemon.set_stopping();
-    daemon.remove_blockdevs();
+    if keep_blockdevs {
+        daemon.leave_blockdevs();
+    } else {
+        daemon.remove_blockdevs();
+    }
     let closed = daemon.close_state();
     for r in reactors {
-        r.shutdown();
+        if keep_blockdevs {
+            r.shutdown_leaving_ublk();
+        } else {
+            r.shutdown();
+        }
     }
     closed
 }

@@ -45,10 +45,10 @@ use cmd::hint;
 use super::deadline::{self, CmdBuf as Buf, CtrlRing, Undo};
 use super::sys::{
     UBLK_ATTR_FUA, UBLK_ATTR_READ_ONLY, UBLK_ATTR_ROTATIONAL, UBLK_ATTR_VOLATILE_CACHE,
-    UBLK_F_AUTO_BUF_REG, UBLK_F_CMD_IOCTL_ENCODE, UBLK_F_NO_AUTO_PART_SCAN, UBLK_F_UPDATE_SIZE,
-    UBLK_F_USER_RECOVERY, UBLK_F_USER_RECOVERY_REISSUE, UBLK_MAX_NR_QUEUES, UBLK_MAX_QUEUE_DEPTH,
-    UBLK_PARAM_TYPE_BASIC, UBLK_PARAM_TYPE_DISCARD, UblkParamBasic, UblkParamDiscard, UblkParams,
-    UblksrvCtrlCmd, UblksrvCtrlDevInfo,
+    UBLK_F_AUTO_BUF_REG, UBLK_F_CMD_IOCTL_ENCODE, UBLK_F_NO_AUTO_PART_SCAN, UBLK_F_QUIESCE,
+    UBLK_F_SAFE_STOP_DEV, UBLK_F_UPDATE_SIZE, UBLK_F_USER_RECOVERY, UBLK_F_USER_RECOVERY_REISSUE,
+    UBLK_MAX_NR_QUEUES, UBLK_MAX_QUEUE_DEPTH, UBLK_PARAM_TYPE_BASIC, UBLK_PARAM_TYPE_DISCARD,
+    UblkParamBasic, UblkParamDiscard, UblkParams, UblksrvCtrlCmd, UblksrvCtrlDevInfo,
 };
 
 pub const DEFAULT_CONTROL_PATH: &str = "/dev/ublk-control";
@@ -171,6 +171,12 @@ pub struct AddDev {
     /// (`UBLK_F_NO_AUTO_PART_SCAN`, 7.0+): set it only when
     /// [`UblkCtrl::features`] has the bit.
     pub no_auto_part_scan: bool,
+    /// QUIESCE_DEV allowed (`UBLK_F_QUIESCE`, 6.15+; needs `user_recovery`):
+    /// set it only when [`UblkCtrl::features`] has the bit.
+    pub quiesce: bool,
+    /// TRY_STOP_DEV allowed (`UBLK_F_SAFE_STOP_DEV`, 7.0+): set it only when
+    /// [`UblkCtrl::features`] has the bit.
+    pub safe_stop: bool,
     /// Zero copy: each request's pages registered in the serving ring's
     /// fixed-buffer table (`UBLK_F_AUTO_BUF_REG`, 6.16+): set it only when
     /// [`UblkCtrl::features`] has the bit, and only for a device whose
@@ -189,6 +195,8 @@ impl Default for AddDev {
             reissue: false,
             resizable: false,
             no_auto_part_scan: false,
+            quiesce: false,
+            safe_stop: false,
             auto_buf_reg: false,
         }
     }
@@ -213,6 +221,12 @@ impl AddDev {
             if self.reissue {
                 flags |= UBLK_F_USER_RECOVERY_REISSUE;
             }
+            if self.quiesce {
+                flags |= UBLK_F_QUIESCE;
+            }
+        }
+        if self.safe_stop {
+            flags |= UBLK_F_SAFE_STOP_DEV;
         }
         if self.resizable {
             flags |= UBLK_F_UPDATE_SIZE;
@@ -644,6 +658,35 @@ impl UblkCtrl {
         let dev = self.dev()?;
         let pid = u64::try_from(server_pid).map_err(|_| CtrlError::Params("pid must be > 0"))?;
         self.run(Cmd::EndUserRecovery, dev, pid, Buf::None)?;
+        Ok(())
+    }
+
+    /// QUIESCE_DEV: new requests wait in the kernel; returns once each queue
+    /// has finished what it was given (its fetches then end with
+    /// `UBLK_IO_RES_ABORT`, so the queues must still be served meanwhile).
+    /// The kernel gives up after the control deadline less a second (`EBUSY`),
+    /// so it answers before that deadline cancels the command. The device
+    /// must have been added with `UBLK_F_QUIESCE` and user recovery; once its
+    /// server lets go of /dev/ublkcN it is QUIESCED, ready for
+    /// START_USER_RECOVERY.
+    pub fn quiesce_dev(&mut self) -> Result<(), CtrlError> {
+        let dev = self.dev()?;
+        let kernel_wait = self
+            .deadline
+            .saturating_sub(std::time::Duration::from_secs(1))
+            .max(std::time::Duration::from_secs(1));
+        let ms = u64::try_from(kernel_wait.as_millis()).unwrap_or(u64::MAX);
+        self.run(Cmd::QuiesceDev, dev, ms, Buf::None)?;
+        Ok(())
+    }
+
+    /// TRY_STOP_DEV: STOP_DEV, unless /dev/ublkbN is open (mounted, held, or
+    /// opened by a process): then `EBUSY` and the device goes on serving.
+    /// Decided by the kernel under the disk's open lock, so nothing can open
+    /// the disk between the check and the stop.
+    pub fn try_stop_dev(&mut self) -> Result<(), CtrlError> {
+        let dev = self.dev()?;
+        self.run(Cmd::TryStopDev, dev, 0, Buf::None)?;
         Ok(())
     }
 

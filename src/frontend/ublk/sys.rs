@@ -76,6 +76,9 @@ pub const UBLK_U_CMD_DEL_DEV_ASYNC: u32 = ior(0x14, CTRL);
 pub const UBLK_U_CMD_UPDATE_SIZE: u32 = iowr(0x15, CTRL);
 /// Since 6.15 (with `UBLK_F_QUIESCE`).
 pub const UBLK_U_CMD_QUIESCE_DEV: u32 = iowr(0x16, CTRL);
+/// Since 7.0 (with `UBLK_F_SAFE_STOP_DEV`): STOP_DEV only while nobody has
+/// /dev/ublkbN open (`EBUSY` otherwise).
+pub const UBLK_U_CMD_TRY_STOP_DEV: u32 = iowr(0x17, CTRL);
 
 /// Length of the GET_FEATURES reply.
 pub const UBLK_FEATURES_LEN: usize = 8;

@@ -4,8 +4,9 @@
 
 use crate::frontend::ublk::sys::{
     UBLK_U_CMD_ADD_DEV, UBLK_U_CMD_DEL_DEV, UBLK_U_CMD_DEL_DEV_ASYNC, UBLK_U_CMD_END_USER_RECOVERY,
-    UBLK_U_CMD_GET_DEV_INFO, UBLK_U_CMD_GET_FEATURES, UBLK_U_CMD_GET_PARAMS, UBLK_U_CMD_SET_PARAMS,
-    UBLK_U_CMD_START_DEV, UBLK_U_CMD_START_USER_RECOVERY, UBLK_U_CMD_STOP_DEV,
+    UBLK_U_CMD_GET_DEV_INFO, UBLK_U_CMD_GET_FEATURES, UBLK_U_CMD_GET_PARAMS,
+    UBLK_U_CMD_QUIESCE_DEV, UBLK_U_CMD_SET_PARAMS, UBLK_U_CMD_START_DEV,
+    UBLK_U_CMD_START_USER_RECOVERY, UBLK_U_CMD_STOP_DEV, UBLK_U_CMD_TRY_STOP_DEV,
     UBLK_U_CMD_UPDATE_SIZE,
 };
 
@@ -24,6 +25,8 @@ pub enum Cmd {
     StartUserRecovery,
     EndUserRecovery,
     UpdateSize,
+    QuiesceDev,
+    TryStopDev,
 }
 
 impl Cmd {
@@ -41,6 +44,8 @@ impl Cmd {
             Cmd::StartUserRecovery => "START_USER_RECOVERY",
             Cmd::EndUserRecovery => "END_USER_RECOVERY",
             Cmd::UpdateSize => "UPDATE_SIZE",
+            Cmd::QuiesceDev => "QUIESCE_DEV",
+            Cmd::TryStopDev => "TRY_STOP_DEV",
         }
     }
 
@@ -58,6 +63,8 @@ impl Cmd {
             Cmd::StartUserRecovery => UBLK_U_CMD_START_USER_RECOVERY,
             Cmd::EndUserRecovery => UBLK_U_CMD_END_USER_RECOVERY,
             Cmd::UpdateSize => UBLK_U_CMD_UPDATE_SIZE,
+            Cmd::QuiesceDev => UBLK_U_CMD_QUIESCE_DEV,
+            Cmd::TryStopDev => UBLK_U_CMD_TRY_STOP_DEV,
         }
     }
 }
@@ -81,6 +88,10 @@ pub(super) fn hint(cmd: Cmd, errno: i32) -> &'static str {
             " (that ublk device id is taken: pick another or let the kernel choose)"
         }
         (Cmd::StartDev, libc::EEXIST) => " (the device is already started)",
+        (Cmd::TryStopDev, libc::EBUSY) => " (the disk is open: unmount or close it first)",
+        (Cmd::QuiesceDev, libc::EBUSY) => {
+            " (requests in flight did not finish within the time given)"
+        }
         (Cmd::StartUserRecovery, libc::EBUSY) => {
             " (the device is not quiesced yet: the old server's /dev/ublkcN and rings must be closed first)"
         }
