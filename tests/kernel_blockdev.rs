@@ -45,44 +45,6 @@ fn daemon(dir: &Path) -> Server {
 
 type OsArg = std::ffi::OsString;
 
-/// `loopd attach IMG --blockdev KIND ARGS`: the block device it printed.
-fn attach(srv: &Server, kind: &str, img: &Path, args: &[&str]) -> PathBuf {
-    let mut a = vec![
-        "attach",
-        img.to_str().expect("utf-8 path"),
-        "--blockdev",
-        kind,
-    ];
-    a.extend_from_slice(args);
-    let out = srv.ctl_ok(&a);
-    let prefix = if kind == "ublk" {
-        "/dev/ublkb"
-    } else {
-        "/dev/nbd"
-    };
-    let dev = out
-        .stdout
-        .lines()
-        .find(|l| l.starts_with(prefix))
-        .unwrap_or_else(|| panic!("attach printed no {prefix}N:\n{out}"))
-        .to_string();
-    let dev = PathBuf::from(dev);
-    // Printed only once it exists and serves I/O.
-    let meta = fs::metadata(&dev).unwrap_or_else(|e| panic!("{}: {e}", dev.display()));
-    use std::os::unix::fs::FileTypeExt;
-    assert!(
-        meta.file_type().is_block_device(),
-        "{} is a block device",
-        dev.display()
-    );
-    assert!(
-        sysblock(&dev, "size").parse::<u64>().expect("size") > 0,
-        "{} has its size when attach returns",
-        dev.display()
-    );
-    dev
-}
-
 /// mkfs + mount + files + checksums across a remount and a page-cache drop +
 /// e2fsck; then fstrim punches the deleted file's blocks out of the image.
 /// The loopd threads that serve ublk queues run as I/O flushers
@@ -123,7 +85,7 @@ fn filesystem_round_trip(kind: &str, cache: &str) {
     let srv = daemon(t.path());
     let img = t.path().join("fs.img");
     create_sparse_image(&img, 256 << 20);
-    let dev = attach(&srv, kind, &img, &["--cache", cache]);
+    let dev = attach_blockdev(&srv, kind, &img, &["--cache", cache]);
     if kind == "ublk" {
         assert_reactors_are_io_flushers(&srv);
     }
@@ -149,11 +111,7 @@ fn filesystem_round_trip(kind: &str, cache: &str) {
         "fstrim reached the image as holes ({cache}): {before} -> {after} bytes allocated"
     );
     m.unmount();
-    sh(
-        KCMD_TIMEOUT,
-        "e2fsck",
-        [OsArg::from("-fn"), dev.clone().into()],
-    );
+    e2fsck_clean(&dev);
     srv.ctl_ok(&["detach", "fs"]);
     assert!(gone(&dev), "{} removed by detach", dev.display());
 }
@@ -185,7 +143,7 @@ fn fio_verify(kind: &str, cache: &str, extra: &[&str]) {
     create_sparse_image(&img, 64 << 20);
     let mut args = vec!["--cache", cache];
     args.extend_from_slice(extra);
-    let dev = attach(&srv, kind, &img, &args);
+    let dev = attach_blockdev(&srv, kind, &img, &args);
     for engine in ["libaio", "io_uring"] {
         sh(
             FIO_TIMEOUT,
@@ -236,7 +194,7 @@ fn read_only_device_refuses_writes(kind: &str) {
     let srv = daemon(t.path());
     let img = t.path().join("ro.img");
     create_pattern_image(&img, 16 << 20, 7);
-    let dev = attach(&srv, kind, &img, &["--read-only"]);
+    let dev = attach_blockdev(&srv, kind, &img, &["--read-only"]);
     assert_eq!(
         sysblock(&dev, "ro"),
         "1",
@@ -288,7 +246,7 @@ fn window(kind: &str) {
     let srv = daemon(t.path());
     let img = t.path().join("win.img");
     create_pattern_image(&img, 32 << 20, 3);
-    let dev = attach(
+    let dev = attach_blockdev(
         &srv,
         kind,
         &img,
@@ -338,7 +296,7 @@ fn set_and_resize(kind: &str) {
     let srv = daemon(t.path());
     let img = t.path().join("rs.img");
     create_sparse_image(&img, 16 << 20);
-    let dev = attach(&srv, kind, &img, &[]);
+    let dev = attach_blockdev(&srv, kind, &img, &[]);
     assert_eq!(dev_size(&dev), 16 << 20);
     let grows = kind == "ublk" && kernel_at_least(6, 14);
     let mnt = t.path().join("mnt");
@@ -385,11 +343,7 @@ fn set_and_resize(kind: &str) {
         let m = Mount::new(&dev, &mnt, None);
         assert_eq!(md5(&mnt.join("a")), a, "the file after the grow");
         m.unmount();
-        sh(
-            KCMD_TIMEOUT,
-            "e2fsck",
-            [OsArg::from("-fn"), dev.clone().into()],
-        );
+        e2fsck_clean(&dev);
     } else {
         let out = srv.ctl_err(&["resize", "rs"], "unavailable");
         let why = if kind == "ublk" { "6.14" } else { "size" };
@@ -430,7 +384,7 @@ fn detach_refusals(kind: &str) {
     let srv = daemon(t.path());
     let img = t.path().join("busy.img");
     create_sparse_image(&img, 64 << 20);
-    let dev = attach(&srv, kind, &img, &[]);
+    let dev = attach_blockdev(&srv, kind, &img, &[]);
     mkfs_ext4(&dev);
     let mnt = t.path().join("mnt");
     let m = Mount::new(&dev, &mnt, None);
@@ -492,7 +446,7 @@ fn kill_9_and_restart(kind: &str, says: &str) {
     let mut srv = daemon(t.path());
     let img = t.path().join("rec.img");
     create_sparse_image(&img, 128 << 20);
-    let dev = attach(&srv, kind, &img, &["--cache", "buffered"]);
+    let dev = attach_blockdev(&srv, kind, &img, &["--cache", "buffered"]);
     mkfs_ext4(&dev);
     let mnt = t.path().join("mnt");
     let m = Mount::new(&dev, &mnt, None);
@@ -521,11 +475,7 @@ fn kill_9_and_restart(kind: &str, says: &str) {
     assert_eq!(md5(&mnt.join("before")), before);
     assert_eq!(md5(&mnt.join("during")), during);
     m.unmount();
-    sh(
-        KCMD_TIMEOUT,
-        "e2fsck",
-        [OsArg::from("-fn"), dev.clone().into()],
-    );
+    e2fsck_clean(&dev);
     srv.ctl_ok(&["detach", "rec"]);
     assert!(gone(&dev));
 }
@@ -555,7 +505,7 @@ fn keep_and_restart(kind: &str, says: &str) {
         .start();
     let img = t.path().join("keep.img");
     create_sparse_image(&img, 128 << 20);
-    let dev = attach(&srv, kind, &img, &["--cache", "direct"]);
+    let dev = attach_blockdev(&srv, kind, &img, &["--cache", "direct"]);
     mkfs_ext4(&dev);
     let mnt = t.path().join("mnt");
     let m = Mount::new(&dev, &mnt, None);
@@ -633,11 +583,7 @@ fn keep_and_restart(kind: &str, says: &str) {
     assert_eq!(md5(&mnt.join("before")), before);
     assert_eq!(md5(&mnt.join("during")), want, "after a remount too");
     m.unmount();
-    sh(
-        KCMD_TIMEOUT,
-        "e2fsck",
-        [OsArg::from("-fn"), dev.clone().into()],
-    );
+    e2fsck_clean(&dev);
     // A stop without --keep-blockdevs removes the disk.
     srv.stop_ok();
     assert!(gone(&dev), "{} removed by a plain stop", dev.display());
@@ -655,14 +601,14 @@ fn ublk_detach_without_force_is_refused_by_the_kernel_while_the_disk_is_open() {
     let srv = daemon(t.path());
     let img = t.path().join("held.img");
     create_pattern_image(&img, 1 << 20, 5);
-    let dev = attach(&srv, "ublk", &img, &[]);
+    let dev = attach_blockdev(&srv, "ublk", &img, &[]);
     let st = srv.ctl_json(&["status", "held"]);
-    let safe = names(&st, "ublk_fast_paths")
+    let safe = json_names(&st, "ublk_fast_paths")
         .iter()
         .any(|p| p == "safe_stop_dev");
     assert_eq!(
         safe,
-        names(&st, "ublk_kernel_features")
+        json_names(&st, "ublk_kernel_features")
             .iter()
             .any(|f| f == "safe_stop_dev"),
         "made with safe_stop_dev exactly where offered"
@@ -747,7 +693,7 @@ fn ublk_fifty_devices_attach_and_detach() {
     for i in 0..50u8 {
         let img = t.path().join(format!("m{i}.img"));
         create_pattern_image(&img, 1 << 20, i);
-        let dev = attach(&srv, "ublk", &img, &["--queues", "1", "--queue-depth", "4"]);
+        let dev = attach_blockdev(&srv, "ublk", &img, &["--queues", "1", "--queue-depth", "4"]);
         devs.push((img, dev, i));
     }
     for (_, dev, i) in &devs {
@@ -896,7 +842,7 @@ fn ublk_without_partscan_scans_only_where_the_kernel_always_does() {
     let srv = daemon(t.path());
     let img = t.path().join("gpt.img");
     two_partition_image(&img, 5);
-    let dev = attach(&srv, "ublk", &img, &[]);
+    let dev = attach_blockdev(&srv, "ublk", &img, &[]);
     let features = UblkCtrl::open()
         .and_then(|mut c| c.features())
         .expect("GET_FEATURES");
@@ -1005,7 +951,7 @@ fn ublk_start_dev_the_kernel_never_completes_fails_the_attach_at_the_deadline() 
     );
     assert!(!names.contains(&"good".to_string()), "{names:?}");
     let made = Instant::now();
-    let dev = attach(&srv, "ublk", &good_img, &[]);
+    let dev = attach_blockdev(&srv, "ublk", &good_img, &[]);
     assert!(
         rx.try_recv().is_err(),
         "the second attach ({:?}) finished before the stuck one failed",
@@ -1078,7 +1024,7 @@ fn nbd_reconnect_never_takes_a_device_whose_old_connection_lives() {
     let b_img = b_dir.join("same.img");
     create_pattern_image(&b_img, 16 << 20, 2);
     let mut a = daemon(&a_dir);
-    let dev = attach(&a, "nbd", &a_img, &["--connections", "2"]);
+    let dev = attach_blockdev(&a, "nbd", &a_img, &["--connections", "2"]);
     let read = |dev: &Path| {
         let f = fs::File::open(dev).expect("open the block device");
         let mut got = vec![0u8; 64 << 10];
@@ -1153,16 +1099,6 @@ fn nbd_reconnect_never_takes_a_device_whose_old_connection_lives() {
     a.ctl_ok(&["detach", "same"]);
 }
 
-/// The names in `v[key]`, which must be an array of strings.
-fn names(v: &serde_json::Value, key: &str) -> Vec<String> {
-    v[key]
-        .as_array()
-        .unwrap_or_else(|| panic!("{key} is a list: {v}"))
-        .iter()
-        .map(|n| n.as_str().expect("a name").to_owned())
-        .collect()
-}
-
 /// `status` and `list --json` name the ublk features the kernel offers (read
 /// once with GET_FEATURES) and the fast paths the device uses; 6.12 has none
 /// of the 6.16+ ones. A kernel NBD device has neither field.
@@ -1172,7 +1108,7 @@ fn ublk_status_names_kernel_features_and_fast_paths() {
     let srv = daemon(t.path());
     let img = t.path().join("fp.img");
     create_sparse_image(&img, 16 << 20);
-    let dev = attach(&srv, "ublk", &img, &["--cache", "direct"]);
+    let dev = attach_blockdev(&srv, "ublk", &img, &["--cache", "direct"]);
     let st = srv.ctl_json(&["status", "fp"]);
     let listed = srv.ctl_json(&["list"]);
     let row = listed
@@ -1180,18 +1116,22 @@ fn ublk_status_names_kernel_features_and_fast_paths() {
         .iter()
         .find(|d| d["name"] == "fp")
         .unwrap_or_else(|| panic!("fp listed: {listed}"));
-    let features = names(&st, "ublk_kernel_features");
-    let paths = names(&st, "ublk_fast_paths");
+    let features = json_names(&st, "ublk_kernel_features");
+    let paths = json_names(&st, "ublk_fast_paths");
     eprintln!(
         "{}: features {features:?}, fast paths {paths:?}",
         kernel_release()
     );
     assert_eq!(
-        names(row, "ublk_kernel_features"),
+        json_names(row, "ublk_kernel_features"),
         features,
         "list says the same"
     );
-    assert_eq!(names(row, "ublk_fast_paths"), paths, "list says the same");
+    assert_eq!(
+        json_names(row, "ublk_fast_paths"),
+        paths,
+        "list says the same"
+    );
     for f in ["user_recovery", "cmd_ioctl_encode"] {
         assert!(features.iter().any(|x| x == f), "{f} in {features:?}");
     }
@@ -1234,7 +1174,7 @@ fn ublk_status_names_kernel_features_and_fast_paths() {
     srv.ctl_ok(&["detach", "fp"]);
     assert!(gone(&dev));
 
-    let dev = attach(&srv, "nbd", &img, &[]);
+    let dev = attach_blockdev(&srv, "nbd", &img, &[]);
     let st = srv.ctl_json(&["status", "fp"]);
     assert!(
         st.get("ublk_fast_paths").is_none() && st.get("ublk_kernel_features").is_none(),

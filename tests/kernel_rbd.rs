@@ -119,14 +119,6 @@ fn attach(srv: &Server, kind: &str, img: &CephImage, name: &str, args: &[&str]) 
     dev
 }
 
-fn e2fsck_clean(target: &Path) {
-    sh(
-        KCMD_TIMEOUT,
-        "e2fsck",
-        [OsString::from("-fn"), target.into()],
-    );
-}
-
 /// The md5 of file `/NAME` of the ext4 filesystem in the image file `img`
 /// (read by `debugfs`, not through any kernel mount).
 fn md5_in_image(img: &Path, name: &str, scratch: &Path) -> String {

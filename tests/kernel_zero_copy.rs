@@ -43,44 +43,16 @@ fn daemon(dir: &Path) -> Server {
         .start()
 }
 
-/// `loopd attach IMG --blockdev ublk ARGS`: the device it printed.
-fn attach(srv: &Server, img: &Path, args: &[&str]) -> PathBuf {
-    let mut a = vec![
-        "attach",
-        img.to_str().expect("utf-8 path"),
-        "--blockdev",
-        "ublk",
-    ];
-    a.extend_from_slice(args);
-    let out = srv.ctl_ok(&a);
-    let dev = out
-        .stdout
-        .lines()
-        .find(|l| l.starts_with("/dev/ublkb"))
-        .unwrap_or_else(|| panic!("attach printed no /dev/ublkbN:\n{out}"))
-        .to_string();
-    PathBuf::from(dev)
-}
-
-fn names(v: &serde_json::Value, key: &str) -> Vec<String> {
-    v[key]
-        .as_array()
-        .unwrap_or_else(|| panic!("{key} is a list: {v}"))
-        .iter()
-        .map(|n| n.as_str().expect("a name").to_owned())
-        .collect()
-}
-
 /// Whether the kernel offers automatic buffer registration (GET_FEATURES, as
 /// the device's status reports it).
 fn kernel_offers(st: &serde_json::Value) -> bool {
-    names(st, "ublk_kernel_features")
+    json_names(st, "ublk_kernel_features")
         .iter()
         .any(|f| f == "auto_buf_reg")
 }
 
 fn zero_copy(st: &serde_json::Value) -> bool {
-    names(st, "ublk_fast_paths")
+    json_names(st, "ublk_fast_paths")
         .iter()
         .any(|f| f == "auto_buf_reg")
 }
@@ -88,7 +60,7 @@ fn zero_copy(st: &serde_json::Value) -> bool {
 /// A `--cache direct` device of `name`: zero copy exactly when the kernel
 /// offers it (6.16+).
 fn direct_device(srv: &Server, img: &Path, name: &str) -> PathBuf {
-    let dev = attach(srv, img, &["--cache", "direct"]);
+    let dev = attach_blockdev(srv, "ublk", img, &["--cache", "direct"]);
     let st = srv.ctl_json(&["status", name]);
     eprintln!(
         "{}: kernel offers auto_buf_reg: {}, device uses it: {}",
@@ -130,7 +102,7 @@ fn zero_copy_only_where_offered_and_asked_and_set_buffered_is_refused() {
     srv.ctl_ok(&["detach", "zc"]);
     assert!(gone(&dev));
 
-    let dev = attach(&srv, &img, &["--cache", "direct", "--no-zero-copy"]);
+    let dev = attach_blockdev(&srv, "ublk", &img, &["--cache", "direct", "--no-zero-copy"]);
     let st = srv.ctl_json(&["status", "zc"]);
     assert!(!zero_copy(&st), "--no-zero-copy: copy mode: {st}");
     // A copy-mode device may change its cache mode.
@@ -138,7 +110,7 @@ fn zero_copy_only_where_offered_and_asked_and_set_buffered_is_refused() {
     srv.ctl_ok(&["detach", "zc"]);
     assert!(gone(&dev));
 
-    let dev = attach(&srv, &img, &["--cache", "buffered"]);
+    let dev = attach_blockdev(&srv, "ublk", &img, &["--cache", "buffered"]);
     let st = srv.ctl_json(&["status", "zc"]);
     assert!(!zero_copy(&st), "buffered: copy mode: {st}");
     srv.ctl_ok(&["detach", "zc"]);
@@ -259,11 +231,7 @@ fn zero_copy_bytes_match_the_image_and_ext4_is_clean() {
     assert_eq!(md5(&mnt.join("a")), a, "file a after remount");
     assert_eq!(md5(&mnt.join("b")), b, "file b after remount");
     m.unmount();
-    sh(
-        KCMD_TIMEOUT,
-        "e2fsck",
-        [std::ffi::OsString::from("-fn"), dev.clone().into()],
-    );
+    e2fsck_clean(&dev);
     srv.ctl_ok(&["detach", "bytes"]);
     assert!(gone(&dev));
 }
@@ -311,11 +279,7 @@ fn zero_copy_kill_9_and_restart_recovers() {
     assert_eq!(md5(&mnt.join("before")), before);
     assert_eq!(md5(&mnt.join("during")), during);
     m.unmount();
-    sh(
-        KCMD_TIMEOUT,
-        "e2fsck",
-        [std::ffi::OsString::from("-fn"), dev.clone().into()],
-    );
+    e2fsck_clean(&dev);
     srv.ctl_ok(&["detach", "rec"]);
     assert!(gone(&dev));
 }
@@ -351,7 +315,7 @@ fn a_full_fixed_buffer_table_makes_the_next_device_in_copy_mode() {
     for i in 0..4 {
         let img = t.path().join(format!("d{i}.img"));
         create_sparse_image(&img, 8 << 20);
-        devs.push(attach(&srv, &img, &deep));
+        devs.push(attach_blockdev(&srv, "ublk", &img, &deep));
         let st = srv.ctl_json(&["status", &format!("d{i}")]);
         offered = kernel_offers(&st);
         assert_eq!(zero_copy(&st), offered, "d{i}: {st}");
@@ -359,7 +323,7 @@ fn a_full_fixed_buffer_table_makes_the_next_device_in_copy_mode() {
     let small = ["--cache", "direct", "--queues", "1", "--queue-depth", "64"];
     let img = t.path().join("e.img");
     create_sparse_image(&img, 8 << 20);
-    let e = attach(&srv, &img, &small);
+    let e = attach_blockdev(&srv, "ublk", &img, &small);
     let st = srv.ctl_json(&["status", "e"]);
     assert!(!zero_copy(&st), "no slot left: copy mode: {st}");
     if offered {
@@ -395,7 +359,7 @@ fn a_full_fixed_buffer_table_makes_the_next_device_in_copy_mode() {
     assert!(gone(&devs[0]));
     let img = t.path().join("f.img");
     create_sparse_image(&img, 8 << 20);
-    let _f = attach(&srv, &img, &small);
+    let _f = attach_blockdev(&srv, "ublk", &img, &small);
     let st = srv.ctl_json(&["status", "f"]);
     assert_eq!(zero_copy(&st), offered, "d0's slots came back: {st}");
     for n in ["d1", "d2", "d3", "e", "f"] {

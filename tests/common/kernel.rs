@@ -401,3 +401,65 @@ pub fn mkfs_ext4(dev: &Path) {
         ],
     );
 }
+
+/// `loopd attach IMG --blockdev KIND ARGS`: the block device it printed.
+pub fn attach_blockdev(
+    srv: &crate::common::Server,
+    kind: &str,
+    img: &Path,
+    args: &[&str],
+) -> PathBuf {
+    let mut a = vec![
+        "attach",
+        img.to_str().expect("utf-8 path"),
+        "--blockdev",
+        kind,
+    ];
+    a.extend_from_slice(args);
+    let out = srv.ctl_ok(&a);
+    let prefix = if kind == "ublk" {
+        "/dev/ublkb"
+    } else {
+        "/dev/nbd"
+    };
+    let dev = out
+        .stdout
+        .lines()
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_else(|| panic!("attach printed no {prefix}N:\n{out}"))
+        .to_string();
+    let dev = PathBuf::from(dev);
+    // Printed only once it exists and serves I/O.
+    let meta = std::fs::metadata(&dev).unwrap_or_else(|e| panic!("{}: {e}", dev.display()));
+    use std::os::unix::fs::FileTypeExt;
+    assert!(
+        meta.file_type().is_block_device(),
+        "{} is a block device",
+        dev.display()
+    );
+    assert!(
+        sysblock(&dev, "size").parse::<u64>().expect("size") > 0,
+        "{} has its size when attach returns",
+        dev.display()
+    );
+    dev
+}
+
+/// The strings of the JSON list `v[key]` (e.g. `ublk_fast_paths` of a status).
+pub fn json_names(v: &serde_json::Value, key: &str) -> Vec<String> {
+    v[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("{key} is a list: {v}"))
+        .iter()
+        .map(|n| n.as_str().expect("a name").to_owned())
+        .collect()
+}
+
+/// `e2fsck -fn` of `target` (a block device or an image file): must be clean.
+pub fn e2fsck_clean(target: &Path) {
+    sh(
+        KCMD_TIMEOUT,
+        "e2fsck",
+        [std::ffi::OsStr::new("-fn"), target.as_os_str()],
+    );
+}
