@@ -395,6 +395,10 @@ fn detach_refusals(kind: &str) {
     );
     assert!(!gone(&dev), "still there after the refusal");
     m.unmount();
+    // Mounted only in another mount namespace (a container's, here
+    // `unshare -m`'s): this daemon's own mount table does not show it, the
+    // refusal does, naming the namespace's process.
+    mounted_in_another_namespace_refuses_detach(&srv, &dev, &t.path().join("ns-mnt"));
     // Held open by another process: refused, and named.
     let mut holder = std::process::Command::new("sleep")
         .arg("60")
@@ -402,7 +406,7 @@ fn detach_refusals(kind: &str) {
         .spawn()
         .expect("spawn holder");
     let out = srv.ctl_err(&["detach", "busy"], "busy");
-    assert!(out.stderr.contains("open by sleep"), "{out}");
+    assert!(out.stderr.contains("open by \"sleep\""), "{out}");
     srv.ctl_ok(&["detach", "busy", "--force"]);
     assert!(
         matches!(holder.try_wait(), Ok(None)),
@@ -469,13 +473,7 @@ fn kill_9_and_restart(kind: &str, says: &str) {
         srv.stderr_text()
     );
     assert_eq!(md5(&mnt.join("before")), before, "fsync'd data intact");
-    m.unmount();
-    drop_caches();
-    let m = Mount::new(&dev, &mnt, None);
-    assert_eq!(md5(&mnt.join("before")), before);
-    assert_eq!(md5(&mnt.join("during")), during);
-    m.unmount();
-    e2fsck_clean(&dev);
+    remount_and_check(m, &dev, &mnt, &[("before", &before), ("during", &during)]);
     srv.ctl_ok(&["detach", "rec"]);
     assert!(gone(&dev));
 }
@@ -577,26 +575,21 @@ fn keep_and_restart(kind: &str, says: &str) {
         srv.stderr_text()
     );
     assert_eq!(md5(&mnt.join("during")), want, "what dd wrote, read back");
-    m.unmount();
-    drop_caches();
-    let m = Mount::new(&dev, &mnt, None);
-    assert_eq!(md5(&mnt.join("before")), before);
-    assert_eq!(md5(&mnt.join("during")), want, "after a remount too");
-    m.unmount();
-    e2fsck_clean(&dev);
+    remount_and_check(m, &dev, &mnt, &[("before", &before), ("during", &want)]);
     // A stop without --keep-blockdevs removes the disk.
     srv.stop_ok();
     assert!(gone(&dev), "{} removed by a plain stop", dev.display());
 }
 
-/// A disk the kernel has open where the users check cannot see it (a kernel
-/// loop device on top: no process holds a descriptor, nothing is mounted, no
-/// holder link): where the kernel offers `UBLK_F_SAFE_STOP_DEV` (7.0+) a
-/// detach without --force is refused by the kernel itself (TRY_STOP_DEV,
-/// busy, exit 5) and the disk goes on serving its bytes; once the loop
-/// device is gone the same detach removes it.
+/// A disk the kernel holds with no process, mount or holder link showing it:
+/// a kernel loop device on top is found by its backing file and refuses a
+/// detach without --force on every kernel (busy, exit 5, naming the loop
+/// device); a holder nothing shows (an io_uring registered file), where the
+/// kernel offers `UBLK_F_SAFE_STOP_DEV` (7.0+), is refused by the kernel
+/// itself (TRY_STOP_DEV). The disk goes on serving its bytes; once nothing
+/// holds it the same detach removes it.
 #[test]
-fn ublk_detach_without_force_is_refused_by_the_kernel_while_the_disk_is_open() {
+fn ublk_detach_without_force_is_refused_while_the_kernel_holds_the_disk() {
     let t = scratch();
     let srv = daemon(t.path());
     let img = t.path().join("held.img");
@@ -625,36 +618,105 @@ fn ublk_detach_without_force_is_refused_by_the_kernel_while_the_disk_is_open() {
     );
     let lo = PathBuf::from(out.stdout.trim());
     let lo_guard = LoopOnTop(lo.clone());
+    // A loop device on top holds the disk from the kernel (no process, no
+    // mount, no holder link): loopd's own look finds it by the loop
+    // device's backing file, on every kernel.
+    let out = srv.ctl(&["detach", "held"]);
+    assert_eq!(out.status.code(), Some(5), "busy:\n{out}");
+    assert!(
+        out.stderr.contains("the backing file of loop device")
+            && out.stderr.contains(lo.to_str().expect("utf-8"))
+            && out.stderr.contains("--force"),
+        "says who holds it and what to do:\n{out}"
+    );
+    let mut buf = vec![0u8; 4096];
+    fs::File::open(&lo)
+        .expect("open the loop device")
+        .read_exact_at(&mut buf, 8192)
+        .expect("read through the loop device");
+    assert_eq!(buf, pattern_bytes(5, 8192, 4096), "the disk still serves");
+    drop(lo_guard);
     if safe {
+        // A holder loopd cannot see: the disk open only as an io_uring
+        // registered file (its descriptor closed, so no /proc/*/fd entry).
+        // The kernel's TRY_STOP_DEV still refuses.
+        let ring = io_uring::IoUring::new(2).expect("io_uring");
+        let f = fs::File::open(&dev).expect("open the disk");
+        ring.submitter()
+            .register_files(&[std::os::fd::AsRawFd::as_raw_fd(&f)])
+            .expect("register the disk as a fixed file");
+        drop(f);
         let out = srv.ctl(&["detach", "held"]);
-        assert!(
-            !out.success(),
-            "a disk the kernel holds is not pulled away:\n{out}"
-        );
         assert_eq!(out.status.code(), Some(5), "busy:\n{out}");
         assert!(
             out.stderr.contains("is open") && out.stderr.contains("--force"),
             "says why and what to do:\n{out}"
         );
         let mut buf = vec![0u8; 4096];
-        fs::File::open(&lo)
-            .expect("open the loop device")
+        fs::File::open(&dev)
+            .expect("open the disk")
             .read_exact_at(&mut buf, 8192)
-            .expect("read through the loop device");
+            .expect("read the disk");
         assert_eq!(buf, pattern_bytes(5, 8192, 4096), "the disk still serves");
+        drop(ring);
     } else {
         eprintln!(
-            "{}: no safe_stop_dev; only the users check guards a detach",
+            "{}: no safe_stop_dev; a holder loopd cannot see (an io_uring registered file) \
+             is not guarded against",
             kernel_release()
         );
     }
-    drop(lo_guard);
     srv.ctl_ok(&["detach", "held"]);
     assert!(
         gone(&dev),
         "{} removed once nothing holds it",
         dev.display()
     );
+}
+
+/// `dev` (an ext4 disk of device "busy") mounted at `mnt` in a new mount
+/// namespace only: a detach without `--force` is refused naming that
+/// namespace's process; its mount goes when that process is reaped.
+fn mounted_in_another_namespace_refuses_detach(srv: &Server, dev: &Path, mnt: &Path) {
+    use std::io::BufRead;
+    fs::create_dir_all(mnt).expect("mount point");
+    let script = format!(
+        "mount {} {} && echo mounted && exec sleep 60",
+        dev.display(),
+        mnt.display()
+    );
+    let mut child = std::process::Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sh", "-c", &script])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("unshare (util-linux)");
+    let out = child.stdout.take().expect("stdout");
+    // unshare and sh exec: the namespace's one process keeps this pid.
+    let pid = child.id();
+    let ns = Reaped(child);
+    let mut line = String::new();
+    // Bounded: the line comes, or sh exits (mount failed) and the pipe closes.
+    std::io::BufReader::new(out)
+        .read_line(&mut line)
+        .expect("read");
+    assert_eq!(line.trim(), "mounted", "mounted in the new namespace");
+    assert!(
+        !fs::read_to_string("/proc/self/mountinfo")
+            .expect("mountinfo")
+            .contains(mnt.to_str().expect("utf-8")),
+        "not mounted in the test's namespace"
+    );
+    let out = srv.ctl_err(&["detach", "busy"], "busy");
+    assert!(
+        out.stderr.contains("in the mount namespace of \"")
+            && out.stderr.contains(&format!("(pid {pid})"))
+            && out.stderr.contains(mnt.to_str().expect("utf-8"))
+            && out.stderr.contains("--force"),
+        "the refusal names the other namespace's mount: {out}"
+    );
+    assert!(!gone(dev), "still there after the refusal");
+    // The namespace, and its mount, go with its last process (reaped here).
+    drop(ns);
 }
 
 /// `losetup -d` of a loop device when the test ends, also on a panic.

@@ -1,7 +1,10 @@
 //! Who uses a block device: mounts (of it or its partitions), holders
-//! (device-mapper, md, ...), and processes with it open. Read from
-//! `/proc/self/mountinfo`, `/sys/class/block/*/holders` and `/proc/*/fd`;
-//! the parsing is pure and tested. May block briefly on procfs/sysfs reads.
+//! (device-mapper, md, ...), kernel loop devices on top of it, swap on it,
+//! and processes with it open. Read from `/proc/*/mountinfo` (one process
+//! per mount namespace: a container's mounts count too),
+//! `/sys/class/block/*/holders`, `/sys/block/loop*/loop/backing_file`,
+//! `/proc/swaps` and `/proc/*/fd`; the parsing is pure and tested. May block
+//! briefly on procfs/sysfs reads.
 
 use std::fmt;
 use std::fs;
@@ -16,6 +19,11 @@ pub enum Use {
     Mounted(String),
     /// A stacked device (device-mapper, md, ...) holds it.
     Held(String),
+    /// A kernel loop device (`/dev/loopN`) has it as its backing file (no
+    /// holder link, no process: only its `backing_file` tells).
+    LoopOnTop(String),
+    /// It (or a partition) is in use as swap.
+    Swap(String),
     /// A process has it open.
     Open { comm: String, pid: u32 },
 }
@@ -33,7 +41,9 @@ impl fmt::Display for Use {
         match self {
             Use::Mounted(m) => write!(f, "mounted on {m}"),
             Use::Held(h) => write!(f, "held by {h}"),
-            Use::Open { comm, pid } => write!(f, "open by {comm} (pid {pid})"),
+            Use::LoopOnTop(l) => write!(f, "the backing file of loop device {l}"),
+            Use::Swap(p) => write!(f, "in use as swap ({p})"),
+            Use::Open { comm, pid } => write!(f, "open by {comm:?} (pid {pid})"),
         }
     }
 }
@@ -135,11 +145,13 @@ pub fn users(path: &Path) -> Vec<Use> {
         devs.push(majmin(rdev));
     }
     let mut what = Vec::new();
+    let own_ns = fs::read_link("/proc/self/ns/mnt").ok();
     if let Ok(mi) = fs::read_to_string("/proc/self/mountinfo") {
         for m in mounts_of(&mi, &devs) {
             what.push(Use::Mounted(m));
         }
     }
+    what.extend(mounts_elsewhere(own_ns.as_deref(), &devs));
     for (n, _) in &disks {
         let holders = Path::new("/sys/class/block").join(n).join("holders");
         if let Ok(rd) = fs::read_dir(holders) {
@@ -157,8 +169,91 @@ pub fn users(path: &Path) -> Vec<Use> {
         })
         .chain(std::iter::once(rdev))
         .collect();
+    what.extend(loops_on_top(&rdevs));
+    if let Ok(swaps) = fs::read_to_string("/proc/swaps") {
+        for p in swap_paths(&swaps) {
+            if is_one_of(Path::new(&p), &rdevs) {
+                what.push(Use::Swap(p));
+            }
+        }
+    }
     what.extend(openers(&rdevs));
     what
+}
+
+/// Mounts of `devs` in mount namespaces other than this process's (`own`): a
+/// container's or a `unshare -m`'s, which `/proc/self/mountinfo` does not
+/// list; each namespace read once, through the first process found in it.
+fn mounts_elsewhere(own: Option<&Path>, devs: &[String]) -> Vec<Use> {
+    let mut seen: Vec<std::path::PathBuf> = own.map(Path::to_path_buf).into_iter().collect();
+    let mut out = Vec::new();
+    let Ok(procs) = fs::read_dir("/proc") else {
+        return out;
+    };
+    for p in procs.flatten() {
+        let Ok(pid) = p.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(ns) = fs::read_link(p.path().join("ns/mnt")) else {
+            continue;
+        };
+        if seen.contains(&ns) {
+            continue;
+        }
+        seen.push(ns);
+        let Ok(mi) = fs::read_to_string(p.path().join("mountinfo")) else {
+            continue;
+        };
+        let comm = fs::read_to_string(p.path().join("comm")).unwrap_or_default();
+        for m in mounts_of(&mi, devs) {
+            out.push(Use::Mounted(format!(
+                "{m} in the mount namespace of {:?} (pid {pid})",
+                comm.trim()
+            )));
+        }
+    }
+    out
+}
+
+/// Whether `path` is a block device with one of the numbers `rdevs`.
+fn is_one_of(path: &Path, rdevs: &[u64]) -> bool {
+    fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device() && rdevs.contains(&m.rdev()))
+}
+
+/// The kernel loop devices whose backing file is one of the block devices
+/// `rdevs` (a loop device holds its backing disk open from the kernel: no
+/// process, mount or holder link shows it).
+fn loops_on_top(rdevs: &[u64]) -> Vec<Use> {
+    let Ok(rd) = fs::read_dir("/sys/block") else {
+        return Vec::new();
+    };
+    let mut out: Vec<Use> = rd
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if !name.starts_with("loop") {
+                return None;
+            }
+            // Only a bound loop device has a backing file.
+            let backing = fs::read_to_string(e.path().join("loop/backing_file")).ok()?;
+            let backing = backing.strip_suffix('\n').unwrap_or(&backing);
+            is_one_of(Path::new(backing), rdevs).then(|| Use::LoopOnTop(format!("/dev/{name}")))
+        })
+        .collect();
+    out.sort_by_key(Use::to_string);
+    out
+}
+
+/// The swap areas `/proc/swaps` lists (its first column, unescaped: the
+/// kernel writes space, tab, newline and backslash as `\ooo`).
+pub fn swap_paths(swaps: &str) -> Vec<String> {
+    swaps
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split([' ', '\t']).next())
+        .filter(|p| !p.is_empty())
+        .map(unescape)
+        .collect()
 }
 
 /// Processes (other than this one) with one of the device numbers `rdevs` open.
@@ -206,5 +301,24 @@ mod tests {
         assert_eq!(got, vec!["/mnt/my disk".to_string(), "/srv".to_string()]);
         assert!(mounts_of(mi, &["7:0".into()]).is_empty());
         assert!(mounts_of("garbage\n\n1 2\n", &["252:0".into()]).is_empty());
+    }
+
+    #[test]
+    fn swap_areas_are_read_from_the_first_column_and_unescaped() {
+        let swaps = "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n\
+                     /dev/ublkb0p1                           partition\t1048572\t\t0\t\t-2\n\
+                     /srv/my\\040swap                         file\t\t65532\t\t0\t\t-3\n";
+        assert_eq!(swap_paths(swaps), vec!["/dev/ublkb0p1", "/srv/my swap"]);
+        assert!(swap_paths("Filename Type Size Used Priority\n").is_empty());
+        assert!(swap_paths("").is_empty());
+    }
+
+    #[test]
+    fn loops_and_swap_are_lasting_uses_that_say_what_they_are() {
+        let l = Use::LoopOnTop("/dev/loop3".into());
+        let s = Use::Swap("/dev/ublkb0p1".into());
+        assert!(l.lasting() && s.lasting());
+        assert_eq!(l.to_string(), "the backing file of loop device /dev/loop3");
+        assert_eq!(s.to_string(), "in use as swap (/dev/ublkb0p1)");
     }
 }

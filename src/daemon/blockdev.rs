@@ -262,7 +262,10 @@ pub fn start_ublk(
             }
             // Its server is gone but the kernel has not noticed yet: 6.12
             // looks every 5 s (later kernels as the server's ring closes).
-            Ok(info) if info.state == UBLK_S_DEV_LIVE && !process_alive(info.ublksrv_pid) => {
+            Ok(info)
+                if info.state == UBLK_S_DEV_LIVE
+                    && !crate::server::pidfile::alive(info.ublksrv_pid) =>
+            {
                 match ctrl.wait_for_state(UBLK_S_DEV_QUIESCED, RECOVER_WAIT) {
                     Ok(info) => return recover(export, ctrl, &info, reactors),
                     Err(e) => tracing::warn!(
@@ -395,16 +398,6 @@ fn fast_paths_of(flags: u64) -> Vec<&'static str> {
         paths.push("safe_stop_dev");
     }
     paths
-}
-
-/// Whether process `pid` exists (signal 0: `EPERM` means it does).
-fn process_alive(pid: i32) -> bool {
-    if pid <= 0 {
-        return false;
-    }
-    // SAFETY: kill with signal 0 only checks that the process exists.
-    let r = unsafe { libc::kill(pid, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
 fn my_pid() -> i32 {

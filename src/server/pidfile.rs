@@ -67,8 +67,12 @@ pub fn parse_pid(bytes: &[u8]) -> Option<i32> {
     std::str::from_utf8(digits).ok()?.parse::<i32>().ok()
 }
 
-/// Whether process `pid` exists (a process of another user counts).
-fn alive(pid: i32) -> bool {
+/// Whether process `pid` exists (a process of another user counts; 0 and
+/// negative numbers, which name process groups to `kill`, are no process).
+pub fn alive(pid: i32) -> bool {
+    if pid <= 0 {
+        return false;
+    }
     let Some(p) = rustix::process::Pid::from_raw(pid) else {
         return false;
     };
