@@ -225,13 +225,7 @@ fn zero_copy_bytes_match_the_image_and_ext4_is_clean() {
     write_random(&mnt.join("a"), 16);
     write_random(&mnt.join("b"), 24);
     let (a, b) = (md5(&mnt.join("a")), md5(&mnt.join("b")));
-    m.unmount();
-    drop_caches();
-    let m = Mount::new(&dev, &mnt, None);
-    assert_eq!(md5(&mnt.join("a")), a, "file a after remount");
-    assert_eq!(md5(&mnt.join("b")), b, "file b after remount");
-    m.unmount();
-    e2fsck_clean(&dev);
+    remount_and_check(m, &dev, &mnt, &[("a", &a), ("b", &b)]);
     srv.ctl_ok(&["detach", "bytes"]);
     assert!(gone(&dev));
 }
@@ -273,13 +267,7 @@ fn zero_copy_kill_9_and_restart_recovers() {
         "recovered in the mode it was made with"
     );
     assert_eq!(md5(&mnt.join("before")), before, "fsync'd data intact");
-    m.unmount();
-    drop_caches();
-    let m = Mount::new(&dev, &mnt, None);
-    assert_eq!(md5(&mnt.join("before")), before);
-    assert_eq!(md5(&mnt.join("during")), during);
-    m.unmount();
-    e2fsck_clean(&dev);
+    remount_and_check(m, &dev, &mnt, &[("before", &before), ("during", &during)]);
     srv.ctl_ok(&["detach", "rec"]);
     assert!(gone(&dev));
 }

@@ -463,3 +463,17 @@ pub fn e2fsck_clean(target: &Path) {
         [std::ffi::OsStr::new("-fn"), target.as_os_str()],
     );
 }
+
+/// The last step of a durability check: unmount `m` (of `dev`, at `mnt`),
+/// drop the page cache, mount again and compare each `(file, md5)` read
+/// from the disk itself; unmount, then `e2fsck -fn` must find it clean.
+pub fn remount_and_check(m: Mount, dev: &Path, mnt: &Path, files: &[(&str, &str)]) {
+    m.unmount();
+    drop_caches();
+    let m = Mount::new(dev, mnt, None);
+    for (name, want) in files {
+        assert_eq!(&md5(&mnt.join(name)), want, "{name} after a remount");
+    }
+    m.unmount();
+    e2fsck_clean(dev);
+}
