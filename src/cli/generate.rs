@@ -44,8 +44,8 @@ struct EnvVar {
 const ENVIRONMENT: &[EnvVar] = &[
     EnvVar {
         name: "LOOPD_LOG",
-        help: "What is logged to standard error, as a tracing filter: error, warn, info \
-               (the default), debug, trace, or per module (loopd::frontend=debug).",
+        help: "What is logged to standard error: error, warn, info (the default), debug, \
+               trace, or per module, comma-separated (warn,loopd::frontend=debug).",
     },
     EnvVar {
         name: "LOOPD_CONTROL",

@@ -29,10 +29,13 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 use tracing::{Event, Level, Metadata, Subscriber};
 use tracing_subscriber::field::RecordFields;
+use tracing_subscriber::filter::Targets;
 use tracing_subscriber::fmt::format::{DefaultFields, Format, Full, Writer};
 use tracing_subscriber::fmt::time::SystemTime;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields, MakeWriter};
+use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::util::SubscriberInitExt;
 
 /// Where log lines go.
 enum Target {
@@ -63,15 +66,39 @@ pub fn init() {
     let journal = stderr_is_journal();
     let ansi = !journal && std::io::stderr().is_terminal();
     with_sink(|t| *t = Target::Stderr { journal, ansi });
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_env("LOOPD_LOG").unwrap_or_else(|_| "info".into());
+    let (filter, bad) = log_filter(std::env::var_os("LOOPD_LOG").as_deref());
     tracing_subscriber::fmt()
+        // Everything through here: `filter` (below) decides (the builder's
+        // own default would stop at info).
+        .with_max_level(tracing::level_filters::LevelFilter::TRACE)
         .with_writer(Sink)
-        .with_env_filter(filter)
         .with_ansi(ansi)
         .fmt_fields(EscapedFields)
         .event_format(LoopdFormat::new(None))
+        .finish()
+        .with(filter)
         .init();
+    if let Some(bad) = bad {
+        tracing::warn!(
+            "LOOPD_LOG={bad:?} is not a log filter (a level such as debug, or target=level pairs joined by commas); logging at info"
+        );
+    }
+}
+
+/// The log filter `LOOPD_LOG` asks for: a level (`debug`) or `target=level`
+/// directives joined by commas (`loopd=debug,rustls=warn`), `info` when unset
+/// or empty; with the text back when it is not a filter (then `info`). A
+/// plain target filter, not `tracing`'s regular-expression one: the CLI
+/// starts as a smaller process (no regular-expression tables to relocate).
+fn log_filter(value: Option<&std::ffi::OsStr>) -> (Targets, Option<String>) {
+    let info = || Targets::new().with_default(tracing::Level::INFO);
+    let Some(v) = value.filter(|v| !v.is_empty()) else {
+        return (info(), None);
+    };
+    match v.to_str().map(str::parse::<Targets>) {
+        Some(Ok(t)) => (t, None),
+        _ => (info(), Some(v.to_string_lossy().into_owned())),
+    }
 }
 
 /// Why a log file cannot be used.
@@ -323,6 +350,25 @@ pub fn priority(l: Level) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_filter_takes_levels_and_target_pairs_and_names_what_it_cannot_read() {
+        use std::ffi::OsStr;
+        use tracing::level_filters::LevelFilter;
+        let (t, bad) = log_filter(None);
+        assert_eq!((t.default_level(), bad), (Some(LevelFilter::INFO), None));
+        let (t, bad) = log_filter(Some(OsStr::new("")));
+        assert_eq!((t.default_level(), bad), (Some(LevelFilter::INFO), None));
+        let (t, bad) = log_filter(Some(OsStr::new("debug")));
+        assert_eq!((t.default_level(), bad), (Some(LevelFilter::DEBUG), None));
+        let (t, bad) = log_filter(Some(OsStr::new("warn,loopd=trace")));
+        assert_eq!(bad, None);
+        assert!(t.would_enable("loopd::daemon", &Level::TRACE));
+        assert!(!t.would_enable("rustls", &Level::INFO));
+        let (t, bad) = log_filter(Some(OsStr::new("loopd=loud")));
+        assert_eq!(t.default_level(), Some(LevelFilter::INFO));
+        assert_eq!(bad.as_deref(), Some("loopd=loud"));
+    }
 
     #[test]
     fn priorities_follow_sd_daemon() {
