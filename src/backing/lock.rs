@@ -629,6 +629,13 @@ fn proc_partitions() -> Option<String> {
     while text.len() < (1 << 20) {
         match f.read_at(&mut piece, text.len() as u64) {
             Ok(0) => return String::from_utf8(text).ok(),
+            // A read that left room for several more lines is the end (the
+            // kernel fills a read with whole lines while it has them): no
+            // second read just to be told so (each one writes the text anew).
+            Ok(n) if n <= piece.len() - 512 => {
+                text.extend_from_slice(&piece[..n]);
+                return String::from_utf8(text).ok();
+            }
             Ok(n) => text.extend_from_slice(&piece[..n]),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(_) => return None,
