@@ -347,6 +347,8 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     if a.fork {
         *ready_pipe.borrow_mut() = Some(daemonize::fork()?);
     }
+    // Before any thread starts (see the module): no stalls as devices come.
+    loopd::server::fd_table::reserve();
     let r = start(a, act, Arc::clone(&notifier), Rc::clone(&ready_pipe), late);
     if let Err(e) = &r {
         let msg = super::exit::message(e);

@@ -17,6 +17,7 @@
 mod accept;
 pub mod activation;
 pub mod daemonize;
+pub mod fd_table;
 pub mod listen;
 pub mod notify;
 pub mod owned;
