@@ -89,6 +89,10 @@ fn zero_copy_only_where_offered_and_asked_and_set_buffered_is_refused() {
     create_sparse_image(&img, 16 << 20);
     let dev = direct_device(&srv, &img, "zc");
     let st = srv.ctl_json(&["status", "zc"]);
+    // Zero copy takes requests up to 1 MiB (no tag buffer to size), copy
+    // mode up to 512 KiB (each tag's buffer).
+    let largest = if zero_copy(&st) { 1024 } else { 512 };
+    assert_eq!(max_hw_sectors_kb(&dev), largest, "largest request: {st}");
     if zero_copy(&st) {
         let out = srv.ctl(&["set", "zc", "--cache", "buffered"]);
         assert!(!out.success(), "set --cache buffered refused:\n{out}");
@@ -105,6 +109,7 @@ fn zero_copy_only_where_offered_and_asked_and_set_buffered_is_refused() {
     let dev = attach_blockdev(&srv, "ublk", &img, &["--cache", "direct", "--no-zero-copy"]);
     let st = srv.ctl_json(&["status", "zc"]);
     assert!(!zero_copy(&st), "--no-zero-copy: copy mode: {st}");
+    assert_eq!(max_hw_sectors_kb(&dev), 512, "largest request in copy mode");
     // A copy-mode device may change its cache mode.
     srv.ctl_ok(&["set", "zc", "--cache", "buffered"]);
     srv.ctl_ok(&["detach", "zc"]);
@@ -115,6 +120,17 @@ fn zero_copy_only_where_offered_and_asked_and_set_buffered_is_refused() {
     assert!(!zero_copy(&st), "buffered: copy mode: {st}");
     srv.ctl_ok(&["detach", "zc"]);
     assert!(gone(&dev));
+}
+
+/// The largest request the kernel sends `dev`, in KiB (sysfs).
+fn max_hw_sectors_kb(dev: &Path) -> u64 {
+    let name = dev.file_name().expect("device name").to_string_lossy();
+    let p = format!("/sys/block/{name}/queue/max_hw_sectors_kb");
+    fs::read_to_string(&p)
+        .unwrap_or_else(|e| panic!("{p}: {e}"))
+        .trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("{p}: {e}"))
 }
 
 #[test]

@@ -54,8 +54,13 @@ use std::time::{Duration, Instant};
 
 /// Requests in flight per queue unless `--queue-depth` says otherwise.
 pub const DEFAULT_DEPTH: u16 = 128;
-/// The largest request the kernel sends (and each tag's buffer).
+/// The largest request the kernel sends (and each tag's buffer) in copy mode.
 pub const MAX_IO: u32 = 512 << 10;
+/// The largest request with zero copy, where a tag has no buffer of its own
+/// and a bigger request costs nothing: 1 MiB, so a 1 MiB write (`dd bs=1M`,
+/// a filesystem's large write-back) is one request, as it is to the kernel's
+/// own loop device, not two.
+pub const MAX_IO_ZERO_COPY: u32 = 1 << 20;
 /// The largest discard or write-zeroes request.
 const MAX_ZEROES: u32 = 1 << 30;
 /// How long to wait for the char device, the queues, or their end.
@@ -204,8 +209,9 @@ fn wait_gone(done: &Receiver<()>) {
     }
 }
 
-/// The parameters the kernel gets for `dev`.
-fn params_of(dev: &Device) -> DeviceParams {
+/// The parameters the kernel gets for `dev`, whose requests are at most
+/// `max_io` bytes.
+fn params_of(dev: &Device, max_io: u32) -> DeviceParams {
     let block = dev.block_size;
     DeviceParams {
         // Whole blocks: the kernel cannot address a partial last block.
@@ -213,7 +219,7 @@ fn params_of(dev: &Device) -> DeviceParams {
         logical_block: block,
         physical_block: block.max(dev.dio_align).clamp(block, 4096),
         io_opt: 0,
-        max_io_bytes: MAX_IO,
+        max_io_bytes: max_io,
         max_discard_bytes: if dev.read_only { 0 } else { MAX_ZEROES },
         max_write_zeroes_bytes: if dev.read_only { 0 } else { MAX_ZEROES },
         read_only: dev.read_only,
@@ -286,7 +292,6 @@ pub fn start_ublk(
         }
     }
     let (dev, _) = export.current();
-    let uapi = params_of(&dev).to_uapi()?;
     let mut ctrl = UblkCtrl::open()?;
     let kernel_features = ctrl.features().unwrap_or(0);
     let resizable = kernel_features & UBLK_F_UPDATE_SIZE != 0;
@@ -309,6 +314,12 @@ pub fn start_ublk(
         auto_buf_reg: zero_copy_wanted(export, spec, &dev, kernel_features),
     };
     let (info, done_rx) = loop {
+        add.max_io_buf_bytes = if add.auto_buf_reg {
+            MAX_IO_ZERO_COPY
+        } else {
+            MAX_IO
+        };
+        let uapi = params_of(&dev, add.max_io_buf_bytes).to_uapi()?;
         let info = match ctrl.add_dev(&add) {
             Err(e) if add.dev_id.is_some() && e.errno() == Some(libc::EEXIST) => {
                 add.dev_id = None;
