@@ -629,12 +629,7 @@ fn ublk_detach_without_force_is_refused_while_the_kernel_holds_the_disk() {
             && out.stderr.contains("--force"),
         "says who holds it and what to do:\n{out}"
     );
-    let mut buf = vec![0u8; 4096];
-    fs::File::open(&lo)
-        .expect("open the loop device")
-        .read_exact_at(&mut buf, 8192)
-        .expect("read through the loop device");
-    assert_eq!(buf, pattern_bytes(5, 8192, 4096), "the disk still serves");
+    assert_still_serves(&lo);
     drop(lo_guard);
     if safe {
         // A holder loopd cannot see: the disk open only as an io_uring
@@ -652,12 +647,7 @@ fn ublk_detach_without_force_is_refused_while_the_kernel_holds_the_disk() {
             out.stderr.contains("is open") && out.stderr.contains("--force"),
             "says why and what to do:\n{out}"
         );
-        let mut buf = vec![0u8; 4096];
-        fs::File::open(&dev)
-            .expect("open the disk")
-            .read_exact_at(&mut buf, 8192)
-            .expect("read the disk");
-        assert_eq!(buf, pattern_bytes(5, 8192, 4096), "the disk still serves");
+        assert_still_serves(&dev);
         drop(ring);
     } else {
         eprintln!(
@@ -672,6 +662,16 @@ fn ublk_detach_without_force_is_refused_while_the_kernel_holds_the_disk() {
         "{} removed once nothing holds it",
         dev.display()
     );
+}
+
+/// `path` (the disk, or a loop device on it) reads the pattern image's bytes
+/// (pattern 5) at 8 KiB.
+fn assert_still_serves(path: &Path) {
+    let mut buf = vec![0u8; 4096];
+    fs::File::open(path)
+        .and_then(|f| f.read_exact_at(&mut buf, 8192))
+        .unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    assert_eq!(buf, pattern_bytes(5, 8192, 4096), "the disk still serves");
 }
 
 /// `dev` (an ext4 disk of device "busy") mounted at `mnt` in a new mount

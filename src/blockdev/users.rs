@@ -181,30 +181,37 @@ pub fn users(path: &Path) -> Vec<Use> {
     what
 }
 
+/// Every process now, as its pid and `/proc/PID` (those that end meanwhile
+/// fail their reads and are passed over by the callers).
+fn processes() -> impl Iterator<Item = (u32, std::path::PathBuf)> {
+    fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|p| {
+            let pid = p.file_name().to_string_lossy().parse::<u32>().ok()?;
+            Some((pid, p.path()))
+        })
+}
+
 /// Mounts of `devs` in mount namespaces other than this process's (`own`): a
 /// container's or a `unshare -m`'s, which `/proc/self/mountinfo` does not
 /// list; each namespace read once, through the first process found in it.
 fn mounts_elsewhere(own: Option<&Path>, devs: &[String]) -> Vec<Use> {
     let mut seen: Vec<std::path::PathBuf> = own.map(Path::to_path_buf).into_iter().collect();
     let mut out = Vec::new();
-    let Ok(procs) = fs::read_dir("/proc") else {
-        return out;
-    };
-    for p in procs.flatten() {
-        let Ok(pid) = p.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(ns) = fs::read_link(p.path().join("ns/mnt")) else {
+    for (pid, dir) in processes() {
+        let Ok(ns) = fs::read_link(dir.join("ns/mnt")) else {
             continue;
         };
         if seen.contains(&ns) {
             continue;
         }
         seen.push(ns);
-        let Ok(mi) = fs::read_to_string(p.path().join("mountinfo")) else {
+        let Ok(mi) = fs::read_to_string(dir.join("mountinfo")) else {
             continue;
         };
-        let comm = fs::read_to_string(p.path().join("comm")).unwrap_or_default();
+        let comm = fs::read_to_string(dir.join("comm")).unwrap_or_default();
         for m in mounts_of(&mi, devs) {
             out.push(Use::Mounted(format!(
                 "{m} in the mount namespace of {:?} (pid {pid})",
@@ -260,17 +267,11 @@ pub fn swap_paths(swaps: &str) -> Vec<String> {
 fn openers(rdevs: &[u64]) -> Vec<Use> {
     let me = std::process::id();
     let mut out = Vec::new();
-    let Ok(procs) = fs::read_dir("/proc") else {
-        return out;
-    };
-    for p in procs.flatten() {
-        let Ok(pid) = p.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
+    for (pid, dir) in processes() {
         if pid == me {
             continue;
         }
-        let Ok(fds) = fs::read_dir(p.path().join("fd")) else {
+        let Ok(fds) = fs::read_dir(dir.join("fd")) else {
             continue;
         };
         let open = fds.flatten().any(|fd| {
@@ -278,7 +279,7 @@ fn openers(rdevs: &[u64]) -> Vec<Use> {
                 .is_ok_and(|m| m.file_type().is_block_device() && rdevs.contains(&m.rdev()))
         });
         if open {
-            let comm = fs::read_to_string(p.path().join("comm")).unwrap_or_default();
+            let comm = fs::read_to_string(dir.join("comm")).unwrap_or_default();
             out.push(Use::Open {
                 comm: comm.trim().to_owned(),
                 pid,
