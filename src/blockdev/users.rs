@@ -3,7 +3,8 @@
 //! and processes with it open. Read from `/proc/*/mountinfo` (one process
 //! per mount namespace: a container's mounts count too),
 //! `/sys/class/block/*/holders`, `/sys/block/loop*/loop/backing_file`,
-//! `/proc/swaps` and `/proc/*/fd`; the parsing is pure and tested. May block
+//! `/proc/swaps` and `/proc/*/fd`; the parsing is pure and tested. Also
+//! whether a process is alive (a ublk server's, a pid file's). May block
 //! briefly on procfs/sysfs reads.
 
 use std::fmt;
@@ -179,6 +180,21 @@ pub fn users(path: &Path) -> Vec<Use> {
     }
     what.extend(openers(&rdevs));
     what
+}
+
+/// Whether process `pid` exists (a process of another user counts; 0 and
+/// negative numbers, which name process groups to `kill`, are no process).
+pub fn process_alive(pid: i32) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    let Some(p) = rustix::process::Pid::from_raw(pid) else {
+        return false;
+    };
+    match rustix::process::test_kill_process(p) {
+        Ok(()) => true,
+        Err(e) => e != rustix::io::Errno::SRCH,
+    }
 }
 
 /// Every process now, as its pid and `/proc/PID` (those that end meanwhile

@@ -270,7 +270,7 @@ pub fn start_ublk(
             // looks every 5 s (later kernels as the server's ring closes).
             Ok(info)
                 if info.state == UBLK_S_DEV_LIVE
-                    && !crate::server::pidfile::alive(info.ublksrv_pid) =>
+                    && !crate::blockdev::users::process_alive(info.ublksrv_pid) =>
             {
                 match ctrl.wait_for_state(UBLK_S_DEV_QUIESCED, RECOVER_WAIT) {
                     Ok(info) => return recover(export, ctrl, &info, reactors),

@@ -67,21 +67,6 @@ pub fn parse_pid(bytes: &[u8]) -> Option<i32> {
     std::str::from_utf8(digits).ok()?.parse::<i32>().ok()
 }
 
-/// Whether process `pid` exists (a process of another user counts; 0 and
-/// negative numbers, which name process groups to `kill`, are no process).
-pub fn alive(pid: i32) -> bool {
-    if pid <= 0 {
-        return false;
-    }
-    let Some(p) = rustix::process::Pid::from_raw(pid) else {
-        return false;
-    };
-    match rustix::process::test_kill_process(p) {
-        Ok(()) => true,
-        Err(e) => e != rustix::io::Errno::SRCH,
-    }
-}
-
 /// The command name of a running process, for the refusal.
 fn comm(pid: i32) -> String {
     std::fs::read_to_string(format!("/proc/{pid}/comm"))
@@ -131,7 +116,7 @@ pub fn check(path: &Path) -> Result<Option<FileId>, PidFileError> {
             pid: format!(" (pid {pid})"),
         });
     }
-    if alive(pid) {
+    if crate::blockdev::users::process_alive(pid) {
         return Err(PidFileError::Alive {
             path: path.to_path_buf(),
             pid,
