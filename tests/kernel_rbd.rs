@@ -98,18 +98,7 @@ fn attach(srv: &Server, kind: &str, img: &CephImage, name: &str, args: &[&str]) 
         ceph().id,
     ];
     a.extend_from_slice(args);
-    let out = srv.ctl_ok(&a);
-    let prefix = if kind == "ublk" {
-        "/dev/ublkb"
-    } else {
-        "/dev/nbd"
-    };
-    let dev = PathBuf::from(
-        out.stdout
-            .lines()
-            .find(|l| l.starts_with(prefix))
-            .unwrap_or_else(|| panic!("attach printed no {prefix}N:\n{out}")),
-    );
+    let dev = attach_blockdev_with(srv, kind, &a);
     assert_eq!(
         dev_size(&dev),
         SIZE,

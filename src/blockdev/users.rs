@@ -290,10 +290,7 @@ fn openers(rdevs: &[u64]) -> Vec<Use> {
         let Ok(fds) = fs::read_dir(dir.join("fd")) else {
             continue;
         };
-        let open = fds.flatten().any(|fd| {
-            fs::metadata(fd.path())
-                .is_ok_and(|m| m.file_type().is_block_device() && rdevs.contains(&m.rdev()))
-        });
+        let open = fds.flatten().any(|fd| is_one_of(&fd.path(), rdevs));
         if open {
             let comm = fs::read_to_string(dir.join("comm")).unwrap_or_default();
             out.push(Use::Open {

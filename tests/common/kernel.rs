@@ -416,7 +416,13 @@ pub fn attach_blockdev(
         kind,
     ];
     a.extend_from_slice(args);
-    let out = srv.ctl_ok(&a);
+    attach_blockdev_with(srv, kind, &a)
+}
+
+/// Run the attach command `a` (whose `--blockdev` is `kind`): the block
+/// device it printed, checked to exist and to have its size already.
+pub fn attach_blockdev_with(srv: &crate::common::Server, kind: &str, a: &[&str]) -> PathBuf {
+    let out = srv.ctl_ok(a);
     let prefix = if kind == "ublk" {
         "/dev/ublkb"
     } else {
