@@ -13,6 +13,8 @@ LOOPD=$2        # the loopd binary
 RUNTIME=${3:-5}
 SYSTEMS=${4:-all} # the systems to run (space- or comma-separated), or all
 RAW_ONLY=${5:-0}  # 1: only the raw-device cases, no ext4
+IMAGE=${6:-sparse} # sparse: a truncated file (writes allocate); falloc: fallocate(1)d
+                   # (unwritten extents); written: every block written first
 SYSTEMS=${SYSTEMS//,/ }
 want() { [ "$SYSTEMS" = all ] || [[ " $SYSTEMS " == *" $1 "* ]]; }
 exec > "$OUT/guest.log" 2>&1
@@ -67,7 +69,15 @@ bench_device() { # system device
     umount $MNT
 }
 
-fresh_image() { rm -f "$IMG"; truncate -s 1G "$IMG"; }
+fresh_image() {
+    rm -f "$IMG"
+    case $IMAGE in
+        sparse) truncate -s 1G "$IMG" ;;
+        falloc) fallocate -l 1G "$IMG" ;;
+        written) dd if=/dev/zero of="$IMG" bs=4M count=256 oflag=direct status=none && sync ;;
+        *) echo "unknown image kind $IMAGE (sparse, falloc or written)"; exit 1 ;;
+    esac
+}
 
 # kernel loop, direct I/O and buffered
 for mode in on off; do
