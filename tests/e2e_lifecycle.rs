@@ -199,6 +199,88 @@ fn create_sparse_image_option() {
     assert_file_pattern(&existing, 0, MIB, 21, "existing image content");
 }
 
+/// `--create SIZE --preallocate` makes an image with every block allocated
+/// (`fallocate`) that reads as zeros and serves its size; `preallocate` without
+/// `create` is refused (the CLI, and the control socket with `invalid`); a
+/// preallocation the filesystem cannot do fails the attach with `io`, naming
+/// the way out, and leaves no file (not even its temporary name).
+#[test]
+fn create_preallocate_allocates_every_block_or_leaves_nothing() {
+    let dir = tempdir();
+    let srv = Server::daemon().start();
+    let img = dir.path().join("full.img");
+    srv.ctl_ok(&[
+        "attach",
+        path_str(&img),
+        "--create",
+        "8M",
+        "--preallocate",
+        "--name",
+        "full",
+    ]);
+    let meta = std::fs::metadata(&img).expect("--create --preallocate made no image");
+    assert_eq!(meta.len(), 8 * MIB, "created image size");
+    assert!(
+        meta.blocks() * 512 >= 8 * MIB,
+        "not preallocated: {} bytes allocated of {}",
+        meta.blocks() * 512,
+        8 * MIB
+    );
+    qemu_io(
+        &srv.uri_for_name("full"),
+        &[
+            "read -P 0 0 8M",
+            "write -P 0x5a 4M 64k",
+            "read -P 0x5a 4M 64k",
+        ],
+    );
+    assert_eq!(
+        std::fs::metadata(&img).expect("stat").blocks(),
+        meta.blocks(),
+        "a write into the preallocated image allocated more"
+    );
+    let plain = dir.path().join("plain.img");
+    let out = srv.ctl(&["attach", path_str(&plain), "--preallocate"]);
+    assert!(
+        !out.success() && out.stderr.contains("--create"),
+        "--preallocate without --create is refused, naming --create: {out}"
+    );
+    let mut c = ControlConn::connect(srv.control());
+    let e = c.err(
+        &format!(
+            r#"{{"v":1,"op":"attach","image":"{}","preallocate":true}}"#,
+            path_str(&plain)
+        ),
+        "invalid",
+    );
+    assert!(e.contains("give create"), "{e}");
+    assert!(!plain.exists(), "nothing created");
+
+    // 4 EiB (2^62): past any free space and past ext4's largest file.
+    let huge = dir.path().join("huge.img");
+    let out = srv.ctl_err(
+        &[
+            "attach",
+            path_str(&huge),
+            "--create",
+            "4194304T",
+            "--preallocate",
+        ],
+        "io",
+    );
+    assert!(
+        out.stderr.contains("cannot allocate") && out.stderr.contains("leave out preallocate"),
+        "the error says what failed and the way out: {out}"
+    );
+    let left: Vec<String> = std::fs::read_dir(dir.path())
+        .expect("read_dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("huge"))
+        .collect();
+    assert!(left.is_empty(), "a failed preallocation left {left:?}");
+    assert!(srv.device("huge").is_none());
+}
+
 /// `--create` of a size that is not a whole number of blocks is refused
 /// (`invalid`, naming the sizes that would do) and creates nothing; `--create`
 /// of an image that exists says it kept that file and serves its size.

@@ -48,6 +48,12 @@ pub struct DeviceArgs {
     /// Create a sparse image of this size (e.g. 1G; K/M/G/T) if IMAGE does not exist.
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub create: Option<u64>,
+    /// With --create: allocate every block of the new image (fallocate, like
+    /// qemu-img's preallocation=falloc) instead of making it sparse. Writes into
+    /// it then allocate nothing, which a ublk device serves faster (README: "Sparse
+    /// images cost writes a thread hop"); the disk space is taken at once.
+    #[arg(long, requires = "create")]
+    pub preallocate: bool,
     /// Start of the exported window in the file, in bytes (like losetup --offset).
     #[arg(long, short = 'o', value_name = "BYTES", value_parser = parse_size, default_value = "0")]
     pub offset: u64,
@@ -236,6 +242,7 @@ impl DeviceArgs {
             read_only: self.read_only,
             autoclear: false,
             create: self.create,
+            preallocate: self.preallocate,
             shared: self.shared,
             format: self.format.map(Into::into),
             blockdev: self.blockdev.map(Into::into),

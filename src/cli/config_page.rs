@@ -61,6 +61,15 @@ pub const KEYS: &[Key] = &[
         "\"10G\"",
     ),
     key(
+        "preallocate",
+        "bool",
+        "false",
+        "With create: allocate every block of the new image (fallocate) instead of making \
+         it sparse; writes into it then allocate nothing (faster through ublk), and the \
+         disk space is taken at once.",
+        "true",
+    ),
+    key(
         "offset",
         "size",
         "0",

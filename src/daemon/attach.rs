@@ -357,6 +357,7 @@ impl Daemon {
         // Record what was asked; `create` has done its job.
         spec.name = Some(name.clone());
         spec.create = None;
+        spec.preallocate = false;
         // The image probed raw (or was declared so): a restart restores it as raw
         // whatever its clients write at byte 0 meanwhile.
         spec.format

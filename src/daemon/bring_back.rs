@@ -61,6 +61,7 @@ pub fn merge(recorded: &DeviceSpec, asked: &DeviceSpec) -> Result<DeviceSpec, Ve
         read_only,
         autoclear,
         create,
+        preallocate,
         shared,
         format,
         blockdev,
@@ -108,6 +109,7 @@ pub fn merge(recorded: &DeviceSpec, asked: &DeviceSpec) -> Result<DeviceSpec, Ve
     }
     Ok(DeviceSpec {
         create: *create,
+        preallocate: *preallocate,
         ..recorded.clone()
     })
 }

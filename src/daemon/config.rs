@@ -216,7 +216,7 @@ pub fn plan_change(old: &[DeviceSpec], new: &[DeviceSpec]) -> Vec<Change> {
             (Some(_), None) => reattach.push("block_size"),
             (None, None) => {}
         }
-        let others: [(&'static str, bool); 17] = [
+        let others: [(&'static str, bool); 18] = [
             ("image", o.image != n.image),
             (
                 "strict_block_size",
@@ -238,6 +238,7 @@ pub fn plan_change(old: &[DeviceSpec], new: &[DeviceSpec]) -> Vec<Change> {
             ("ceph_timeout", o.ceph_timeout != n.ceph_timeout),
             // Only matters when the image is missing, which it is not.
             ("create", false),
+            ("preallocate", false),
         ];
         reattach.extend(others.iter().filter(|(_, d)| *d).map(|(k, _)| *k));
         if live == LiveChange::default() && idle == IdleChange::default() && reattach.is_empty() {

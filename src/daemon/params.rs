@@ -37,6 +37,7 @@ pub(super) fn params_with(spec: &DeviceSpec, name: &str, tuning: Tuning) -> Devi
         cache: spec.cache,
         read_only: spec.read_only,
         create: spec.create,
+        preallocate: spec.preallocate,
         whole_device_lock: tuning.whole_device_lock,
         no_inline_reads: tuning.no_inline_reads,
         no_inline_writes: tuning.no_inline_writes,
@@ -75,6 +76,11 @@ pub fn name_of(spec: &DeviceSpec) -> String {
 /// only, so `create 100` would make a file the device cannot show as it is.
 /// Refused rather than rounded, naming the sizes that would do.
 pub(super) fn check_create(spec: &DeviceSpec) -> Result<(), String> {
+    if spec.preallocate && spec.create.is_none() {
+        return Err(
+            "preallocate applies to an image the attach creates: give create (a size) too".into(),
+        );
+    }
     let block = u64::from(spec.block_size.unwrap_or(512).max(1));
     match spec.create {
         Some(n) if i64::try_from(n).is_err() => Err(format!(

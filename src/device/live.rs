@@ -142,8 +142,8 @@ fn open_plain(p: &DeviceParams, pinned: &Pinned) -> Result<(File, Statx, bool), 
 
 /// Create a sparse image of `size` bytes at `path` if nothing is there (see
 /// [`crate::backing::create`]). `Ok(false)`: someone else created it.
-fn create_sparse(path: &Path, size: u64) -> Result<bool, DeviceError> {
-    create::create_sparse(path, size).map_err(|source| DeviceError::Create {
+fn create_image(path: &Path, size: u64, preallocate: bool) -> Result<bool, DeviceError> {
+    create::create_image(path, size, preallocate).map_err(|source| DeviceError::Create {
         path: path.to_path_buf(),
         source,
     })
@@ -226,7 +226,9 @@ impl Device {
             return Self::open_memory(p, stats, mem);
         }
         let created = match (p.create, &p.opening) {
-            (Some(size), Opening::First) if !p.path.exists() => create_sparse(&p.path, size)?,
+            (Some(size), Opening::First) if !p.path.exists() => {
+                create_image(&p.path, size, p.preallocate)?
+            }
             _ => false,
         };
         match Self::open_existing(p, stats, created) {

@@ -63,6 +63,8 @@ pub struct DeviceParams {
     pub read_only: bool,
     /// Create a sparse file of this size if `path` does not exist.
     pub create: Option<u64>,
+    /// `create` allocates every block of the new file (`fallocate`).
+    pub preallocate: bool,
     /// Benchmark switch: one lock for the whole device instead of ranges.
     pub whole_device_lock: bool,
     /// Benchmark switch: buffered reads never try the page cache inline.

@@ -51,6 +51,10 @@ pub struct DeviceSpec {
         deserialize_with = "sizes::opt_bytes"
     )]
     pub create: Option<u64>,
+    /// With `create`: allocate every block of the new image (`fallocate`)
+    /// instead of making it sparse. Not recorded (like `create`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub preallocate: bool,
     /// Let other writers (QEMU, other devices) use the image too (QEMU's
     /// force-share); default: refuse an image another writer holds.
     #[serde(default, skip_serializing_if = "is_false")]
