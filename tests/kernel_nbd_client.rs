@@ -387,7 +387,7 @@ fn create_on_9p_falls_back_to_link() {
 /// and no temporary name is left.
 #[test]
 fn racing_creates_on_9p_have_one_winner() {
-    use loopd::backing::create::create_sparse;
+    use loopd::backing::create::create_image;
     let dir = tempfile::Builder::new()
         .prefix("loopd-race-9p")
         .tempdir_in(ninep_dir())
@@ -397,7 +397,12 @@ fn racing_creates_on_9p_have_one_winner() {
         let hs: Vec<_> = (1..=8u64)
             .map(|i| {
                 let img = &img;
-                s.spawn(move || (i * MIB, create_sparse(img, i * MIB).expect("create on 9p")))
+                s.spawn(move || {
+                    (
+                        i * MIB,
+                        create_image(img, i * MIB, false).expect("create on 9p"),
+                    )
+                })
             })
             .collect();
         hs.into_iter().map(|h| h.join().expect("thread")).collect()
@@ -405,7 +410,7 @@ fn racing_creates_on_9p_have_one_winner() {
     let winners: Vec<u64> = results.iter().filter(|r| r.1).map(|r| r.0).collect();
     assert_eq!(winners.len(), 1, "creators that won: {results:?}");
     assert_eq!(file_len(&img), winners[0], "{results:?}");
-    assert!(!create_sparse(&img, 99 * MIB).expect("create over an existing file"));
+    assert!(!create_image(&img, 99 * MIB, false).expect("create over an existing file"));
     assert_eq!(file_len(&img), winners[0]);
     let names: Vec<String> = fs::read_dir(dir.path())
         .expect("readdir")
