@@ -348,10 +348,16 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let f = dir.path().join("c.toml");
         for k in KEYS.iter().filter(|k| k.key != "image") {
+            // `preallocate` is refused without `create` (what it applies to).
+            let with = if k.key == "preallocate" {
+                "create = \"1G\"\n"
+            } else {
+                ""
+            };
             std::fs::write(
                 &f,
                 format!(
-                    "[[device]]\nimage = \"/a.img\"\n{} = {}\n",
+                    "[[device]]\nimage = \"/a.img\"\n{with}{} = {}\n",
                     k.key, k.example
                 ),
             )
