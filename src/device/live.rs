@@ -140,7 +140,8 @@ fn open_plain(p: &DeviceParams, pinned: &Pinned) -> Result<(File, Statx, bool), 
     }
 }
 
-/// Create a sparse image of `size` bytes at `path` if nothing is there (see
+/// Create an image of `size` bytes at `path`, sparse or (`preallocate`) with
+/// every block allocated, if nothing is there (see
 /// [`crate::backing::create`]). `Ok(false)`: someone else created it.
 fn create_image(path: &Path, size: u64, preallocate: bool) -> Result<bool, DeviceError> {
     create::create_image(path, size, preallocate).map_err(|source| DeviceError::Create {

@@ -61,7 +61,8 @@ pub struct DeviceParams {
     pub strict_block_size: bool,
     pub cache: CacheMode,
     pub read_only: bool,
-    /// Create a sparse file of this size if `path` does not exist.
+    /// Create a file of this size if `path` does not exist: sparse, unless
+    /// `preallocate`.
     pub create: Option<u64>,
     /// `create` allocates every block of the new file (`fallocate`).
     pub preallocate: bool,
