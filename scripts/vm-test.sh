@@ -176,18 +176,83 @@ export LOOPD_VM_9P_DIR="$RUN/9p"
 export RUST_BACKTRACE=1
 # shellcheck disable=SC2163 # the variable holds NAME=VALUE
 [ -z "$GUEST_ENV" ] || export "$GUEST_ENV"
+# diagnose SUITE: what a suite that does not end is waiting for: the test it
+# is in (its log's last lines), every process with its kernel wait channel,
+# the kernel stacks of loopd's and the test binary's threads and of every
+# thread in uninterruptible sleep, and the kernel's report of blocked tasks.
+diagnose() {
+    echo "== $1: running for $(($(date +%s) - start)) s; its log ends with:"
+    tail -n 3 "$RUN/logs/$1.log"
+    echo
+    echo "== threads of loopd, of the test binary, and in uninterruptible sleep (D): pid/tid comm state wchan, then the kernel stack"
+    # Shell built-ins only in the loop (a fork per thread is slow under TCG).
+    for t in /proc/[0-9]*/task/[0-9]*; do
+        st=
+        pcomm=
+        # (A thread that ended meanwhile has no files: skipped, silently.)
+        {
+            while read -r key val rest; do
+                [ "$key" = State: ] && st=$val && break
+            done <"$t/status"
+            read -r pcomm <"${t%/task/*}/comm"
+        } 2>/dev/null
+        [ -n "$st" ] && [ -n "$pcomm" ] || continue
+        case "$st:$pcomm" in
+        D:* | *:loopd* | *:kernel_*) ;;
+        *) continue ;;
+        esac
+        tid=${t##*/}
+        pid=${t%/task/*}
+        echo "-- ${pid#/proc/}/$tid $(cat "$t/comm" 2>/dev/null) ($pcomm) $st $(cat "$t/wchan" 2>/dev/null)"
+        cat "$t/stack" 2>/dev/null | head -n 12
+    done
+    echo
+    echo "== processes"
+    ps -eo pid,ppid,stat,etimes,wchan:30,args 2>&1
+    echo
+    echo "== block devices, mounts"
+    ls /sys/block 2>&1 | tr '\n' ' '
+    echo
+    findmnt -rn -o TARGET,SOURCE,FSTYPE 2>&1 | grep -v -e ' proc$' -e ' sysfs$' -e ' cgroup2$' | tail -n 30
+    echo
+    echo "== the kernel's blocked tasks (sysrq w) and its last messages"
+    echo w >/proc/sysrq-trigger 2>/dev/null
+    sleep 1
+    dmesg | tail -n 150
+}
 cd "$ROOT"
 for s in $SUITES; do
     eval "bin=\$BIN_$s"
     echo "guest: running $s"
     start=$(date +%s)
+    rm -f "$RUN/suite-done"
+    # The watcher: shortly before the suite's time is up, it writes what the
+    # suite waits for to logs/SUITE.hang (the harness has no per-test limit,
+    # so a hang shows only as the suite's timeout). It polls, bounded, and
+    # ends within 2 s of the suite.
+    diag_at=$((SUITE_TIMEOUT > 60 ? SUITE_TIMEOUT - 30 : SUITE_TIMEOUT / 2))
+    (
+        while [ ! -e "$RUN/suite-done" ] && [ "$(date +%s)" -lt $((start + diag_at)) ]; do
+            sleep 2
+        done
+        [ -e "$RUN/suite-done" ] || diagnose "$s" >"$RUN/logs/$s.hang" 2>&1
+    ) &
+    watcher=$!
     # shellcheck disable=SC2086 # TEST_ARGS is split on purpose
     timeout --kill-after=10 "$SUITE_TIMEOUT" "$bin" --test-threads=1 $TEST_ARGS >"$RUN/logs/$s.log" 2>&1
     rc=$?
+    : >"$RUN/suite-done"
+    wait "$watcher"
     echo "guest: $s exited $rc after $(($(date +%s) - start)) s"
+    [ "$rc" -eq 0 ] || dmesg >"$RUN/logs/$s.dmesg" 2>&1
+    # What a killed suite left on the scratch tmpfs (its temporary
+    # directories: images, a Ceph cluster's block file) must not fill it
+    # for the suites after it.
+    rm -rf --one-file-system "${SCRATCH:?}"/* 2>/dev/null
     echo "$(($(date +%s) - start))" >"$RUN/time/$s"
     echo "$rc" >"$RUN/status/$s"
 done
+dmesg >"$RUN/dmesg.log" 2>&1
 umount "$SCRATCH"
 date +%s >"$RUN/finished"
 EOF
@@ -202,7 +267,7 @@ EOF
     # timeout leads its own process group (vng, qemu), which stop_vms ends if
     # this script is interrupted.
     PATH=$(dirname "$VNG"):$PATH timeout --kill-after=30 "$TIMEOUT" \
-        "$VNG" --run "$kernel" --disable-kvm --cpus "$CPUS" --memory "$MEMORY" \
+        "$VNG" --run "$kernel" --disable-kvm --verbose --cpus "$CPUS" --memory "$MEMORY" \
         --rwdir "$RUN" --exec "$GUEST" </dev/null >"$RUN/console.log" 2>&1 &
     vm_pid[$i]=$!
 }
@@ -263,6 +328,27 @@ retry_unbooted() {
     [ "${#again[@]}" -eq 0 ] || wait_vms "${again[@]}"
 }
 
+# why_failed RUN SUITE REL: appends to `digest` the lines that say why a suite
+# failed (printed last, so they are in the tail of a long output): the end of
+# its log (the test it was in, its panic), and for a suite that hung, the
+# watcher's threads (state, wait channel, the first kernel frames) and the
+# kernel's hung-task and blocked-task lines.
+why_failed() {
+    local RUN=$1 s=$2 rel=$3 f=$1/logs/$2.hang
+    [ -s "$RUN/logs/$s.log" ] || return 0
+    digest+=("---- why $s on $rel failed: the end of its log ($RUN/logs/$s.log)")
+    mapfile -t -O "${#digest[@]}" digest < <(grep -v -e '^test .* \.\.\. ok$' -e '^$' "$RUN/logs/$s.log" 2>/dev/null | tail -n 25)
+    [ -e "$f" ] || return 0
+    digest+=("---- $s on $rel was still running near its time limit; what it waited for ($f, abridged)")
+    mapfile -t -O "${#digest[@]}" digest < <(awk '
+        /^== .*running for/ { p = 1 }
+        /^== processes/ { p = 0 }
+        /^== the kernel/ { k = 1; next }
+        p && !/^== threads/ { if (/^-- /) n = 0; if (n++ < 6) print }
+        k && /blocked for more than|task:.*state:D|INFO:|BUG|WARNING|Call Trace|^\[ *[0-9.]+\]  [a-z_]+\+0x/ { if (kn++ < 60) print }
+    ' "$f")
+}
+
 # report_vm I: prints the logs of kernel I's run; appends what failed to
 # `failed` and its lines to `summary`.
 report_vm() {
@@ -290,14 +376,23 @@ report_vm() {
         cat "$RUN/logs/$s.log" 2>/dev/null || echo "(no log)"
         if [ ! -e "$RUN/status/$s" ]; then
             failed+=("$s on $rel (no result: the VM stopped before it finished; see $RUN/guest.log, $RUN/console.log)")
+            why_failed "$RUN" "$s" "$rel"
         elif [ "$(cat "$RUN/status/$s")" != 0 ]; then
             failed+=("$s on $rel (exit $(cat "$RUN/status/$s"))")
+            why_failed "$RUN" "$s" "$rel"
         fi
     done
     echo "---- guest on $rel ($RUN/guest.log)"
     cat "$RUN/guest.log" || true
     if [ "$vng_rc" -eq 124 ]; then
         failed+=("the VM run on $rel (timed out after ${TIMEOUT} s)")
+    fi
+    if [ ! -e "$RUN/finished" ]; then
+        # The VM ended (or was stopped) before its script did: the kernel's
+        # last words (an oops, a panic, hung tasks) are on its console.
+        digest+=("---- the VM on $rel ended before its script did (vng exit $vng_rc); the kernel's console ($RUN/console.log), its problems and last lines:")
+        mapfile -t -O "${#digest[@]}" digest < <(grep -E -A 10 '\] (BUG:|Oops|Kernel panic|INFO: task .* blocked for more than|WARNING:|kernel BUG)' "$RUN/console.log" 2>/dev/null | head -n 60)
+        mapfile -t -O "${#digest[@]}" digest < <(tail -n 15 "$RUN/console.log" 2>/dev/null)
     fi
     for s in "${suites[@]}"; do
         st=$(cat "$RUN/status/$s" 2>/dev/null || echo none)
@@ -323,6 +418,7 @@ trap stop_vms EXIT
 trap 'stop_vms; exit 130' INT TERM
 failed=()
 summary=()
+digest=()
 T0=$(date +%s)
 children_cpu
 cpu0=$CHILD_CPU
@@ -348,6 +444,7 @@ children_cpu
 cpu=$((CHILD_CPU - cpu0))
 echo "== vm-test: results by kernel (seconds in the guest per suite); the VMs took $((T1 - T0)) s of wall time and $cpu s of CPU time$([ "$PARALLEL" = 1 ] && [ "${#kernels[@]}" -gt 1 ] && echo ", running side by side")"
 printf '%s\n' "${summary[@]}"
+[ "${#digest[@]}" -eq 0 ] || printf '%s\n' "${digest[@]}"
 if [ "${#failed[@]}" -ne 0 ]; then
     printf 'vm-test: FAILED: %s\n' "${failed[@]}" >&2
     exit 1
