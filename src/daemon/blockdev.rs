@@ -15,9 +15,12 @@
 //! Leaving (`serve --keep-blockdevs`, a daemon stopping for a restart): the
 //! disk stays for the next daemon on the same state file; where the device
 //! was made with `UBLK_F_QUIESCE` (6.15+) QUIESCE_DEV first lets every request
-//! in flight finish and holds new ones in the kernel, elsewhere the requests
-//! in flight are re-issued to the next daemon (user recovery), as after
-//! `kill -9`. An nbd device is left with dead connections, which the next
+//! in flight finish and holds new ones in the kernel; elsewhere the daemon
+//! holds the device's export frozen until requests stop coming
+//! ([`KernelDev::holds_for_exit`]: a 6.12 kernel can corrupt its memory when
+//! a request arrives while the queues' commands are cancelled) and the
+//! requests it took meanwhile are re-issued to the next daemon (user
+//! recovery), as after `kill -9`. An nbd device is left with dead connections, which the next
 //! daemon replaces (NBD_CMD_RECONFIGURE).
 //!
 //! NBD (`/dev/nbdN`, the kernel's client connected in one step): see
@@ -154,6 +157,12 @@ impl UblkDevice {
         // holding a force-detached disk may never close it.
         ctrl.del_dev_async()?;
         Ok(())
+    }
+
+    /// Whether [`UblkDevice::leave`] can quiesce the disk (made with
+    /// `UBLK_F_QUIESCE`).
+    pub fn quiesces(&self) -> bool {
+        self.flags & UBLK_F_QUIESCE != 0
     }
 
     /// Leave the disk to the next daemon (see the module documentation):
@@ -555,6 +564,23 @@ impl KernelDev {
         match self {
             KernelDev::Ublk(u) => u.leave(),
             KernelDev::Nbd(_) => Left::InFlight,
+        }
+    }
+
+    /// Whether leaving this disk to the next daemon should hold its export
+    /// first ([`crate::device::export::Export::freeze_for_exit`]): a ublk disk
+    /// the kernel cannot quiesce. There the ublk driver cancels the queues'
+    /// commands when their threads exit, and on kernels before 6.15 (6.12
+    /// among them) a request the kernel is handing to a command at that
+    /// moment can be completed twice, which corrupts the kernel's memory
+    /// (fixed upstream by "ublk: fix race between
+    /// io_uring_cmd_complete_in_task and ublk_cancel_cmd"). Holding new
+    /// requests until they stop coming closes that window for a planned
+    /// stop; `kill -9` cannot.
+    pub fn holds_for_exit(&self) -> bool {
+        match self {
+            KernelDev::Ublk(u) => !u.quiesces(),
+            KernelDev::Nbd(_) => false,
         }
     }
 

@@ -23,6 +23,12 @@ use crate::engine::task::zero_copy_fits;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+/// [`Daemon::hold_for_exit`]: how long no new request may arrive before the
+/// held disks count as quiet, how often to look, and the most it waits.
+const HOLD_QUIET: std::time::Duration = std::time::Duration::from_millis(200);
+const HOLD_POLL: std::time::Duration = std::time::Duration::from_millis(10);
+const HOLD_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Block devices made at once at start.
 pub const BLOCKDEV_THREADS: usize = 16;
 
@@ -209,10 +215,20 @@ impl Daemon {
             let mut g = self.blockdevs.lock().unwrap_or_else(|p| p.into_inner());
             std::mem::take(&mut *g).into_iter().collect()
         };
+        let held = self.hold_for_exit(&all);
         for (name, k) in all {
-            let how = match k.leave() {
-                Left::Quiesced => "quiesced: nothing in flight, new I/O waits in the kernel",
-                Left::InFlight => "I/O waits for it; requests in flight are given to it again",
+            let how = match (k.leave(), held.iter().find(|(n, _)| *n == name)) {
+                (Left::Quiesced, _) => {
+                    "quiesced: nothing in flight, new I/O waits in the kernel".to_owned()
+                }
+                (Left::InFlight, Some((_, n))) => format!(
+                    "held: this kernel cannot quiesce the disk, so loopd stopped serving \
+                     it once its requests stopped coming; the {n} taken since wait for \
+                     the next daemon"
+                ),
+                (Left::InFlight, None) => {
+                    "I/O waits for it; requests in flight are given to it again".to_owned()
+                }
             };
             tracing::info!(
                 "device {name:?}: {} left for the next daemon on this state file ({how})",
@@ -221,5 +237,53 @@ impl Daemon {
             // Dropped without a removal: nothing of it stops the disk.
             drop(k);
         }
+    }
+
+    /// Before leaving disks the kernel cannot quiesce
+    /// ([`KernelDev::holds_for_exit`]): freeze their exports for good, wait
+    /// until the requests running on them are done and no new one has
+    /// arrived for [`HOLD_QUIET`] (writers block on the held ones, so they
+    /// stop), at most [`HOLD_LIMIT`] in all. All at once, so a thousand
+    /// idle disks cost one quiet period, not a thousand. The reactors keep
+    /// serving meanwhile (a request the kernel hands over is taken and
+    /// parked, never left half-delivered when the queues' threads exit).
+    /// Returns each held device's name and how many requests it holds.
+    fn hold_for_exit(&self, all: &[(String, Arc<KernelDev>)]) -> Vec<(String, u64)> {
+        let exports: Vec<(String, Arc<Export>)> = all
+            .iter()
+            .filter(|(_, k)| k.holds_for_exit())
+            .filter_map(|(n, _)| self.export(n).map(|e| (n.clone(), e)))
+            .collect();
+        if exports.is_empty() {
+            return Vec::new();
+        }
+        for (_, e) in &exports {
+            e.freeze_for_exit();
+        }
+        let start = std::time::Instant::now();
+        let held = || exports.iter().map(|(_, e)| e.held()).sum::<u64>();
+        let mut last = held();
+        let mut quiet_since = start;
+        loop {
+            std::thread::sleep(HOLD_POLL);
+            let now = held();
+            let drained = exports.iter().all(|(_, e)| e.in_flight() == 0);
+            if now != last || !drained {
+                last = now;
+                quiet_since = std::time::Instant::now();
+            } else if quiet_since.elapsed() >= HOLD_QUIET {
+                break;
+            }
+            if start.elapsed() >= HOLD_LIMIT {
+                tracing::warn!(
+                    "{} block device(s) still had requests coming or running after {:?}; \
+                     left as they are",
+                    exports.len(),
+                    HOLD_LIMIT
+                );
+                break;
+            }
+        }
+        exports.into_iter().map(|(n, e)| (n, e.held())).collect()
     }
 }

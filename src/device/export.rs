@@ -30,6 +30,12 @@
 //!   waits are `SeqCst`, both sides, so the waiter's second try and the
 //!   releaser's look cannot both miss each other (see
 //!   the engine's budget module, whose orderings these follow).
+//! - Holding for the next daemon ([`Export::freeze_for_exit`]): a daemon
+//!   leaving a ublk disk to its successor on a kernel that cannot quiesce it
+//!   freezes the export for good: requests that arrive from then on park and
+//!   are never served (the next daemon gets them again), and the ublk queues
+//!   count them ([`Export::note_held`]) so the daemon can wait until they
+//!   stop coming before its queues' commands are cancelled.
 //! - Locks: `current` (RwLock, read on connect and on epoch change only),
 //!   `waiters` and `share_waiters` (held to register or wake), `control`
 //!   (serialises control operations on this one export; never taken by
@@ -60,6 +66,8 @@ pub struct Export {
     share_waiters: Mutex<Vec<Arc<dyn Wake>>>,
     share_wanted: AtomicBool,
     frozen: AtomicBool,
+    /// Requests that arrived while frozen for good (see [`Export::note_held`]).
+    held: AtomicU64,
     /// Client count, with [`CLOSED`] set once no client may join any more.
     clients: AtomicU32,
     /// A forced detach: connections are cut off, not drained.
@@ -100,6 +108,7 @@ impl Export {
             share_waiters: Mutex::new(Vec::new()),
             share_wanted: AtomicBool::new(false),
             frozen: AtomicBool::new(false),
+            held: AtomicU64::new(0),
             clients: AtomicU32::new(0),
             forced: AtomicBool::new(false),
             had_client: AtomicBool::new(false),
@@ -271,6 +280,27 @@ impl Export {
             w.wake();
         }
         held
+    }
+
+    /// Freeze for good (the daemon is stopping and leaves the export's block
+    /// device to the next daemon): requests arriving from now on park and
+    /// are never served. Returns at once; [`Export::in_flight`] says when
+    /// those already running are done, [`Export::held`] how many arrived
+    /// since.
+    pub fn freeze_for_exit(&self) {
+        self.frozen.store(true, SeqCst);
+    }
+
+    /// A ublk queue parked a newly arrived request on the frozen export (not
+    /// a retry of one parked before). Cold path: only while frozen.
+    pub fn note_held(&self) {
+        self.held.fetch_add(1, Relaxed);
+    }
+
+    /// Requests that arrived and were parked since the export was frozen
+    /// for good (counted by ublk queues).
+    pub fn held(&self) -> u64 {
+        self.held.load(Relaxed)
     }
 
     /// Connections counted as clients (handshakes that selected this export

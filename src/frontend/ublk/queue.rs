@@ -239,26 +239,31 @@ impl Queue {
             return;
         }
         self.slots[usize::from(tag)].op = Some(op);
-        self.begin(io, si, tag);
+        if !self.begin(io, si, tag) {
+            // A new request parked: counted, for a daemon that holds the
+            // export frozen until requests stop coming (Export::freeze_for_exit).
+            self.export.note_held();
+        }
     }
 
-    /// Enter the export and plan the task (again after a thaw).
-    fn begin(&mut self, io: &mut Io, si: u32, tag: u16) {
+    /// Enter the export and plan the task (again after a thaw); `false`: the
+    /// export is frozen and the tag parked.
+    fn begin(&mut self, io: &mut Io, si: u32, tag: u16) -> bool {
         if !self.export.enter(&io.waker) {
             self.frozen.push(tag);
             io.parked.push(si);
-            return;
+            return false;
         }
         self.follow_config();
         let Some(op) = self.slots[usize::from(tag)].op else {
             self.export.leave();
-            return;
+            return true;
         };
         let (bop, flags, offset, len) = block_request(op);
         if bop.writes() && self.dev.read_only {
             self.export.leave();
             self.commit(io, si, tag, -libc::EPERM);
-            return;
+            return true;
         }
         // The descriptor was checked against the size the queue knew; a shrink
         // since then makes the request fail like any past the end.
@@ -268,7 +273,7 @@ impl Queue {
         {
             self.export.leave();
             self.commit(io, si, tag, -libc::EINVAL);
-            return;
+            return true;
         }
         let fixed = match self.fixed {
             Some(first) if bop.has_data() => {
@@ -286,7 +291,7 @@ impl Queue {
                         );
                         self.export.leave();
                         self.commit(io, si, tag, -libc::EIO);
-                        return;
+                        return true;
                     }
                 }
             }
@@ -314,6 +319,7 @@ impl Queue {
         }
         slot.req.arrived(Some(task));
         self.dispatch(io, si, tag);
+        true
     }
 
     /// Take the range and run the first operation.
@@ -428,7 +434,7 @@ impl Queue {
     pub fn service(&mut self, io: &mut Io, si: u32) -> bool {
         if !self.frozen.is_empty() {
             for tag in std::mem::take(&mut self.frozen) {
-                self.begin(io, si, tag);
+                let _ = self.begin(io, si, tag);
             }
         }
         // Once the device is stopped the kernel aborts every command: nothing
