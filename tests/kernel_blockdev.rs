@@ -967,6 +967,54 @@ fn ublk_without_partscan_scans_only_where_the_kernel_always_does() {
     assert!(gone(&dev));
 }
 
+/// A daemon with `--kernel-timeout 5` and the test hook `hook=value` in its
+/// environment.
+fn kernel_timeout_daemon(dir: &Path, hook: &str, value: &str) -> Server {
+    Server::daemon()
+        .socket_path(&dir.join("nbd.sock"))
+        .args([
+            OsArg::from("--state"),
+            dir.join("loopd.state").into(),
+            "--kernel-timeout".into(),
+            "5".into(),
+        ])
+        .env(hook, value)
+        .start()
+}
+
+/// `loopd attach IMG --blockdev KIND` on a thread of its own: its output and
+/// how long it took come on the channel.
+fn attach_in_background(
+    srv: &Server,
+    img: &Path,
+    kind: &str,
+) -> std::sync::mpsc::Receiver<(Out, Duration)> {
+    let control = srv.control().to_path_buf();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let img = img.to_str().expect("utf-8").to_owned();
+    let kind = kind.to_owned();
+    std::thread::spawn(move || {
+        let start = Instant::now();
+        let out = loopd_ctl(&control, &["attach", &img, "--blockdev", &kind]);
+        let _ = tx.send((out, start.elapsed()));
+    });
+    rx
+}
+
+/// Half a second into an attach that waits for the kernel: `list` answers
+/// within 2 s. Returns the names it listed.
+fn list_answers_meanwhile(srv: &Server) -> Vec<String> {
+    std::thread::sleep(Duration::from_millis(500));
+    let listed = Instant::now();
+    let names = srv.device_names();
+    assert!(
+        listed.elapsed() < Duration::from_secs(2),
+        "list answered in {:?} while an attach waits for the kernel",
+        listed.elapsed()
+    );
+    names
+}
+
 /// A ublk control command the kernel never completes: with the test hook
 /// (`LOOPD_TEST_UBLK_NO_FETCH`, feature `vm-tests`) queue 0 of device
 /// "stuck" never fetches tag 0, so START_DEV waits in the kernel forever.
@@ -979,47 +1027,16 @@ fn ublk_start_dev_the_kernel_never_completes_fails_the_attach_at_the_deadline() 
     require_root();
     require_module("ublk_drv");
     let t = scratch();
-    let mut srv = Server::daemon()
-        .socket_path(&t.path().join("nbd.sock"))
-        .args([
-            OsArg::from("--state"),
-            t.path().join("loopd.state").into(),
-            "--kernel-timeout".into(),
-            "5".into(),
-        ])
-        .env("LOOPD_TEST_UBLK_NO_FETCH", "stuck")
-        .start();
+    let mut srv = kernel_timeout_daemon(t.path(), "LOOPD_TEST_UBLK_NO_FETCH", "stuck");
     let stuck_img = t.path().join("stuck.img");
     create_sparse_image(&stuck_img, 16 << 20);
     let good_img = t.path().join("good.img");
     create_pattern_image(&good_img, 16 << 20, 7);
 
-    let control = srv.control().to_path_buf();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let stuck_arg = stuck_img.clone();
-    std::thread::spawn(move || {
-        let start = Instant::now();
-        let out = loopd_ctl(
-            &control,
-            &[
-                "attach",
-                stuck_arg.to_str().expect("utf-8"),
-                "--blockdev",
-                "ublk",
-            ],
-        );
-        let _ = tx.send((out, start.elapsed()));
-    });
+    let rx = attach_in_background(&srv, &stuck_img, "ublk");
     // While START_DEV of "stuck" hangs in the kernel: the daemon answers, and
     // another device is made and serves its bytes.
-    std::thread::sleep(Duration::from_millis(500));
-    let listed = Instant::now();
-    let names = srv.device_names();
-    assert!(
-        listed.elapsed() < Duration::from_secs(2),
-        "list answered in {:?} while an attach waits for the kernel",
-        listed.elapsed()
-    );
+    let names = list_answers_meanwhile(&srv);
     assert!(!names.contains(&"good".to_string()), "{names:?}");
     let made = Instant::now();
     let dev = attach_blockdev(&srv, "ublk", &good_img, &[]);
@@ -1071,6 +1088,66 @@ fn ublk_start_dev_the_kernel_never_completes_fails_the_attach_at_the_deadline() 
         "the daemon stopped in {:?}",
         stopped.elapsed()
     );
+}
+
+/// A netlink CONNECT the kernel does not take within `--kernel-timeout`
+/// (held back 12 s by a test-only hook of the daemon, as a driver waiting on
+/// a lock inside the sending call would be): the attach fails after the 5 s
+/// deadline, naming the call and the time, while `list` answers; no device is
+/// left in the daemon; once the kernel takes the connect late, the
+/// `/dev/nbdN` it made is disconnected again (its backend identifier gone).
+#[test]
+fn nbd_connect_the_kernel_does_not_take_fails_the_attach_at_the_deadline() {
+    require_root();
+    require_module("nbd");
+    let t = scratch();
+    let mut srv = kernel_timeout_daemon(t.path(), "LOOPD_TEST_NBD_CONNECT_DELAY", "12");
+    let img = t.path().join("late.img");
+    create_sparse_image(&img, 16 << 20);
+    let rx = attach_in_background(&srv, &img, "nbd");
+    list_answers_meanwhile(&srv);
+    let (out, took) = rx
+        .recv_timeout(Duration::from_secs(90))
+        .expect("the attach of a connect the kernel does not take returned");
+    assert_ctl_error(&out, "io");
+    let text = out.to_string();
+    for want in ["connect", "did not answer within 5.0s"] {
+        assert!(text.contains(want), "{want:?} missing from:\n{text}");
+    }
+    assert!(
+        took >= Duration::from_secs(5) && took < Duration::from_secs(11),
+        "the attach failed after {took:?} (deadline 5 s, the kernel took it after 12 s)"
+    );
+    assert!(
+        !srv.device_names().contains(&"late".to_string()),
+        "a failed attach leaves no device"
+    );
+    // The kernel takes the connect at 12 s; the device it made is
+    // disconnected again.
+    let backend_left = || {
+        fs::read_dir("/sys/block")
+            .expect("/sys/block")
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("nbd"))
+            .any(|e| {
+                fs::read_to_string(e.path().join("backend"))
+                    .is_ok_and(|b| b.trim_end() == "loopd:late")
+            })
+    };
+    let deadline = Instant::now() + Duration::from_secs(40);
+    loop {
+        let log = srv.stderr_text();
+        if log.contains("disconnected again") && !backend_left() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the late connect was not undone: backend left {}; log:\n{log}",
+            backend_left()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    srv.stop_ok();
 }
 
 /// The kernel NBD client replaces only connections it has seen die and

@@ -1,7 +1,7 @@
 //! How long loopd waits for the kernel to answer one control request of a
 //! block device (`serve --kernel-timeout`): every ublk control command
-//! ([`crate::frontend::ublk::deadline`]) and the answer of every kernel-NBD
-//! netlink call ([`crate::kernel_nbd::socket`]). One process-wide value, set
+//! ([`crate::frontend::ublk::deadline`]) and every kernel-NBD netlink call,
+//! its sending and its answer ([`crate::kernel_nbd::socket`]). One process-wide value, set
 //! once by the daemon at start and read by whoever opens a control handle or
 //! a netlink socket afterwards. Never blocks.
 

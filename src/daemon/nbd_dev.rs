@@ -52,6 +52,10 @@ impl NbdDevice {
     pub fn remove(&self) -> Result<(), BlockdevError> {
         let goal = self.export.clients().saturating_sub(self.conns);
         let mut kn = self.kn.lock().unwrap_or_else(|p| p.into_inner());
+        if kn.is_stuck() {
+            // An earlier call of this handle is still in the kernel.
+            *kn = KernelNbd::open()?;
+        }
         kn.disconnect(self.index)?;
         let deadline = Instant::now() + WAIT;
         // The kernel shuts its sockets; their reactor connections see EOF.

@@ -12,12 +12,14 @@
 //!   [`ConnectParams::server_flags`].
 //! - Each call blocks until the kernel answered: at most
 //!   [`socket::reply_timeout`] (the daemon's `--kernel-timeout`, 30 s by
-//!   default) for the answer, then [`socket::SocketError::NoReply`] says how
-//!   long it waited. The kernel runs the request inside the sending call,
-//!   which nothing can interrupt: a handler stuck on a lock there holds that
-//!   control thread (not the daemon: attaches run on control threads, the
-//!   reactors never call here). A [`KernelNbd`] is one netlink socket; use it
-//!   from one thread at a time.
+//!   default) for the request to be taken and as long again for the
+//!   answer, then [`socket::SocketError::NoReply`] says how long it waited.
+//!   The kernel runs the request inside the sending call, which nothing can
+//!   interrupt: it runs on a thread of its own, left behind at the deadline
+//!   (the [`KernelNbd`] is then unusable: [`socket::SocketError::Stuck`]);
+//!   a CONNECT the kernel carries out after it is disconnected again by that
+//!   thread. A [`KernelNbd`] is one netlink socket; use it from one thread
+//!   at a time.
 //! - Client flags: loopd sets neither `DISCONNECT_ON_CLOSE` (the device would
 //!   be torn down when its last opener closes it, e.g. after every `dd`) nor
 //!   by default `DESTROY_ON_DISCONNECT` (when the dead-connection timeout runs
@@ -50,7 +52,7 @@ pub use proto::DeviceStatus;
 use proto::DeviceAttrs;
 use socket::{GenlSocket, SocketError};
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::path::PathBuf;
 use std::time::Duration;
 use thiserror::Error;
@@ -180,6 +182,21 @@ pub enum KernelNbdError {
     },
 }
 
+/// Tests only (the `vm-tests` feature, never a release build):
+/// `LOOPD_TEST_NBD_CONNECT_DELAY=SECS` in the daemon's environment holds every
+/// NBD_CMD_CONNECT that long before it is sent, as a kernel that does not
+/// answer would, and then sends it: the attach fails at its deadline, and the
+/// late connect is undone.
+fn test_connect_delay() -> Duration {
+    #[cfg(feature = "vm-tests")]
+    if let Some(s) = std::env::var_os("LOOPD_TEST_NBD_CONNECT_DELAY")
+        && let Some(secs) = s.to_str().and_then(|s| s.parse::<u64>().ok())
+    {
+        return Duration::from_secs(secs);
+    }
+    Duration::ZERO
+}
+
 /// `/dev/nbdN`.
 pub fn device_path(index: u32) -> PathBuf {
     PathBuf::from(format!("/dev/nbd{index}"))
@@ -189,12 +206,26 @@ fn secs(d: Option<Duration>) -> Option<u64> {
     d.map(|d| d.as_secs())
 }
 
-fn fds(socks: &[BorrowedFd<'_>]) -> Vec<u32> {
+/// Duplicates of `socks` (held open until the kernel took the request, see
+/// [`GenlSocket::request_with`]) and their numbers for the request.
+fn fds(
+    op: &'static str,
+    socks: &[BorrowedFd<'_>],
+) -> Result<(Vec<OwnedFd>, Vec<u32>), KernelNbdError> {
+    let owned = socks
+        .iter()
+        .map(|s| s.try_clone_to_owned())
+        .collect::<io::Result<Vec<OwnedFd>>>()
+        .map_err(|e| KernelNbdError::Socket {
+            op,
+            source: SocketError::Send(e),
+        })?;
     // Descriptors are never negative.
-    socks
+    let nums = owned
         .iter()
         .map(|s| u32::try_from(s.as_raw_fd()).unwrap_or(u32::MAX))
-        .collect()
+        .collect();
+    Ok((owned, nums))
 }
 
 /// What the kernel would refuse with a bare `EINVAL`, said before asking it.
@@ -290,6 +321,12 @@ impl KernelNbd {
         })
     }
 
+    /// Whether an earlier request is still in the kernel past its deadline:
+    /// open a new handle for the next one.
+    pub fn is_stuck(&self) -> bool {
+        self.sock.is_stuck()
+    }
+
     pub fn family_id(&self) -> u16 {
         self.family
     }
@@ -336,11 +373,39 @@ impl KernelNbd {
             dead_conn_timeout_secs: secs(p.dead_conn_timeout),
             backend: p.backend.clone(),
         };
-        let fds = fds(socks);
+        let (keep, fds) = fds(op, socks)?;
         let family = self.family;
-        let r = self.sock.request(family, |seq| {
-            proto::connect_request(family, seq, p.index, &attrs, &fds)
+        // A CONNECT the kernel carries out after the attach gave up on it
+        // made a device nobody will use: disconnect it.
+        let late: socket::Late = Box::new(move |fd, seq| {
+            let made = socket::answer(std::os::fd::AsFd::as_fd(&fd), family, seq)
+                .ok()
+                .and_then(|r| {
+                    r.iter()
+                        .find(|(cmd, _)| *cmd == proto::NBD_CMD_CONNECT)
+                        .and_then(|(_, a)| proto::parse_connect_reply(a).ok())
+                });
+            if let Some(index) = made {
+                let undone = KernelNbd::open().and_then(|mut k| k.disconnect(index));
+                match undone {
+                    Ok(()) => tracing::warn!(
+                        "the kernel carried out a connect after its deadline: /dev/nbd{index} \
+                         disconnected again (its attach had failed)"
+                    ),
+                    Err(e) => tracing::error!(
+                        "the kernel carried out a connect after its deadline, making \
+                         /dev/nbd{index}, which could not be disconnected: {e}"
+                    ),
+                }
+            }
         });
+        let r = self.sock.request_with(
+            family,
+            |seq| proto::connect_request(family, seq, p.index, &attrs, &fds),
+            keep,
+            Some(late),
+            test_connect_delay(),
+        );
         match r {
             Ok(replies) => replies
                 .iter()
@@ -424,12 +489,16 @@ impl KernelNbd {
             backend: p.backend.clone(),
             ..DeviceAttrs::default()
         };
-        let fds = fds(socks);
+        let (keep, fds) = fds(op, socks)?;
         let family = self.family;
         self.sock
-            .request(family, |seq| {
-                proto::reconfigure_request(family, seq, index, &attrs, &fds)
-            })
+            .request_with(
+                family,
+                |seq| proto::reconfigure_request(family, seq, index, &attrs, &fds),
+                keep,
+                None,
+                Duration::ZERO,
+            )
             .map(drop)
             .map_err(|e| Self::index_error(op, index, e))
     }

@@ -1,10 +1,18 @@
 //! A generic-netlink socket that sends one request at a time and reads until
 //! that request is answered (its ACK or error; the data replies before it).
 //!
-//! Blocking, with a receive timeout ([`reply_timeout`], the daemon's
-//! `--kernel-timeout`) so that a kernel that never answers is an error rather
-//! than a hang. The kernel runs a generic-netlink request inside `send`;
-//! the timeout bounds the wait for the answer after it. Not shared between threads (`&mut self`).
+//! Blocking, bounded by [`reply_timeout`] (the daemon's `--kernel-timeout`)
+//! so that a kernel that never answers is an error rather than a hang. The
+//! kernel runs a generic-netlink request inside `send` (the NBD driver's
+//! CONNECT may wait there, e.g. for the device's queue to freeze), which
+//! nothing can interrupt: the send runs on a thread of its own, and the
+//! caller waits for it at most the timeout; the wait for the answer after
+//! it is bounded by the socket's receive timeout. A send still running at
+//! the deadline fails the request ([`SocketError::NoReply`]) and leaves the
+//! socket unusable ([`SocketError::Stuck`]: its late answer would come
+//! first); the thread finishes whenever the kernel lets it and then runs
+//! the request's [`Late`] work, if any (undo what the late request did).
+//! Not shared between threads (`&mut self`).
 
 use super::msg::{MsgError, Transaction};
 use rustix::net::{
@@ -12,7 +20,8 @@ use rustix::net::{
     sockopt::{Timeout, set_socket_timeout},
 };
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 use thiserror::Error;
 
 const SOL_NETLINK: libc::c_int = 270;
@@ -44,6 +53,11 @@ pub enum SocketError {
     Poll(#[source] std::io::Error),
     #[error("the kernel did not answer within {:.1}s", .0.as_secs_f64())]
     NoReply(Duration),
+    #[error(
+        "an earlier request on this netlink socket is still in the kernel (it did not \
+         answer in time); open a new socket"
+    )]
+    Stuck,
     #[error("the kernel's reply of {0} bytes does not fit the buffer")]
     Truncated(usize),
     #[error("cannot build the request")]
@@ -59,6 +73,22 @@ pub enum SocketError {
 pub struct GenlSocket {
     fd: OwnedFd,
     seq: u32,
+    /// A send outlived its deadline and may still be in the kernel.
+    stuck: bool,
+}
+
+/// Work for a request the kernel answered only after its caller gave up:
+/// run on the sending thread with a duplicate of the socket (the answer,
+/// if the kernel sent one, is waiting on it) and the request's sequence
+/// number.
+pub type Late = Box<dyn FnOnce(OwnedFd, u32) + Send>;
+
+/// What a request's sending thread and its caller share.
+enum SendState {
+    Waiting,
+    Done(std::io::Result<usize>),
+    /// The caller stopped waiting: the thread runs the late work itself.
+    GaveUp,
 }
 
 fn set_int_option(fd: &OwnedFd, opt: libc::c_int, value: u32) -> std::io::Result<()> {
@@ -110,7 +140,17 @@ impl GenlSocket {
         set_socket_timeout(&fd, Timeout::Recv, Some(reply_timeout()))
             .map_err(|e| SocketError::Open(e.into()))?;
         set_ack_options(&fd);
-        Ok(GenlSocket { fd, seq: 0 })
+        Ok(GenlSocket {
+            fd,
+            seq: 0,
+            stuck: false,
+        })
+    }
+
+    /// Whether a request outlived its deadline in the kernel's `send` (every
+    /// later request fails with [`SocketError::Stuck`]).
+    pub fn is_stuck(&self) -> bool {
+        self.stuck
     }
 
     /// Joins multicast group `group` (an id from `CTRL_CMD_GETFAMILY`).
@@ -158,36 +198,198 @@ impl GenlSocket {
         family: u16,
         build: impl FnOnce(u32) -> Result<Vec<u8>, MsgError>,
     ) -> Result<Vec<(u8, Vec<u8>)>, SocketError> {
+        self.request_with(family, build, Vec::new(), None, Duration::ZERO)
+    }
+
+    /// [`GenlSocket::request`] for a request that names descriptors: `keep`
+    /// holds them open until the kernel has taken the request (which may be
+    /// after this returns: a descriptor number closed and reused meanwhile
+    /// would hand the kernel another file), `late` runs if the kernel
+    /// answers only after the deadline, and (tests only) the send starts
+    /// `delay` late.
+    pub fn request_with(
+        &mut self,
+        family: u16,
+        build: impl FnOnce(u32) -> Result<Vec<u8>, MsgError>,
+        keep: Vec<OwnedFd>,
+        late: Option<Late>,
+        delay: Duration,
+    ) -> Result<Vec<(u8, Vec<u8>)>, SocketError> {
+        self.request_timed(family, build, keep, late, delay, reply_timeout())
+    }
+
+    /// [`GenlSocket::request_with`], the send waited for at most `timeout`.
+    fn request_timed(
+        &mut self,
+        family: u16,
+        build: impl FnOnce(u32) -> Result<Vec<u8>, MsgError>,
+        keep: Vec<OwnedFd>,
+        late: Option<Late>,
+        delay: Duration,
+        timeout: Duration,
+    ) -> Result<Vec<(u8, Vec<u8>)>, SocketError> {
+        if self.stuck {
+            return Err(SocketError::Stuck);
+        }
         self.seq = self.seq.wrapping_add(1);
         let msg = build(self.seq).map_err(SocketError::Build)?;
-        let n =
-            send(&self.fd, &msg, SendFlags::empty()).map_err(|e| SocketError::Send(e.into()))?;
-        if n != msg.len() {
+        let len = msg.len();
+        let n = self.send_bounded(msg, keep, late, delay, timeout)?;
+        if n != len {
             return Err(SocketError::Send(std::io::Error::other(format!(
-                "sent {n} of {} bytes",
-                msg.len()
+                "sent {n} of {len} bytes"
             ))));
         }
-        let mut t = Transaction::new(family, self.seq);
-        let mut buf = vec![0u8; RECV_BUF];
+        answer(self.fd.as_fd(), family, self.seq)
+    }
+
+    /// Sends `msg` on a thread of its own and waits for it at most
+    /// `timeout` (see the module documentation). Returns the bytes sent.
+    fn send_bounded(
+        &mut self,
+        msg: Vec<u8>,
+        keep: Vec<OwnedFd>,
+        late: Option<Late>,
+        delay: Duration,
+        timeout: Duration,
+    ) -> Result<usize, SocketError> {
+        let fd = self.fd.try_clone().map_err(SocketError::Send)?;
+        let seq = self.seq;
+        let shared = Arc::new((Mutex::new(SendState::Waiting), Condvar::new()));
+        let theirs = Arc::clone(&shared);
+        std::thread::Builder::new()
+            .name("loopd-netlink".into())
+            .spawn(move || {
+                if !delay.is_zero() {
+                    std::thread::sleep(delay);
+                }
+                let r = send(&fd, &msg, SendFlags::empty()).map_err(std::io::Error::from);
+                // The kernel took its own references to the descriptors.
+                drop(keep);
+                let (m, cv) = &*theirs;
+                let mut st = m.lock().unwrap_or_else(|p| p.into_inner());
+                if matches!(*st, SendState::GaveUp) {
+                    drop(st);
+                    if r.is_ok()
+                        && let Some(f) = late
+                    {
+                        f(fd, seq);
+                    }
+                    return;
+                }
+                *st = SendState::Done(r);
+                cv.notify_one();
+            })
+            .map_err(SocketError::Send)?;
+        let deadline = Instant::now() + timeout;
+        let (m, cv) = &*shared;
+        let mut st = m.lock().unwrap_or_else(|p| p.into_inner());
         loop {
-            let (got, full) = match recv(&self.fd, &mut buf[..], RecvFlags::TRUNC) {
-                Ok(r) => r,
-                Err(rustix::io::Errno::INTR) => continue,
-                Err(rustix::io::Errno::AGAIN) => return Err(SocketError::NoReply(reply_timeout())),
-                Err(e) => return Err(SocketError::Recv(e.into())),
-            };
-            if full > got {
-                return Err(SocketError::Truncated(full));
+            match std::mem::replace(&mut *st, SendState::Waiting) {
+                SendState::Done(r) => return r.map_err(SocketError::Send),
+                SendState::Waiting | SendState::GaveUp => {}
             }
-            if t.feed(&buf[..got]).map_err(SocketError::Reply)? {
-                break;
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                *st = SendState::GaveUp;
+                self.stuck = true;
+                return Err(SocketError::NoReply(timeout));
             }
+            st = cv
+                .wait_timeout(st, left)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
         }
-        match t.outcome {
-            Some(Ok(())) => Ok(t.replies),
-            Some(Err((errno, message))) => Err(SocketError::Kernel { errno, message }),
-            None => Err(SocketError::NoReply(reply_timeout())),
+    }
+}
+
+/// Reads from `fd` until request `seq` of `family` is answered (its ACK or
+/// error; the data replies before it), each read bounded by the socket's
+/// receive timeout. The replies are returned once the kernel acknowledged it.
+pub fn answer(
+    fd: BorrowedFd<'_>,
+    family: u16,
+    seq: u32,
+) -> Result<Vec<(u8, Vec<u8>)>, SocketError> {
+    let mut t = Transaction::new(family, seq);
+    let mut buf = vec![0u8; RECV_BUF];
+    loop {
+        let (got, full) = match recv(fd, &mut buf[..], RecvFlags::TRUNC) {
+            Ok(r) => r,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(rustix::io::Errno::AGAIN) => return Err(SocketError::NoReply(reply_timeout())),
+            Err(e) => return Err(SocketError::Recv(e.into())),
+        };
+        if full > got {
+            return Err(SocketError::Truncated(full));
+        }
+        if t.feed(&buf[..got]).map_err(SocketError::Reply)? {
+            break;
+        }
+    }
+    match t.outcome {
+        Some(Ok(())) => Ok(t.replies),
+        Some(Err((errno, message))) => Err(SocketError::Kernel { errno, message }),
+        None => Err(SocketError::NoReply(reply_timeout())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernel_nbd::{msg, proto};
+    use std::sync::mpsc;
+
+    /// A send the kernel takes only after the deadline (held back here, as a
+    /// kernel stuck inside `send` would hold it): the request fails at the
+    /// deadline, not later; the socket refuses further requests; once sent,
+    /// the late work runs with the kernel's answer waiting on the socket.
+    /// Against the host kernel's own generic-netlink controller.
+    #[test]
+    fn a_send_past_its_deadline_fails_then_runs_the_late_work() {
+        let mut s = GenlSocket::open().expect("a generic netlink socket");
+        let (tx, rx) = mpsc::channel();
+        let late: Late = Box::new(move |fd, seq| {
+            let got = answer(fd.as_fd(), msg::GENL_ID_CTRL, seq)
+                .ok()
+                .and_then(|r| r.first().map(|(_, a)| proto::parse_family_id(a).is_ok()));
+            let _ = tx.send(got);
+        });
+        let t0 = Instant::now();
+        let r = s.request_timed(
+            msg::GENL_ID_CTRL,
+            |seq| proto::get_family_request(seq, "nlctrl"),
+            Vec::new(),
+            Some(late),
+            Duration::from_millis(800),
+            Duration::from_millis(200),
+        );
+        let took = t0.elapsed();
+        assert!(matches!(r, Err(SocketError::NoReply(_))), "{r:?}");
+        assert!(took < Duration::from_millis(700), "failed after {took:?}");
+        assert!(matches!(
+            s.request(msg::GENL_ID_CTRL, |seq| proto::get_family_request(
+                seq, "nlctrl"
+            )),
+            Err(SocketError::Stuck)
+        ));
+        let got = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the late work ran");
+        assert_eq!(got, Some(true), "the late answer was read and parsed");
+    }
+
+    /// In time: the answer, and the socket serves the next request.
+    #[test]
+    fn a_send_in_time_is_answered_and_the_socket_stays_usable() {
+        let mut s = GenlSocket::open().expect("a generic netlink socket");
+        for _ in 0..2 {
+            let r = s
+                .request(msg::GENL_ID_CTRL, |seq| {
+                    proto::get_family_request(seq, "nlctrl")
+                })
+                .expect("nlctrl answers");
+            assert!(proto::parse_family_id(&r[0].1).is_ok());
         }
     }
 }
