@@ -336,8 +336,15 @@ retry_unbooted() {
 why_failed() {
     local RUN=$1 s=$2 rel=$3 f=$1/logs/$2.hang
     [ -s "$RUN/logs/$s.log" ] || return 0
-    digest+=("---- why $s on $rel failed: the end of its log ($RUN/logs/$s.log)")
-    mapfile -t -O "${#digest[@]}" digest < <(grep -v -e '^test .* \.\.\. ok$' -e '^$' "$RUN/logs/$s.log" 2>/dev/null | tail -n 25)
+    digest+=("---- why $s on $rel failed ($RUN/logs/$s.log): each failed test's panic, the result, or the log's end")
+    mapfile -t -O "${#digest[@]}" digest < <(awk '
+        /^---- .* stdout ----$/ { print; next }
+        /panicked at/ { print; c = 6; next }
+        c > 0 { print; c--; next }
+        /^test result:/ { print; done = 1 }
+        { last[NR % 3] = $0 }
+        END { if (!done) for (i = NR - 2; i <= NR; i++) if (i > 0) print last[i % 3] }
+    ' "$RUN/logs/$s.log" 2>/dev/null | head -n 60)
     [ -e "$f" ] || return 0
     digest+=("---- $s on $rel was still running near its time limit; what it waited for ($f, abridged)")
     mapfile -t -O "${#digest[@]}" digest < <(awk '

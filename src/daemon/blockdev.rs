@@ -55,6 +55,12 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// How long a detach without `--force` keeps asking the kernel to stop a
+/// disk that is open (TRY_STOP_DEV), and how often, before it refuses: udev
+/// opens a disk for a moment to probe it after every partition scan.
+const OPEN_GRACE: Duration = Duration::from_secs(3);
+const OPEN_GRACE_POLL: Duration = Duration::from_millis(50);
+
 /// Requests in flight per queue unless `--queue-depth` says otherwise.
 pub const DEFAULT_DEPTH: u16 = 128;
 /// The largest request the kernel sends (and each tag's buffer) in copy mode.
@@ -136,18 +142,26 @@ impl UblkDevice {
     }
 
     /// Remove the block device: STOP_DEV, wait for the queues, DEL_DEV_ASYNC.
-    /// `unless_open`: refuse ([`BlockdevError::Open`]) if the disk is open,
-    /// decided by the kernel (TRY_STOP_DEV) where it can (the device was made
-    /// with `UBLK_F_SAFE_STOP_DEV`, 7.0+); elsewhere the caller's check of
-    /// the disk's users is all there is.
+    /// `unless_open`: refuse ([`BlockdevError::Open`]) if the disk is open
+    /// (still after [`OPEN_GRACE`]), decided by the kernel (TRY_STOP_DEV)
+    /// where it can (the device was made with `UBLK_F_SAFE_STOP_DEV`, 7.0+);
+    /// elsewhere the caller's check of the disk's users is all there is.
     pub fn remove(&self, unless_open: bool) -> Result<(), BlockdevError> {
         let mut ctrl = self.ctrl.lock().unwrap_or_else(|p| p.into_inner());
         if unless_open && self.flags & UBLK_F_SAFE_STOP_DEV != 0 {
-            match ctrl.try_stop_dev() {
-                Err(e) if e.errno() == Some(libc::EBUSY) => {
-                    return Err(BlockdevError::Open(self.path()));
+            // An opener for a moment (udev probing the partitions a scan just
+            // announced) is waited out; one that stays is refused.
+            let start = Instant::now();
+            loop {
+                match ctrl.try_stop_dev() {
+                    Err(e) if e.errno() == Some(libc::EBUSY) => {
+                        if start.elapsed() >= OPEN_GRACE {
+                            return Err(BlockdevError::Open(self.path()));
+                        }
+                        std::thread::sleep(OPEN_GRACE_POLL);
+                    }
+                    r => break r?,
                 }
-                r => r?,
             }
         } else {
             ctrl.stop_dev()?;
