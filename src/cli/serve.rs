@@ -211,7 +211,8 @@ pub struct ServeArgs {
     /// them: a mounted filesystem on /dev/ublkbN or /dev/nbdN survives a
     /// restart or an upgrade of loopd. Its I/O waits meanwhile (a ublk device
     /// is quiesced first where the kernel can, 6.15+: nothing is left in
-    /// flight). Without it a stop removes them, as `detach` would
+    /// flight; elsewhere loopd holds its new requests until they stop coming,
+    /// at most 5 s). Without it a stop removes them, as `detach` would
     #[arg(long)]
     keep_blockdevs: bool,
     /// Benchmark switch: one lock for the whole device instead of byte ranges.
