@@ -244,7 +244,6 @@ for s in $SUITES; do
     : >"$RUN/suite-done"
     wait "$watcher"
     echo "guest: $s exited $rc after $(($(date +%s) - start)) s"
-    [ "$rc" -eq 0 ] || dmesg >"$RUN/logs/$s.dmesg" 2>&1
     # What a killed suite left on the scratch tmpfs (its temporary
     # directories: images, a Ceph cluster's block file) must not fill it
     # for the suites after it.
@@ -252,7 +251,6 @@ for s in $SUITES; do
     echo "$(($(date +%s) - start))" >"$RUN/time/$s"
     echo "$rc" >"$RUN/status/$s"
 done
-dmesg >"$RUN/dmesg.log" 2>&1
 umount "$SCRATCH"
 date +%s >"$RUN/finished"
 EOF

@@ -215,13 +215,17 @@ impl Daemon {
             let mut g = self.blockdevs.lock().unwrap_or_else(|p| p.into_inner());
             std::mem::take(&mut *g).into_iter().collect()
         };
-        let held = self.hold_for_exit(&all);
+        self.hold_for_exit(&all);
         for (name, k) in all {
-            let how = match (k.leave(), held.iter().find(|(n, _)| *n == name)) {
+            let held = k
+                .holds_for_exit()
+                .then(|| self.export(&name).map(|e| e.held()))
+                .flatten();
+            let how = match (k.leave(), held) {
                 (Left::Quiesced, _) => {
                     "quiesced: nothing in flight, new I/O waits in the kernel".to_owned()
                 }
-                (Left::InFlight, Some((_, n))) => format!(
+                (Left::InFlight, Some(n)) => format!(
                     "held: this kernel cannot quiesce the disk, so loopd stopped serving \
                      it once its requests stopped coming; the {n} taken since wait for \
                      the next daemon"
@@ -247,27 +251,27 @@ impl Daemon {
     /// idle disks cost one quiet period, not a thousand. The reactors keep
     /// serving meanwhile (a request the kernel hands over is taken and
     /// parked, never left half-delivered when the queues' threads exit).
-    /// Returns each held device's name and how many requests it holds.
-    fn hold_for_exit(&self, all: &[(String, Arc<KernelDev>)]) -> Vec<(String, u64)> {
-        let exports: Vec<(String, Arc<Export>)> = all
+    /// Each held export counts its requests ([`Export::held`]).
+    fn hold_for_exit(&self, all: &[(String, Arc<KernelDev>)]) {
+        let exports: Vec<Arc<Export>> = all
             .iter()
             .filter(|(_, k)| k.holds_for_exit())
-            .filter_map(|(n, _)| self.export(n).map(|e| (n.clone(), e)))
+            .filter_map(|(n, _)| self.export(n))
             .collect();
         if exports.is_empty() {
-            return Vec::new();
+            return;
         }
-        for (_, e) in &exports {
+        for e in &exports {
             e.freeze_for_exit();
         }
         let start = std::time::Instant::now();
-        let held = || exports.iter().map(|(_, e)| e.held()).sum::<u64>();
+        let held = || exports.iter().map(|e| e.held()).sum::<u64>();
         let mut last = held();
         let mut quiet_since = start;
         loop {
             std::thread::sleep(HOLD_POLL);
             let now = held();
-            let drained = exports.iter().all(|(_, e)| e.in_flight() == 0);
+            let drained = exports.iter().all(|e| e.in_flight() == 0);
             if now != last || !drained {
                 last = now;
                 quiet_since = std::time::Instant::now();
@@ -284,6 +288,5 @@ impl Daemon {
                 break;
             }
         }
-        exports.into_iter().map(|(n, e)| (n, e.held())).collect()
     }
 }

@@ -405,6 +405,7 @@ impl KernelNbd {
             keep,
             Some(late),
             test_connect_delay(),
+            socket::reply_timeout(),
         );
         match r {
             Ok(replies) => replies
@@ -498,6 +499,7 @@ impl KernelNbd {
                 keep,
                 None,
                 Duration::ZERO,
+                socket::reply_timeout(),
             )
             .map(drop)
             .map_err(|e| Self::index_error(op, index, e))

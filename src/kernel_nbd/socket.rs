@@ -198,28 +198,23 @@ impl GenlSocket {
         family: u16,
         build: impl FnOnce(u32) -> Result<Vec<u8>, MsgError>,
     ) -> Result<Vec<(u8, Vec<u8>)>, SocketError> {
-        self.request_with(family, build, Vec::new(), None, Duration::ZERO)
+        self.request_with(
+            family,
+            build,
+            Vec::new(),
+            None,
+            Duration::ZERO,
+            reply_timeout(),
+        )
     }
 
     /// [`GenlSocket::request`] for a request that names descriptors: `keep`
     /// holds them open until the kernel has taken the request (which may be
     /// after this returns: a descriptor number closed and reused meanwhile
     /// would hand the kernel another file), `late` runs if the kernel
-    /// answers only after the deadline, and (tests only) the send starts
-    /// `delay` late.
+    /// answers only after the deadline, (tests only) the send starts `delay`
+    /// late, and is waited for at most `timeout` ([`reply_timeout`]).
     pub fn request_with(
-        &mut self,
-        family: u16,
-        build: impl FnOnce(u32) -> Result<Vec<u8>, MsgError>,
-        keep: Vec<OwnedFd>,
-        late: Option<Late>,
-        delay: Duration,
-    ) -> Result<Vec<(u8, Vec<u8>)>, SocketError> {
-        self.request_timed(family, build, keep, late, delay, reply_timeout())
-    }
-
-    /// [`GenlSocket::request_with`], the send waited for at most `timeout`.
-    fn request_timed(
         &mut self,
         family: u16,
         build: impl FnOnce(u32) -> Result<Vec<u8>, MsgError>,
@@ -356,7 +351,7 @@ mod tests {
             let _ = tx.send(got);
         });
         let t0 = Instant::now();
-        let r = s.request_timed(
+        let r = s.request_with(
             msg::GENL_ID_CTRL,
             |seq| proto::get_family_request(seq, "nlctrl"),
             Vec::new(),
